@@ -1,0 +1,1 @@
+"""ROBE-Z compressed embedding tables for TorchRec."""

@@ -1,0 +1,250 @@
+"""ROBE-Z custom ops, registered with ``torch.library`` in the ``robe`` namespace.
+
+=====================================  ======================================================
+``torch.ops.robe.forward``             pooled lookup of T features -> ``[B, output_dim]``
+``torch.ops.robe.backward_dense``      gradient of the flat ROBE weights (size M)
+``torch.ops.robe.per_sample_weights_grad``  gradient of the per-sample weights
+``torch.ops.robe.backward_fused_``     scatter the gradient and apply SGD/Adagrad/Adam in place
+=====================================  ======================================================
+
+Argument conventions are documented in :mod:`robe_torchrec.ops.meta`. Each op has three
+implementations with one signature:
+
+* :mod:`robe_torchrec.ops.cpu`: multithreaded C++ (``at::parallel_for``), JIT-built once
+  and cached; the kernel for CPU tensors.
+* :mod:`robe_torchrec.ops.triton_kernels`: Triton; the kernel for CUDA tensors, and runs on
+  CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests it).
+* :mod:`robe_torchrec.ops.reference`: plain PyTorch, the test oracle.
+
+For CPU tensors the implementation can be switched (tests, benchmarks) with
+:func:`cpu_backend` or the ``ROBE_CPU_BACKEND`` environment variable
+(``cpp`` | ``triton`` | ``reference``).
+
+Every op has a fake (meta) implementation, so ``torch.compile`` traces through it, and
+``forward`` is differentiable (weights and per-sample weights).
+
+Example::
+
+    >>> out = torch.ops.robe.forward(weights, values, offsets, None, meta, 24, 4, 0, params, 0)
+    >>> out.sum().backward()   # weights.grad from robe::backward_dense
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Iterator, List, Optional
+
+import torch
+from torch import Tensor
+
+from robe_torchrec.ops import meta
+from robe_torchrec.ops.validation import check_static
+
+_BACKENDS = ("cpp", "triton", "reference")
+_cpu_backend = os.environ.get("ROBE_CPU_BACKEND", "cpp")
+
+
+def _module_for(backend: str):
+    if backend not in _BACKENDS:
+        raise ValueError(f"robe: unknown backend {backend!r}; expected one of {_BACKENDS}")
+    name = {"cpp": "cpu", "triton": "triton_kernels", "reference": "reference"}[backend]
+    return importlib.import_module(f"robe_torchrec.ops.{name}")
+
+
+@contextlib.contextmanager
+def cpu_backend(backend: str) -> Iterator[None]:
+    """Run the ``robe`` ops on CPU tensors with another implementation inside the block."""
+    global _cpu_backend
+    _module_for(backend)
+    previous, _cpu_backend = _cpu_backend, backend
+    try:
+        yield
+    finally:
+        _cpu_backend = previous
+
+
+def _cpu_impl():
+    return _module_for(_cpu_backend)
+
+
+def _cuda_impl():
+    return _module_for("triton")
+
+
+# ---------------------------------------------------------------------------------------
+# robe::forward
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("robe::forward", mutates_args=())
+def forward(
+    weights: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    table_meta: Tensor,
+    output_dim: int,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    bounds_check: int,
+) -> Tensor:
+    raise NotImplementedError(f"robe::forward has no kernel for device {weights.device}")
+
+
+@forward.register_kernel("cpu")
+def _forward_cpu(*args) -> Tensor:
+    return _cpu_impl().forward(*args)
+
+
+@forward.register_kernel("cuda")
+def _forward_cuda(*args) -> Tensor:
+    return _cuda_impl().forward(*args)
+
+
+@forward.register_fake
+def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, output_dim,
+                  block_size, hash_mode, hash_params, bounds_check) -> Tensor:
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    batch = (offsets.shape[0] - 1) // table_meta.shape[1]
+    return weights.new_empty(batch, output_dim)
+
+
+def _forward_setup_context(ctx, inputs, output) -> None:
+    (weights, values, offsets, per_sample_weights, table_meta, _out_dim, block_size,
+     hash_mode, hash_params, _bounds) = inputs
+    ctx.save_for_backward(weights, values, offsets, per_sample_weights, table_meta)
+    ctx.hash_args = (block_size, hash_mode, list(hash_params))
+
+
+def _forward_backward(ctx, grad_output: Tensor):
+    weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
+    grad_output = grad_output.contiguous()
+    grad_weights = grad_psw = None
+    if ctx.needs_input_grad[0]:
+        grad_weights = backward_dense(grad_output, weights, values, offsets, per_sample_weights,
+                                      table_meta, *ctx.hash_args)
+    if per_sample_weights is not None and ctx.needs_input_grad[3]:
+        grad_psw = per_sample_weights_grad(grad_output, weights, values, offsets, table_meta,
+                                           *ctx.hash_args).to(per_sample_weights.dtype)
+    return grad_weights, None, None, grad_psw, None, None, None, None, None, None
+
+
+forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# robe::backward_dense
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("robe::backward_dense", mutates_args=())
+def backward_dense(
+    grad_output: Tensor,
+    weights: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    table_meta: Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> Tensor:
+    raise NotImplementedError(f"robe::backward_dense has no kernel for device {weights.device}")
+
+
+@backward_dense.register_kernel("cpu")
+def _backward_dense_cpu(*args) -> Tensor:
+    return _cpu_impl().backward_dense(*args)
+
+
+@backward_dense.register_kernel("cuda")
+def _backward_dense_cuda(*args) -> Tensor:
+    return _cuda_impl().backward_dense(*args)
+
+
+@backward_dense.register_fake
+def _backward_dense_fake(grad_output, weights, *rest) -> Tensor:
+    return torch.empty_like(weights)
+
+
+# ---------------------------------------------------------------------------------------
+# robe::per_sample_weights_grad
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("robe::per_sample_weights_grad", mutates_args=())
+def per_sample_weights_grad(
+    grad_output: Tensor,
+    weights: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    table_meta: Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> Tensor:
+    raise NotImplementedError(f"robe::per_sample_weights_grad has no kernel for {weights.device}")
+
+
+@per_sample_weights_grad.register_kernel("cpu")
+def _psw_grad_cpu(*args) -> Tensor:
+    return _cpu_impl().per_sample_weights_grad(*args)
+
+
+@per_sample_weights_grad.register_kernel("cuda")
+def _psw_grad_cuda(*args) -> Tensor:
+    return _cuda_impl().per_sample_weights_grad(*args)
+
+
+@per_sample_weights_grad.register_fake
+def _psw_grad_fake(grad_output, weights, values, *rest) -> Tensor:
+    return weights.new_empty(values.shape[0])
+
+
+# ---------------------------------------------------------------------------------------
+# robe::backward_fused_
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("robe::backward_fused_", mutates_args=("weights", "state1", "state2"))
+def backward_fused_(
+    grad_output: Tensor,
+    weights: Tensor,
+    state1: Tensor,
+    state2: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    table_meta: Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    optimizer: int,
+    hparams: List[float],
+    step: int,
+) -> None:
+    raise NotImplementedError(f"robe::backward_fused_ has no kernel for device {weights.device}")
+
+
+@backward_fused_.register_kernel("cpu")
+def _backward_fused_cpu(*args) -> None:
+    _cpu_impl().backward_fused_(*args)
+
+
+@backward_fused_.register_kernel("cuda")
+def _backward_fused_cuda(*args) -> None:
+    _cuda_impl().backward_fused_(*args)
+
+
+@backward_fused_.register_fake
+def _backward_fused_fake(*args) -> None:
+    return None
+
+
+__all__ = [
+    "backward_dense",
+    "backward_fused_",
+    "cpu_backend",
+    "forward",
+    "meta",
+    "per_sample_weights_grad",
+]
