@@ -1,0 +1,37 @@
+# Set-up and entry points. `make demo` and `make test` are the README's Quick start.
+#
+# The CPU stack is pinned (torch 2.13.0 CPU, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0). torchrec is
+# installed with --no-deps because its metadata asks for the CUDA-only `fbgemm-gpu` package;
+# the torch pin in the `cpu` extra keeps pip from ever pulling a CUDA torch on this path.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.robe-installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0
+	$(PY) -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/quickstart_dlrm.py
+
+test: setup
+	$(PY) -m pytest tests -q
+
+test-fast: setup
+	$(PY) -m pytest tests -q -m "not slow"
+
+bench: setup
+	$(PY) -m robe_torchrec.benchmarks.cpu_ops --out robe_torchrec/benchmarks/results/cpu_ops.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,270 @@
+"""RobeEmbeddingBagCollection: EBC compatibility, layouts, training (dense and fused),
+checkpoints, and the DLRM swap."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.optim import apply_optimizer_in_backward
+
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.reference import element_indices
+
+
+def make_tables(dims=(8, 5, 16), rows=(50, 300, 7), poolings=None, two_features_on_first=True):
+    poolings = poolings or [PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM]
+    tables = []
+    for t, (d, n, p) in enumerate(zip(dims, rows, poolings)):
+        features = [f"f{t}"] + (["f_extra"] if t == 0 and two_features_on_first else [])
+        tables.append(EmbeddingBagConfig(name=f"t{t}", embedding_dim=d, num_embeddings=n,
+                                         feature_names=features, pooling=p))
+    return tables
+
+
+def random_kjt(tables, batch=6, max_len=4, seed=0, weighted=False, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    keys, values, lengths = [], [], []
+    for table in tables:
+        for f in table.feature_names:
+            ls = torch.randint(0, max_len + 1, (batch,), generator=g)
+            keys.append(f)
+            lengths.append(ls)
+            values.append(torch.randint(0, table.num_embeddings, (int(ls.sum()),), generator=g))
+    values = torch.cat(values).to(dtype)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.cat(lengths).to(torch.int32),
+                             weights=weights)
+
+
+def virtual_tables(ebc: RobeEmbeddingBagCollection):
+    """Materialise every feature's full (num_embeddings x dim) table from the ROBE array."""
+    out = {}
+    meta = ebc.table_meta
+    for t, name in enumerate(ebc._feature_names):
+        col = [int(v) for v in meta[:, t].tolist()]
+        ids = torch.arange(col[m.NUM_ROWS])
+        idx = element_indices(ids, col, ebc._robe.block_size, int(ebc._hash_mode), ebc._hash_params)
+        out[name] = ebc.weight[idx]
+    return out
+
+
+def expected_output(ebc, kjt, weighted=False):
+    """The module's output computed with nn.functional.embedding_bag on the virtual tables."""
+    tables = virtual_tables(ebc)
+    pooled = []
+    for table in ebc.embedding_bag_configs():
+        mode = "sum" if table.pooling == PoolingType.SUM else "mean"
+        for f in table.feature_names:
+            jt = kjt[f]
+            psw = jt.weights() if weighted else None
+            if psw is not None and mode == "mean":  # embedding_bag refuses psw with mean
+                out = torch.nn.functional.embedding_bag(
+                    jt.values(), tables[f], jt.offsets(), mode="sum", per_sample_weights=psw,
+                    include_last_offset=True) / jt.lengths().clamp(min=1)[:, None]
+            else:
+                out = torch.nn.functional.embedding_bag(
+                    jt.values(), tables[f], jt.offsets(), mode=mode, per_sample_weights=psw,
+                    include_last_offset=True)
+            pooled.append(out)
+    return torch.cat(pooled, dim=1)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("hash", ["reference", "mix"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_output_matches_materialised_tables(shared, hash, weighted):
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=613, block_size=3, hash=hash,
+                                                        shared=shared), is_weighted=weighted)
+    kjt = random_kjt(tables, weighted=weighted, seed=3)
+    out = ebc(kjt)
+    stock = EmbeddingBagCollection(tables=make_tables())
+    assert out.keys() == stock(kjt).keys()
+    assert out.length_per_key() == stock(kjt).length_per_key()
+    torch.testing.assert_close(out.values(), expected_output(ebc, kjt, weighted), rtol=1e-5, atol=1e-6)
+
+
+def test_permuted_keys_give_same_output():
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=500, block_size=4))
+    kjt = random_kjt(tables, seed=1)
+    permuted = kjt.permute([3, 1, 0, 2])
+    torch.testing.assert_close(ebc(permuted).values(), ebc(kjt).values())
+
+
+def test_shared_layout_is_the_papers():
+    """Shared array: row i of table 1 is hashed as key i + num_embeddings of table 0."""
+    tables = make_tables(dims=(8, 8, 8), two_features_on_first=False)
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=1000, block_size=4))
+    assert len(list(ebc.parameters())) == 1
+    v = virtual_tables(ebc)
+    n0, n1 = tables[0].num_embeddings, tables[1].num_embeddings
+    # table 1 row 0 == what table 0 would read at row n0 (same key)
+    col0 = [int(x) for x in ebc.table_meta[:, 0].tolist()]
+    beyond = element_indices(torch.tensor([n0, n0 + n1 + 2]), col0, 4, 0, ebc._hash_params)
+    torch.testing.assert_close(v["f1"][0], ebc.weight[beyond[0]])
+    torch.testing.assert_close(v["f2"][2], ebc.weight[beyond[1]])
+
+
+def test_per_table_arrays_split_the_budget():
+    tables = make_tables(two_features_on_first=False)
+    robe = RobeConfig(memory_size=1000, block_size=2, shared=False)
+    ebc = RobeEmbeddingBagCollection(tables, robe)
+    sizes = ebc.table_meta[m.W_SIZE].tolist()
+    assert sum(sizes) == ebc.memory_size == 1000
+    logical = [t.num_embeddings * t.embedding_dim for t in tables]
+    for size, n in zip(sizes, logical):
+        assert size >= 2 and abs(size - 1000 * n / sum(logical)) <= 2 + 1000 * 0.01
+    # arrays are disjoint: every element index of table t stays in its own region
+    offsets = ebc.table_meta[m.W_OFFSET].tolist()
+    for t, (name, table) in enumerate(zip(ebc._feature_names, virtual_tables(ebc).values())):
+        col = [int(x) for x in ebc.table_meta[:, t].tolist()]
+        idx = element_indices(torch.arange(col[m.NUM_ROWS]), col, 2, 0, ebc._hash_params)
+        assert idx.min() >= offsets[t] and idx.max() < offsets[t] + sizes[t]
+
+
+def test_compression_and_init():
+    tables = make_tables(rows=(10_000, 20_000, 400))
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(compression=100, block_size=4))
+    assert ebc.memory_size == math.ceil(ebc.uncompressed_size / 100)
+    assert ebc.compression_ratio == pytest.approx(100, rel=1e-3)
+    bound = math.sqrt(1 / 20_000)
+    assert ebc.weight.abs().max() <= bound and ebc.weight.abs().max() > 0.9 * bound
+    custom = RobeEmbeddingBagCollection(tables, RobeConfig(compression=100, init_scale=0.5))
+    assert 0.45 < custom.weight.abs().max() <= 0.5
+
+
+def test_meta_device_allocates_nothing():
+    ebc = RobeEmbeddingBagCollection(make_tables(), RobeConfig(compression=10), device="meta")
+    assert ebc.weight.is_meta
+
+
+def _train(ebc, kjts, optimizer_factory=None, fused=None):
+    """A few steps of a fixed quadratic loss; returns the losses."""
+    target = torch.linspace(-1, 1, sum(ebc._lengths_per_embedding))
+    if fused is not None:
+        apply_optimizer_in_backward(fused[0], [ebc.weight], fused[1])
+        opt = None
+    else:
+        opt = optimizer_factory([ebc.weight])
+    losses = []
+    for kjt in kjts:
+        loss = ((ebc(kjt).values() - target) ** 2).sum()
+        if opt:
+            opt.zero_grad()
+        loss.backward()
+        if opt:
+            opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.01}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-6, "initial_accumulator_value": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.9), "weight_decay": 0.1}),
+])
+def test_fused_optimizer_equals_torch_optim_on_dense_gradient(cls, kwargs):
+    tables = make_tables()
+    dense = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4))
+    fused = copy.deepcopy(dense)
+    kjts = [random_kjt(tables, seed=s) for s in range(4)]
+    dense_losses = _train(dense, kjts, lambda p: cls(p, **kwargs))
+    fused_losses = _train(fused, kjts, fused=(cls, kwargs))
+    assert fused.weight.grad is None  # the update happened in backward, no gradient left
+    torch.testing.assert_close(fused.weight, dense.weight, rtol=1e-5, atol=1e-6)
+    assert fused_losses == pytest.approx(dense_losses, rel=1e-5)
+    assert dense_losses[-1] < dense_losses[0]
+    state = fused.fused_optimizer.state_dict()["state"]["weight"]
+    if cls is torch.optim.Adam:
+        assert float(state["step"]) == len(kjts)
+
+
+def test_fused_learning_rate_change_takes_effect():
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4))
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    kjt = random_kjt(tables, seed=0)
+    # a scheduler drives the fused optimizer's lr: 0 in epoch 0, the base lr afterwards
+    scheduler = torch.optim.lr_scheduler.LambdaLR(ebc.fused_optimizer, lambda e: float(e > 0))
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.0
+    before = ebc.weight.detach().clone()
+    ebc(kjt).values().sum().backward()
+    torch.testing.assert_close(ebc.weight.detach(), before)
+    scheduler.step()
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    ebc(kjt).values().sum().backward()
+    assert not torch.equal(ebc.weight.detach(), before)
+
+
+def test_unsupported_fused_optimizer_is_refused():
+    ebc = RobeEmbeddingBagCollection(make_tables(), RobeConfig(memory_size=300))
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match="momentum"):
+        ebc(random_kjt(make_tables()))
+
+
+def test_weighted_gradients_flow_to_per_sample_weights():
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4), is_weighted=True)
+    kjt = random_kjt(tables, weighted=True, seed=5)
+    w = kjt.weights().clone().requires_grad_()
+    kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=w)
+    ebc(kjt).values().square().sum().backward()
+    ref_w = w.detach().clone().requires_grad_()
+    ref_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=ref_w)
+    expected_output(ebc, ref_kjt, weighted=True).square().sum().backward()
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_round_trip_and_layout_check():
+    tables = make_tables()
+    robe = RobeConfig(memory_size=300, block_size=4)
+    ebc = RobeEmbeddingBagCollection(tables, robe)
+    sd = ebc.state_dict()
+    assert set(sd) == {"weight", "robe_layout"}
+    other = RobeEmbeddingBagCollection(tables, robe)
+    other.load_state_dict(sd)
+    kjt = random_kjt(tables)
+    torch.testing.assert_close(other(kjt).values(), ebc(kjt).values())
+
+    for changed, field in [
+        (RobeConfig(memory_size=300, block_size=8), "block_size"),
+        (RobeConfig(memory_size=300, block_size=4, seed=7), "seed"),
+        (RobeConfig(memory_size=300, block_size=4, hash="mix"), "hash"),
+        (RobeConfig(memory_size=301, block_size=4), "array_size"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            RobeEmbeddingBagCollection(tables, changed).load_state_dict(sd)
+    with pytest.raises(ValueError, match="num_embeddings"):
+        RobeEmbeddingBagCollection(make_tables(rows=(51, 300, 7)), robe).load_state_dict(sd)
+
+
+def test_dlrm_swap_trains():
+    from torchrec.models.dlrm import DLRM
+
+    from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
+
+    data = SyntheticCriteo(batch_size=256, cardinality_scale=1e-3, seed=1, num_sparse=8)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=8, num_embeddings=n, feature_names=[k])
+              for k, n in zip(data.keys, data.cardinalities)]
+    model = DLRM(embedding_bag_collection=RobeEmbeddingBagCollection(tables, RobeConfig(compression=10, block_size=4)),
+                 dense_in_features=NUM_DENSE, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    losses = []
+    for batch in data.batches(count=60):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(batch.dense_features, batch.sparse_features).squeeze(-1), batch.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.02
