@@ -1,0 +1,26 @@
+"""The README's main job and the examples run (small sizes), so they never rot."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(*args: str) -> str:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_dlrm_trains():
+    out = run_example("examples/quickstart_dlrm.py", "--steps", "60", "--log-every", "20",
+                      "--batch-size", "256")
+    losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "compressed to" in out and "samples/s" in out and "held-out AUC" in out
