@@ -1,0 +1,673 @@
+"""Triton kernels of the ROBE-Z ops: the implementation for CUDA tensors.
+
+Same signatures as :mod:`robe_torchrec.ops.reference` (and the registered ``torch.ops.robe``
+ops). On CPU tensors the kernels run in Triton's interpreter (numpy, slow; how CI tests them)
+when ``TRITON_INTERPRET=1`` was set before triton was imported; see :func:`_kernels_for`.
+
+Layout of the work
+------------------
+One launch serves all ``T`` features. A program owns one bag ``(t, b)`` (``program_id(0)
+= t * B + b``, the bag's position in ``offsets``) and, for forward/backward, one tile of its
+columns (``program_id(1)``). A column tile is a ``[BLOCK_B, BLOCK_Z]`` grid of
+``(ROBE block, offset in block)`` pairs, so the hash is computed once per block (not once per
+column) and broadcast over the ``Z`` elements of the block::
+
+    column j = blk * Z + s,   blk in tile * BLOCK_B + [0, BLOCK_B),  s in [0, BLOCK_Z)
+
+(``BLOCK_Z`` is ``Z`` rounded up to a power of two; columns with ``s >= Z`` or ``j >= D_t``
+are masked). The program walks its bag ``BLOCK_N`` ids at a time (dynamic loop bounds from
+``offsets``); every step handles a ``[BLOCK_N, BLOCK_B, BLOCK_Z]`` tile of elements::
+
+    idx = W_OFFSET + start(key, blk) + s          (start from the hash helpers below)
+
+The hash helpers (:func:`_reference_start`, :func:`_mix_start`) re-implement
+:mod:`robe_torchrec.hashing` bit-exactly: int64 arithmetic for the reference hash, uint64
+wrapping multiplies and logical shifts for the mix hash.
+
+Accumulation is in float32 (float64 for float64 weights). Gradients are scattered with
+``tl.atomic_add``: float32 atomics on the GPU make ``backward_dense`` (and the fused update)
+non-deterministic in the last bits.
+"""
+
+import math
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from robe_torchrec.hashing import (
+    FMIX_C1,
+    FMIX_C2,
+    GOLDEN,
+    REFERENCE_PRIME,
+    HashMode,
+    to_signed64,
+)
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.validation import check_inputs, check_static
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # the module must import without triton; calls raise instead
+    _TRITON_IMPORT_ERROR = exc
+
+    class _Missing:
+        """Stand-in for ``triton`` / ``triton.language`` so the definitions below evaluate."""
+
+        def __getattr__(self, name):
+            return self
+
+        def __call__(self, *args, **kwargs):
+            return self
+
+    triton = tl = _Missing()
+
+#: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
+POISON_EMPTY = os.environ.get("ROBE_TRITON_POISON", "0") == "1"
+
+# Tile sizes (elements). A column tile holds at most _COL_TILE elements; an id x column tile
+# at most _TILE (the id count adapts to the mean bag length, see _Tiles). The interpreter
+# pays per operation, not per element, so it takes larger id tiles (same code, fewer steps).
+_COL_TILE = 256
+_TILE = 2048
+_INTERPRETER_TILE = 16384
+_OPTIM_BLOCK = 1024
+
+# --- constants visible inside @triton.jit code ------------------------------------------
+_REFERENCE_PRIME = tl.constexpr(REFERENCE_PRIME)
+_GOLDEN = tl.constexpr(GOLDEN)
+_FMIX_C1 = tl.constexpr(FMIX_C1)
+_FMIX_C2 = tl.constexpr(FMIX_C2)
+_HASH_REFERENCE = tl.constexpr(int(HashMode.REFERENCE))
+_MEAN = tl.constexpr(int(m.Pooling.MEAN))
+_SGD = tl.constexpr(int(m.Optimizer.SGD))
+_ADAGRAD = tl.constexpr(int(m.Optimizer.ADAGRAD))
+_ADAM = tl.constexpr(int(m.Optimizer.ADAM))
+_F_OUT_OFFSET = tl.constexpr(m.OUT_OFFSET)
+_F_DIM = tl.constexpr(m.DIM)
+_F_W_OFFSET = tl.constexpr(m.W_OFFSET)
+_F_W_SIZE = tl.constexpr(m.W_SIZE)
+_F_ROW_OFFSET = tl.constexpr(m.ROW_OFFSET)
+_F_POOLING = tl.constexpr(m.POOLING)
+
+
+# =========================================================================================
+# Hash helpers (the formulas of robe_torchrec.hashing)
+# =========================================================================================
+
+@triton.jit
+def _fmix64(x):
+    """MurmurHash3 fmix64 of a uint64 tensor (wrapping multiplies, logical shifts)."""
+    x ^= x >> 33
+    x *= _FMIX_C1
+    x ^= x >> 33
+    x *= _FMIX_C2
+    x ^= x >> 33
+    return x
+
+
+@triton.jit
+def _reference_start(key, blk, span, a, b, c):
+    """``((key * A + blk * B + C) mod P) mod span`` in int64 (validated keys never overflow)."""
+    h = (key * a + blk * b + c) % _REFERENCE_PRIME
+    return h % span
+
+
+@triton.jit
+def _mix_start(key, blk, span, salt):
+    """``base = fmix64(key + salt)``, ``h = fmix64(base + (blk + 1) * GOLDEN)``,
+    ``start = ((h >> 32) * span) >> 32``, all in uint64; returns int64."""
+    base = _fmix64(key.to(tl.uint64, bitcast=True) + salt.to(tl.uint64, bitcast=True))
+    h = _fmix64(base + (blk + 1).to(tl.uint64, bitcast=True) * _GOLDEN)
+    start = ((h >> 32) * span.to(tl.uint64, bitcast=True)) >> 32
+    return start.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _block_start(key, blk, span, p0, p1, p2, HASH_MODE: tl.constexpr):
+    """Start of block ``blk`` of hash key ``key`` (int64 tensors that broadcast together)
+    under the hash parameters ``p0, p1, p2`` (scalar kernel arguments)."""
+    # As int64. Adding a zero is free when compiled; it fixes the interpreter, which keeps a
+    # Python int in [2**31, 2**32) as uint32 data typed int64.
+    zero = tl.zeros([], dtype=tl.int64)
+    p0, p1, p2 = p0.to(tl.int64) + zero, p1.to(tl.int64) + zero, p2.to(tl.int64) + zero
+    if HASH_MODE == _HASH_REFERENCE:
+        start = _reference_start(key, blk, span, p0, p1, p2)
+    else:
+        start = _mix_start(key, blk, span, p0)
+    return start
+
+
+@triton.jit
+def _div_rn(x, y):
+    """IEEE (round-to-nearest) division, as torch divides; Triton's float32 ``/`` may not be."""
+    if x.dtype == tl.float32:
+        q = tl.div_rn(x, y)
+    else:
+        q = x / y
+    return q
+
+
+@triton.jit
+def _sqrt_rn(x):
+    """IEEE square root, as torch's; ``tl.sqrt`` on float32 is approximate."""
+    if x.dtype == tl.float32:
+        r = tl.sqrt_rn(x)
+    else:
+        r = tl.sqrt(x)
+    return r
+
+
+# =========================================================================================
+# Traversal helpers shared by the kernels
+# =========================================================================================
+
+@triton.jit
+def _feature_meta(meta_ptr, num_features, t):
+    """Feature ``t``'s column of ``table_meta`` (int64 ``[7, T]``):
+    ``(out_offset, dim, w_offset, w_size, row_offset, pooling)``."""
+    col = meta_ptr + t
+    n = num_features.to(tl.int64)
+    return (tl.load(col + _F_OUT_OFFSET * n), tl.load(col + _F_DIM * n),
+            tl.load(col + _F_W_OFFSET * n), tl.load(col + _F_W_SIZE * n),
+            tl.load(col + _F_ROW_OFFSET * n), tl.load(col + _F_POOLING * n))
+
+
+@triton.jit
+def _column_tile(tile, dim, Z: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr):
+    """Blocks ``[BLOCK_B, 1]`` (int64), in-block offsets ``[1, BLOCK_Z]``, the columns
+    ``[BLOCK_B, BLOCK_Z]`` they form and the mask of the valid ones, for column tile ``tile``."""
+    blk = tile * BLOCK_B + tl.arange(0, BLOCK_B)[:, None].to(tl.int64)
+    s = tl.arange(0, BLOCK_Z)[None, :]
+    cols = blk * Z + s
+    mask = (s < Z) & (cols < dim)
+    return blk, s, cols, mask
+
+
+@triton.jit
+def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                     p0, p1, p2, HASH_MODE: tl.constexpr):
+    """Flat indices ``[BLOCK_N, BLOCK_B, BLOCK_Z]`` into ``weights`` of the elements of the
+    ids at positions ``i`` (``[BLOCK_N]``) for the blocks ``blk`` and offsets ``s``."""
+    ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
+    key = ids + row_offset  # wraps like the uint64 key of the mix hash
+    start = _block_start(key[:, None, None], blk[None, :, :], span, p0, p1, p2, HASH_MODE)
+    return w_offset + start + s[None, :, :]
+
+
+# =========================================================================================
+# Kernels
+# =========================================================================================
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _forward_kernel(
+    w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
+    batch, num_features, out_stride,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]."""
+    bag = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1).to(tl.int64)
+    t = bag // batch
+    b = bag % batch
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    span = w_size - Z + 1
+    blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    lo = tl.load(offsets_ptr + bag).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    # what the bag's sum is divided by: its size (at least 1) for MEAN, else 1
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    if tile * BLOCK_B * Z >= dim:  # no column of this feature in the tile: skip the ids
+        hi = lo
+
+    acc = tl.zeros([BLOCK_B, BLOCK_Z], dtype=ACC)
+    for i0 in range(lo, hi, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        id_mask = i < hi
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                               p0, p1, p2, HASH_MODE)
+        mask = id_mask[:, None, None] & col_mask[None, :, :]
+        rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
+        if HAS_PSW:
+            psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
+            rows = rows * psw[:, None, None]
+        acc += tl.sum(rows, axis=0)
+
+    acc = _div_rn(acc, divisor)
+    tl.store(out_ptr + b * out_stride + out_offset + cols,
+             acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _backward_kernel(
+    grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
+    batch, num_features, grad_stride,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
+    bag = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1).to(tl.int64)
+    t = bag // batch
+    b = bag % batch
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    span = w_size - Z + 1
+    blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    lo = tl.load(offsets_ptr + bag).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    # what the bag's sum is divided by: its size (at least 1) for MEAN, else 1
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    if tile * BLOCK_B * Z >= dim:
+        hi = lo
+
+    grad = tl.load(grad_out_ptr + b * grad_stride + out_offset + cols, mask=col_mask, other=0.0)
+    grad = _div_rn(grad.to(ACC), divisor)
+    for i0 in range(lo, hi, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        id_mask = i < hi
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                               p0, p1, p2, HASH_MODE)
+        mask = id_mask[:, None, None] & col_mask[None, :, :]
+        contrib = tl.zeros([BLOCK_N, BLOCK_B, BLOCK_Z], dtype=ACC) + grad[None, :, :]
+        if HAS_PSW:
+            psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
+            contrib = contrib * psw[:, None, None]
+        tl.atomic_add(grad_w_ptr + idx, contrib, mask=mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _psw_grad_kernel(
+    grad_out_ptr, w_ptr, values_ptr, offsets_ptr, meta_ptr, out_ptr,
+    batch, num_features, grad_stride,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN)."""
+    bag = tl.program_id(0).to(tl.int64)
+    t = bag // batch
+    b = bag % batch
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    span = w_size - Z + 1
+    lo = tl.load(offsets_ptr + bag).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    num_tiles = tl.cdiv(dim, BLOCK_B * Z)
+    grad_row = grad_out_ptr + b * grad_stride + out_offset
+
+    for i0 in range(lo, hi, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        id_mask = i < hi
+        dot = tl.zeros([BLOCK_N], dtype=ACC)
+        for tile in range(0, num_tiles):
+            blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+            grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(ACC)
+            idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                                   p0, p1, p2, HASH_MODE)
+            mask = id_mask[:, None, None] & col_mask[None, :, :]
+            rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
+            dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)
+        tl.store(out_ptr + i, _div_rn(dot, divisor).to(out_ptr.dtype.element_ty), mask=id_mask)
+
+
+@triton.jit
+def _optimizer_kernel(
+    w_ptr, grad_ptr, state1_ptr, state2_ptr, numel,
+    lr: tl.float64, eps: tl.float64, beta2: tl.float64, weight_decay: tl.float64,
+    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64,
+    OPTIMIZER: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One dense SGD / Adagrad / Adam step, elementwise, with torch.optim's formulas
+    (see ``reference.apply_optimizer_``). Scalars arrive as float64 and are rounded to
+    COMPUTE once, as torch rounds its Python-float scalars: ``lerp_weight = 1 - beta1``,
+    ``step_size = -lr / (1 - beta1**step)``, ``bias2_sqrt = sqrt(1 - beta2**step)``."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+    g = tl.load(grad_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+    if HAS_WEIGHT_DECAY:
+        g = g + tl.full([], weight_decay, COMPUTE) * w
+    if OPTIMIZER == _SGD:
+        w = w + tl.full([], -lr, COMPUTE) * g
+    elif OPTIMIZER == _ADAGRAD:
+        state = tl.load(state1_ptr + i, mask=mask, other=0.0).to(COMPUTE) + g * g
+        tl.store(state1_ptr + i, state.to(state1_ptr.dtype.element_ty), mask=mask)
+        denom = _sqrt_rn(state) + tl.full([], eps, COMPUTE)
+        w = w + tl.full([], -lr, COMPUTE) * _div_rn(g, denom)
+    else:
+        # exp_avg.lerp_(grad, 1 - beta1): torch's two-sided lerp formula
+        exp_avg = tl.load(state1_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+        weight = tl.full([], lerp_weight, COMPUTE)
+        if lerp_weight < 0.5:
+            exp_avg = exp_avg + weight * (g - exp_avg)
+        else:
+            exp_avg = g - (g - exp_avg) * (1.0 - weight)
+        # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg_sq = tl.load(state2_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+        exp_avg_sq = (exp_avg_sq * tl.full([], beta2, COMPUTE)
+                      + tl.full([], 1.0 - beta2, COMPUTE) * (g * g))
+        tl.store(state1_ptr + i, exp_avg.to(state1_ptr.dtype.element_ty), mask=mask)
+        tl.store(state2_ptr + i, exp_avg_sq.to(state2_ptr.dtype.element_ty), mask=mask)
+        denom = _div_rn(_sqrt_rn(exp_avg_sq), tl.full([], bias2_sqrt, COMPUTE))
+        denom = denom + tl.full([], eps, COMPUTE)
+        w = w + tl.full([], step_size, COMPUTE) * _div_rn(exp_avg, denom)
+    tl.store(w_ptr + i, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _block_starts_kernel(keys_ptr, out_ptr, num_keys, span, p0: tl.int64, p1: tl.int64,
+                         p2: tl.int64, NUM_BLOCKS: tl.constexpr, HASH_MODE: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr):
+    """out[k, blk] = start(keys[k], blk): the hash helpers on their own (tests, debugging)."""
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    blk = tl.arange(0, BLOCK_B)
+    keys = tl.load(keys_ptr + k, mask=k < num_keys, other=0)
+    span = span.to(tl.int64) + tl.zeros([], dtype=tl.int64)  # see _block_start
+    start = _block_start(keys[:, None], blk[None, :].to(tl.int64), span, p0, p1, p2, HASH_MODE)
+    mask = (k[:, None] < num_keys) & (blk[None, :] < NUM_BLOCKS)
+    tl.store(out_ptr + k[:, None].to(tl.int64) * NUM_BLOCKS + blk[None, :], start, mask=mask)
+
+
+# =========================================================================================
+# Host side
+# =========================================================================================
+
+def _is_interpreted(module) -> bool:
+    return type(module._forward_kernel).__name__ == "InterpretedFunction"
+
+
+def _kernels_for(device: torch.device):
+    """This module, once checked that its kernels can run on ``device``.
+
+    Triton decides when a kernel is decorated (at import) whether it is compiled or
+    interpreted (``TRITON_INTERPRET``), and ``triton.language`` itself is imported one way or
+    the other; a process cannot mix the two reliably. So CPU tensors need the whole process
+    in interpreter mode: ``TRITON_INTERPRET=1`` set before triton is first imported.
+    """
+    if _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(
+            "robe: the Triton kernels need the `triton` package, which failed to import "
+            f"({_TRITON_IMPORT_ERROR}); install triton or use another backend"
+        )
+    module = sys.modules[__name__]
+    if device.type == "cuda":
+        return module
+    if device.type == "cpu" and _is_interpreted(module):
+        return module
+    raise RuntimeError(
+        f"robe: the Triton kernels run on CUDA tensors, or on CPU tensors under Triton's "
+        f"interpreter (set TRITON_INTERPRET=1 before triton is first imported); got "
+        f"{device.type} tensors with the kernels compiled"
+    )
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _acc_dtype(weights: torch.Tensor):
+    return tl.float64 if weights.dtype == torch.float64 else tl.float32
+
+
+class _Tiles:
+    """Constexpr tile sizes of a launch (powers of two, so few compiled variants)."""
+
+    def __init__(self, max_dim: int, block_size: int, num_values: int, num_bags: int,
+                 interpreted: bool = False):
+        max_dim = max(int(max_dim), 1)
+        num_blocks = -(-max_dim // block_size)
+        self.block_z = _next_pow2(min(block_size, max_dim))
+        self.block_b = min(_next_pow2(num_blocks), max(1, _COL_TILE // self.block_z))
+        self.col_tiles = -(-num_blocks // self.block_b)
+        mean_bag = -(-num_values // max(num_bags, 1))
+        tile = _INTERPRETER_TILE if interpreted else _TILE
+        self.block_n = min(_next_pow2(max(mean_bag, 1)),
+                           max(1, tile // (self.block_b * self.block_z)))
+
+    def kwargs(self):
+        return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z)
+
+
+def _hash_args(hash_params: List[int]):
+    if len(hash_params) != 3:
+        raise ValueError(f"robe: hash_params must hold 3 ints, got {len(hash_params)}")
+    return [to_signed64(int(p)) for p in hash_params]
+
+
+def _same_device(device: torch.device, **tensors) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"robe: {name} is on {tensor.device} but weights are on {device}")
+
+
+def _empty(*shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(*shape, dtype=dtype, device=device)
+    if POISON_EMPTY:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
+
+
+def _max_dim(table_meta: torch.Tensor) -> int:
+    return int(table_meta[m.DIM].max()) if table_meta.shape[1] else 0
+
+
+def _check_grad_output(grad_output: torch.Tensor, batch: int) -> int:
+    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
+        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
+                         f"{tuple(grad_output.shape)}")
+    if not grad_output.dtype.is_floating_point:
+        raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
+    return grad_output.shape[1]
+
+
+def forward(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    output_dim: int,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    bounds_check: int,
+) -> torch.Tensor:
+    kernels = _kernels_for(weights.device)
+    _same_device(weights.device, values=values, offsets=offsets,
+                 per_sample_weights=per_sample_weights)
+    check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
+                 block_size, hash_mode, hash_params, bounds_check)
+    params = _hash_args(hash_params)
+    num_features = table_meta.shape[1]
+    num_bags = offsets.numel() - 1
+    batch = num_bags // num_features
+    # zeros on purpose: columns no feature covers (output_dim > sum of dims) stay 0
+    out = torch.zeros(batch, output_dim, dtype=weights.dtype, device=weights.device)
+    if batch == 0 or output_dim == 0:
+        return out
+    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+                   _is_interpreted(kernels))
+    psw = per_sample_weights
+    kernels._forward_kernel[(num_bags, tiles.col_tiles)](
+        weights.contiguous(), values.contiguous(), offsets.contiguous(),
+        weights if psw is None else psw.contiguous(),
+        table_meta.to(weights.device).contiguous(), out,
+        batch, num_features, output_dim, *params,
+        Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
+        ACC=_acc_dtype(weights), **tiles.kwargs(),
+    )
+    return out
+
+
+def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights, table_meta,
+                      block_size, hash_mode, hash_params) -> torch.Tensor:
+    """Checks, then the dense weight gradient in the accumulation dtype (fp32 / fp64)."""
+    kernels = _kernels_for(weights.device)
+    _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
+                 per_sample_weights=per_sample_weights)
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    num_features = table_meta.shape[1]
+    batch = (offsets.numel() - 1) // num_features
+    output_dim = _check_grad_output(grad_output, batch)
+    # ids were checked against num_embeddings in forward; here only what memory safety needs
+    check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
+                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    params = _hash_args(hash_params)
+    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
+    if values.numel() == 0:
+        return grad
+    num_bags = offsets.numel() - 1
+    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+                   _is_interpreted(kernels))
+    psw = per_sample_weights
+    grad_output = grad_output.contiguous()
+    kernels._backward_kernel[(num_bags, tiles.col_tiles)](
+        grad_output, values.contiguous(), offsets.contiguous(),
+        weights if psw is None else psw.contiguous(),
+        table_meta.to(weights.device).contiguous(), grad,
+        batch, num_features, output_dim, *params,
+        Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
+        ACC=_acc_dtype(weights), **tiles.kwargs(),
+    )
+    return grad
+
+
+def backward_dense(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> torch.Tensor:
+    grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
+                             table_meta, block_size, hash_mode, hash_params)
+    return grad.to(weights.dtype)
+
+
+def per_sample_weights_grad(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> torch.Tensor:
+    kernels = _kernels_for(weights.device)
+    _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
+    check_static(weights, values, offsets, None, table_meta, block_size, hash_mode)
+    num_features = table_meta.shape[1]
+    batch = (offsets.numel() - 1) // num_features
+    output_dim = _check_grad_output(grad_output, batch)
+    check_inputs(weights, values, offsets, None, table_meta, output_dim,
+                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    params = _hash_args(hash_params)
+    # every value lies in exactly one bag (offsets were checked), so every entry is written
+    out = _empty(values.numel(), dtype=weights.dtype, device=weights.device)
+    if values.numel() == 0:
+        return out
+    num_bags = offsets.numel() - 1
+    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+                   _is_interpreted(kernels))
+    kernels._psw_grad_kernel[(num_bags,)](
+        grad_output.contiguous(), weights.contiguous(), values.contiguous(),
+        offsets.contiguous(), table_meta.to(weights.device).contiguous(), out,
+        batch, num_features, output_dim, *params,
+        Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), **tiles.kwargs(),
+    )
+    return out
+
+
+def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step) -> None:
+    if optimizer not in tuple(int(o) for o in m.Optimizer):
+        raise ValueError(f"robe: unknown fused optimizer {optimizer}")
+    if len(hparams) != len(m.HPARAM_NAMES):
+        raise ValueError(f"robe: hparams must hold {len(m.HPARAM_NAMES)} floats "
+                         f"{m.HPARAM_NAMES}, got {len(hparams)}")
+    if not weights.is_contiguous():
+        raise ValueError("robe: the fused backward updates weights in place; they must be "
+                         "contiguous")
+    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1),),
+              m.Optimizer.ADAM: (("state1", state1), ("state2", state2))}[m.Optimizer(optimizer)]
+    for name, state in needed:
+        if state.shape != weights.shape or not state.is_contiguous() \
+                or not state.dtype.is_floating_point or state.device != weights.device:
+            raise ValueError(f"robe: {name} must be a contiguous float tensor shaped like "
+                             f"weights {tuple(weights.shape)} on {weights.device}, got "
+                             f"{state.dtype} {tuple(state.shape)} on {state.device}")
+    if optimizer == m.Optimizer.ADAM and step < 1:
+        raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
+
+
+def backward_fused_(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    state1: torch.Tensor,
+    state2: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    optimizer: int,
+    hparams: List[float],
+    step: int,
+) -> None:
+    optimizer = int(optimizer)
+    _check_optimizer_args(weights, state1, state2, optimizer, hparams, step)
+    grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
+                             table_meta, block_size, hash_mode, hash_params)
+    kernels = _kernels_for(weights.device)
+    lr, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
+    if optimizer == m.Optimizer.ADAM:
+        step_size = -lr / (1.0 - beta1 ** step)
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    else:
+        step_size, bias2_sqrt = 0.0, 1.0
+    numel = weights.numel()
+    if numel == 0:
+        return
+    uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
+    kernels._optimizer_kernel[(triton.cdiv(numel, _OPTIM_BLOCK),)](
+        weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
+        lr, eps, beta2, weight_decay, 1.0 - beta1, step_size, bias2_sqrt,
+        OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+        COMPUTE=_acc_dtype(weights), BLOCK=_OPTIM_BLOCK,
+    )
+
+
+def block_starts(keys: torch.Tensor, num_blocks: int, memory_size: int, block_size: int,
+                 mode: int, params: List[int]) -> torch.Tensor:
+    """``[N, num_blocks]`` block starts computed by the kernels' hash helpers; the Triton twin
+    of :func:`robe_torchrec.hashing.block_starts` (scalar ``memory_size``), for tests."""
+    kernels = _kernels_for(keys.device)
+    keys = keys.to(torch.int64).contiguous()
+    out = _empty(keys.numel(), num_blocks, dtype=torch.int64, device=keys.device)
+    if keys.numel() == 0 or num_blocks == 0:
+        return out
+    block_k = 64
+    kernels._block_starts_kernel[(triton.cdiv(keys.numel(), block_k),)](
+        keys, out, keys.numel(), int(memory_size) - int(block_size) + 1, *_hash_args(params),
+        NUM_BLOCKS=int(num_blocks), HASH_MODE=int(mode), BLOCK_K=block_k,
+        BLOCK_B=_next_pow2(num_blocks),
+    )
+    return out

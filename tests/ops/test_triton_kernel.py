@@ -1,0 +1,514 @@
+"""The Triton kernels, run on CPU tensors by Triton's interpreter, against the reference ops.
+
+The interpreter executes every program of a launch in Python (numpy), so cases stay small.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
+
+import importlib.util
+import math
+import re
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from robe_torchrec import hashing  # noqa: E402
+from robe_torchrec.hashing import HashMode, hash_params  # noqa: E402
+from robe_torchrec.ops import cpu_backend, reference  # noqa: E402
+from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
+from robe_torchrec.ops.meta import BoundsCheck, Optimizer, build_table_meta  # noqa: E402
+
+from .cases import case_matrix, random_case  # noqa: E402
+
+if not (tk._is_interpreted(tk)
+        and type(sys.modules["triton.language"].standard.sum).__name__ == "InterpretedFunction"):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test "
+                "module?); run this file in its own process", allow_module_level=True)
+
+CASES = case_matrix()
+CASE_IDS = [f"case{i}" for i in range(len(CASES))]
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Buffers the wrappers allocate with torch.empty start as NaN (-1 for ints)."""
+    monkeypatch.setattr(tk, "POISON_EMPTY", True)
+
+
+def assert_close(actual, expected, tol):
+    """Relative to the largest reference magnitude (sums of thousands of rows)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1.0))
+
+
+def grad_for(case, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(case.batch, case.output_dim, generator=g, dtype=case.weights.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# forward / backward_dense / per_sample_weights_grad against the reference
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_forward(kw):
+    case = random_case(**kw)
+    assert_close(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()), 1e-5)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_backward_dense(kw):
+    case = random_case(**kw)
+    g = grad_for(case)
+    assert_close(tk.backward_dense(*case.backward_args(g)),
+                 reference.backward_dense(*case.backward_args(g)), 1e-5)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_per_sample_weights_grad(kw):
+    case = random_case(**kw)
+    g = grad_for(case)
+    actual = tk.per_sample_weights_grad(*case.psw_grad_args(g))
+    assert not actual.isnan().any()  # every (poisoned) entry was written
+    assert_close(actual, reference.per_sample_weights_grad(*case.psw_grad_args(g)), 1e-5)
+
+
+@pytest.mark.parametrize("kw", [CASES[1], CASES[2]], ids=["reference", "mix"])
+def test_float64(kw):
+    case = random_case(**kw, dtype=torch.float64)
+    g = grad_for(case)
+    out = tk.forward(*case.forward_args())
+    assert out.dtype == torch.float64
+    assert_close(out, reference.forward(*case.forward_args()), 1e-12)
+    assert_close(tk.backward_dense(*case.backward_args(g)),
+                 reference.backward_dense(*case.backward_args(g)), 1e-12)
+    assert_close(tk.per_sample_weights_grad(*case.psw_grad_args(g)),
+                 reference.per_sample_weights_grad(*case.psw_grad_args(g)), 1e-12)
+
+
+def test_int32_and_int64_ids_agree():
+    kw = dict(CASES[2], index_dtype=torch.int64, batch=4)
+    a, b = random_case(**kw), random_case(**dict(kw, index_dtype=torch.int32))
+    assert b.values.dtype == torch.int32
+    g = grad_for(a)
+    assert torch.equal(tk.forward(*a.forward_args()), tk.forward(*b.forward_args()))
+    assert torch.equal(tk.per_sample_weights_grad(*a.psw_grad_args(g)),
+                       tk.per_sample_weights_grad(*b.psw_grad_args(g)))
+
+
+def test_colliding_updates_accumulate():
+    """memory_size == block_size: every block of every row starts at 0, so all atomics of a
+    launch (and ids repeated inside a bag) hit the same Z floats."""
+    case = random_case(7, dims=[8, 3], batch=4, max_bag=5, block_size=4, memory_size=4,
+                       weighted=True, empty_fraction=0.0)
+    case.values[1:4] = case.values[0]
+    g = grad_for(case)
+    assert_close(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()), 1e-5)
+    assert_close(tk.backward_dense(*case.backward_args(g)),
+                 reference.backward_dense(*case.backward_args(g)), 1e-5)
+
+
+def test_empty_batch():
+    meta = build_table_meta([4, 3], [0, 0], [50, 50], [0, 10], [10, 10], [0, 1])
+    values = torch.zeros(0, dtype=torch.int64)
+    offsets = torch.zeros(1, dtype=torch.int64)
+    w = torch.randn(50)
+    out = tk.forward(w, values, offsets, None, meta, 7, 2, 0, hash_params(0, 1), 0)
+    assert out.shape == (0, 7)
+    grad = tk.backward_dense(torch.zeros(0, 7), w, values, offsets, None, meta, 2, 0,
+                             hash_params(0, 1))
+    assert torch.equal(grad, torch.zeros(50))
+
+
+def test_output_gap_columns_are_zero():
+    """output_dim larger than the features' columns: the rest of the output is 0."""
+    case = random_case(3, dims=[5, 3])
+    args = list(case.forward_args())
+    args[5] = case.output_dim + 4
+    out = tk.forward(*args)
+    assert torch.equal(out[:, case.output_dim:], torch.zeros(case.batch, 4))
+    assert_close(out, reference.forward(*args), 1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# hashes: bit-exact block starts
+# ---------------------------------------------------------------------------------------
+
+VECTOR_KEYS = [0, 1, 12345, 39999999, 4000000000]
+VECTOR_STARTS = [[730, 839], [567, 676], [832, 941], [972, 84], [716, 825]]
+
+
+def test_reference_hash_vectors_through_forward():
+    """W[i] = i makes the pooled row of a one-id bag spell out its element indices."""
+    params = hash_params(HashMode.REFERENCE, seed=1024)
+    meta = build_table_meta([8], [0], [1000], [0], [2**40], [0])
+    weights = torch.arange(1000, dtype=torch.float64)
+    values = torch.tensor(VECTOR_KEYS, dtype=torch.int64)
+    offsets = torch.arange(len(VECTOR_KEYS) + 1, dtype=torch.int64)
+    out = tk.forward(weights, values, offsets, None, meta, 8, 4, int(HashMode.REFERENCE),
+                     params, int(BoundsCheck.ERROR))
+    starts = torch.tensor(VECTOR_STARTS, dtype=torch.float64)
+    expected = starts.repeat_interleave(4, dim=1) + torch.arange(8, dtype=torch.float64) % 4
+    assert torch.equal(out, expected)
+
+
+def test_reference_hash_vectors_block_starts_kernel():
+    params = hash_params(HashMode.REFERENCE, seed=1024)
+    starts = tk.block_starts(torch.tensor(VECTOR_KEYS), 2, 1000, 4, int(HashMode.REFERENCE), params)
+    assert starts.tolist() == VECTOR_STARTS
+
+
+MIX_PARAMS = [hash_params(HashMode.MIX, seed=0), hash_params(HashMode.MIX, seed=1),  # salt < 0
+              hash_params(HashMode.MIX, seed=1024), [2**31 + 5, 0, 0], [2**64 - 3, 0, 0]]
+
+
+@pytest.mark.parametrize("params", MIX_PARAMS, ids=["seed0", "seed1", "seed1024", "salt2e31",
+                                                    "unsigned_salt"])
+@pytest.mark.parametrize("memory_size", [1000, 2**31 + 10, 2**32 + 2])  # span up to 2**32 - 1
+def test_mix_hash_bit_exact(params, memory_size):
+    g = torch.Generator().manual_seed(memory_size)
+    keys = torch.cat([
+        torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 4000000000]),
+        torch.randint(-(2**63), 2**63 - 1, (40,), generator=g, dtype=torch.int64),
+    ])
+    actual = tk.block_starts(keys, 5, memory_size, 4, int(HashMode.MIX), params)
+    expected = [[hashing.block_start_int(int(k), b, memory_size, 4, HashMode.MIX, params)
+                 for b in range(5)] for k in keys.tolist()]
+    assert actual.tolist() == expected
+
+
+def test_reference_hash_matches_hashing_module():
+    params = hash_params(HashMode.REFERENCE, seed=77)
+    limit = hashing.reference_key_limit(6, params)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.tensor([0, limit - 1]),
+                      torch.randint(0, limit, (50,), generator=g, dtype=torch.int64)])
+    for memory_size in (1000, 3_000_000_000):
+        actual = tk.block_starts(keys, 6, memory_size, 8, int(HashMode.REFERENCE), params)
+        expected = hashing.block_starts(keys, 6, memory_size, 8, HashMode.REFERENCE, params)
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("mode,salt", [(HashMode.REFERENCE, None), (HashMode.MIX, None),
+                                       (HashMode.MIX, 2**31 + 99)])
+def test_forward_element_indices_exact(mode, salt):
+    """Raw ids (UNBOUNDED; negative and huge for mix) through the forward kernel: W[i] = i
+    gives the sum of the element indices, which must equal the reference's exactly."""
+    case = random_case(11, dims=[8, 5, 3], hash_mode=int(mode), block_size=3, shared=False,
+                       memory_size=3000, dtype=torch.float64)
+    if salt is not None:
+        case.hash_params = [salt, 0, 0]
+    case.weights = torch.arange(case.weights.numel(), dtype=torch.float64)
+    case.bounds_check = int(BoundsCheck.UNBOUNDED)
+    g = torch.Generator().manual_seed(1)
+    if mode == HashMode.MIX:
+        case.values = torch.randint(-(2**63), 2**63 - 1, case.values.shape, generator=g)
+    else:
+        limit = hashing.reference_key_limit(3, case.hash_params)
+        case.values = torch.randint(0, limit, case.values.shape, generator=g)
+    table_pool = case.table_meta.clone()
+    table_pool[6] = 0  # SUM everywhere: sums of integers < 2**53 are exact
+    case.table_meta = table_pool
+    assert torch.equal(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+
+
+# ---------------------------------------------------------------------------------------
+# fused optimizers against torch.optim on the reference dense gradient
+# ---------------------------------------------------------------------------------------
+
+def _torch_optimizer(name, param, lr, eps, beta1, beta2, weight_decay):
+    if name == "sgd":
+        return torch.optim.SGD([param], lr=lr, weight_decay=weight_decay)
+    if name == "adagrad":
+        return torch.optim.Adagrad([param], lr=lr, eps=eps, weight_decay=weight_decay)
+    return torch.optim.Adam([param], lr=lr, betas=(beta1, beta2), eps=eps,
+                            weight_decay=weight_decay)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_fused_optimizer_two_steps(name, weight_decay):
+    kw = CASES[1] if weight_decay else CASES[2]  # reference hash + int32 ids / mix + int64
+    case = random_case(**kw)
+    hparams = [0.05, 1e-8, 0.9, 0.999, weight_decay]
+    param = case.weights.clone().requires_grad_(True)
+    opt = _torch_optimizer(name, param, *hparams)
+    weights = case.weights.clone()
+    state1, state2 = torch.zeros_like(weights), torch.zeros_like(weights)
+    for step in (1, 2):
+        g = grad_for(case, seed=step)
+        param.grad = reference.backward_dense(g, param.detach(), case.values, case.offsets,
+                                              case.per_sample_weights, case.table_meta,
+                                              case.block_size, case.hash_mode, case.hash_params)
+        opt.step()
+        tk.backward_fused_(g, weights, state1, state2, case.values, case.offsets,
+                           case.per_sample_weights, case.table_meta, case.block_size,
+                           case.hash_mode, case.hash_params, int(Optimizer[name.upper()]),
+                           hparams, step)
+        assert_close(weights, param.detach(), 1e-5)
+        state = opt.state[param]
+        if name == "adagrad":
+            assert_close(state1, state["sum"], 1e-5)
+        if name == "adam":
+            assert_close(state1, state["exp_avg"], 1e-5)
+            assert_close(state2, state["exp_avg_sq"], 1e-5)
+    assert not torch.equal(weights, case.weights)
+
+
+def test_fused_matches_reference_float64():
+    case = random_case(**CASES[4], dtype=torch.float64)
+    hparams = [0.01, 1e-6, 0.8, 0.99, 0.001]
+    tensors = [case.weights.clone() for _ in range(2)]
+    states = [[torch.rand_like(case.weights) for _ in range(2)] for _ in range(2)]
+    states[1] = [s.clone() for s in states[0]]
+    g = grad_for(case)
+    rest = (case.values, case.offsets, case.per_sample_weights, case.table_meta, case.block_size,
+            case.hash_mode, case.hash_params, int(Optimizer.ADAM), hparams, 3)
+    tk.backward_fused_(g, tensors[0], *states[0], *rest)
+    reference.backward_fused_(g, tensors[1], *states[1], *rest)
+    assert_close(tensors[0], tensors[1], 1e-12)
+    assert_close(states[0][0], states[1][0], 1e-12)
+    assert_close(states[0][1], states[1][1], 1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# bad inputs: the same ValueError as the reference (check_inputs before any launch)
+# ---------------------------------------------------------------------------------------
+
+def _bad(name):
+    case = random_case(5, hash_mode=int(HashMode.REFERENCE), weighted=True, max_bag=4,
+                       empty_fraction=0.0)
+    if name == "offsets_dtype":
+        case.offsets = case.offsets.to(torch.int32)
+    elif name == "first_offset":
+        case.offsets = case.offsets.clone()
+        case.offsets[0] = 1
+    elif name == "last_offset":
+        case.offsets = case.offsets.clone()
+        case.offsets[-1] -= 1
+    elif name == "decreasing_offsets":
+        case.offsets = case.offsets.clone()
+        case.offsets[3] = case.offsets[4] + 1
+    elif name == "id_too_large":
+        case.values = case.values.clone()
+        case.values[5] = int(case.table_meta[5, 0]) + 100000
+    elif name == "negative_id":
+        case.values = case.values.clone()
+        case.values[-1] = -3
+    elif name == "nan_weight":
+        case.per_sample_weights = case.per_sample_weights.clone()
+        case.per_sample_weights[2] = float("nan")
+    elif name == "reference_key_overflow":
+        case.bounds_check = int(BoundsCheck.UNBOUNDED)
+        case.values = case.values.clone()
+        case.values[0] = 2**62
+    elif name == "output_dim":
+        case.output_dim -= 1
+    elif name == "memory_too_small":
+        case.table_meta = case.table_meta.clone()
+        case.table_meta[3] = 2
+    elif name == "block_size":
+        case.block_size = 0
+    return case
+
+
+BAD = ["offsets_dtype", "first_offset", "last_offset", "decreasing_offsets", "id_too_large",
+       "negative_id", "nan_weight", "reference_key_overflow", "output_dim", "memory_too_small",
+       "block_size"]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_inputs_raise_like_reference(name):
+    case = _bad(name)
+    with pytest.raises(ValueError) as expected:
+        reference.forward(*case.forward_args())
+    with pytest.raises(ValueError, match=re.escape(str(expected.value))):
+        tk.forward(*case.forward_args())
+
+
+@pytest.mark.parametrize("name", ["negative_id", "reference_key_overflow", "decreasing_offsets"])
+def test_backward_rejects_unhashable_inputs(name):
+    case = _bad(name)
+    g = torch.zeros(case.batch, case.output_dim)
+    with pytest.raises(ValueError, match="^robe: "):
+        tk.backward_dense(*case.backward_args(g))
+    with pytest.raises(ValueError, match="^robe: "):
+        tk.per_sample_weights_grad(*case.psw_grad_args(g))
+
+
+def test_bad_grad_output_and_optimizer_args():
+    case = random_case(6)
+    with pytest.raises(ValueError, match="grad_output"):
+        tk.backward_dense(*case.backward_args(torch.zeros(case.batch + 1, case.output_dim)))
+    w, s = case.weights.clone(), torch.zeros_like(case.weights)
+    g = grad_for(case)
+    rest = (case.values, case.offsets, None, case.table_meta, case.block_size, case.hash_mode,
+            case.hash_params)
+    with pytest.raises(ValueError, match="unknown fused optimizer"):
+        tk.backward_fused_(g, w, s, s, *rest, 7, [0.1, 0, 0, 0, 0], 1)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        tk.backward_fused_(g, w, s, s.clone(), *rest, int(Optimizer.ADAM),
+                           [0.1, 1e-8, 0.9, 0.99, 0], 0)
+    with pytest.raises(ValueError, match="state1"):
+        tk.backward_fused_(g, w, s[:-1], s, *rest, int(Optimizer.ADAGRAD), [0.1, 1e-8, 0, 0, 0], 1)
+    assert torch.equal(w, case.weights)  # nothing was applied
+
+
+# ---------------------------------------------------------------------------------------
+# the registered ops routed to Triton on CPU, autograd included
+# ---------------------------------------------------------------------------------------
+
+def _op_forward_and_grads(case, backend):
+    w = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+    args = list(case.forward_args())
+    args[0], args[3] = w, psw
+    with cpu_backend(backend):
+        out = torch.ops.robe.forward(*args)
+        (out * grad_for(case)).sum().backward()
+    return out.detach(), w.grad, psw.grad
+
+
+def test_registered_op_routes_to_triton_with_autograd(monkeypatch):
+    case = random_case(**CASES[1])  # reference hash, int32 ids, per-sample weights, MEAN+SUM
+    calls = []
+    for fn in ("forward", "backward_dense", "per_sample_weights_grad"):
+        original = getattr(tk, fn)
+        monkeypatch.setattr(tk, fn, lambda *a, _f=original, _n=fn: calls.append(_n) or _f(*a))
+    actual = _op_forward_and_grads(case, "triton")
+    assert calls == ["forward", "backward_dense", "per_sample_weights_grad"]
+    expected = _op_forward_and_grads(case, "reference")
+    for a, e in zip(actual, expected):
+        assert_close(a, e, 1e-5)
+
+
+def test_gradcheck_through_registered_op():
+    """float64 finite differences of the Triton forward against its analytic backward
+    (weights and per-sample weights); a tiny case, as every evaluation is interpreted."""
+    case = random_case(21, dims=[3, 2], batch=2, max_bag=3, block_size=2, memory_size=9,
+                       weighted=True, empty_fraction=0.0, dtype=torch.float64)
+    w = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+    rest = case.forward_args()[4:]
+
+    def fn(weights, per_sample_weights):
+        return torch.ops.robe.forward(weights, case.values, case.offsets, per_sample_weights,
+                                      *rest)
+
+    with cpu_backend("triton"):
+        assert torch.autograd.gradcheck(fn, (w, psw), eps=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------
+# module loading: without triton, and imported without TRITON_INTERPRET
+# ---------------------------------------------------------------------------------------
+
+def _load_copy(name, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, tk.__file__)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_import_without_triton_fails_at_call_time(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    module = _load_copy("robe_triton_without_triton", monkeypatch)
+    case = random_case(1)
+    with pytest.raises(RuntimeError, match="need the `triton` package"):
+        module.forward(*case.forward_args())
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """Kernels decorated without TRITON_INTERPRET are compiled ones: CPU tensors get a clear
+    error instead of Triton's pointer error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    module = _load_copy("robe_triton_compiled_mode", monkeypatch)
+    assert not module._is_interpreted(module)
+    case = random_case(1)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        module.forward(*case.forward_args())
+
+
+def test_tile_sizes():
+    tiles = tk._Tiles(max_dim=13, block_size=3, num_values=100, num_bags=30)
+    assert (tiles.block_z, tiles.block_b, tiles.col_tiles, tiles.block_n) == (4, 8, 1, 4)
+    wide = tk._Tiles(max_dim=1024, block_size=32, num_values=10**6, num_bags=10)
+    assert wide.block_b * wide.block_z == 256 and wide.col_tiles == 4
+    assert wide.block_n * wide.block_b * wide.block_z == 2048
+    assert math.prod([tiles.block_z, tiles.block_b]) >= 13
+
+
+# ---------------------------------------------------------------------------------------
+# the compiled (CUDA) path: no GPU needed to compile to cubin for sm_90
+# ---------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from robe_torchrec.ops import triton_kernels as tk
+
+assert not tk._is_interpreted(tk)
+CONFIGS = [  # kernel, hash mode / optimizer, weights dtype, ids dtype
+    ("forward", 1, "fp32", "i32"), ("backward", 0, "fp32", "i64"), ("psw", 1, "fp64", "i64"),
+    ("forward", 0, "bf16", "i64"), ("optimizer", 0, "fp16", None),
+    ("optimizer", 1, "fp32", None), ("optimizer", 2, "fp64", None),
+]
+for which, mode, weights, index in CONFIGS:
+    acc = "fp64" if weights == "fp64" else "fp32"
+    acc_dtype = tl.float64 if acc == "fp64" else tl.float32
+    types = dict(w_ptr=f"*{weights}", values_ptr=f"*{index}", offsets_ptr=f"*{index}",
+                 psw_ptr=f"*{weights}", meta_ptr="*i64", out_ptr=f"*{weights}",
+                 grad_out_ptr=f"*{weights}", grad_w_ptr=f"*{acc}", batch="i32",
+                 num_features="i32", out_stride="i32", grad_stride="i32", p0="i64", p1="i64",
+                 p2="i64", grad_ptr=f"*{acc}", state1_ptr=f"*{weights}",
+                 state2_ptr=f"*{weights}", numel="i64", lr="fp64", eps="fp64", beta2="fp64",
+                 weight_decay="fp64", lerp_weight="fp64", step_size="fp64", bias2_sqrt="fp64")
+    tiles = dict(Z=3, HASH_MODE=mode, ACC=acc_dtype, BLOCK_N=16, BLOCK_B=32, BLOCK_Z=4)
+    kernel, constexprs = {
+        "forward": (tk._forward_kernel, dict(tiles, HAS_PSW=True)),
+        "backward": (tk._backward_kernel, dict(tiles, HAS_PSW=True)),
+        "psw": (tk._psw_grad_kernel, tiles),
+        "optimizer": (tk._optimizer_kernel, dict(OPTIMIZER=mode, HAS_WEIGHT_DECAY=True,
+                                                 COMPUTE=acc_dtype, BLOCK=1024)),
+    }[which]
+    signature = {name: "constexpr" if name in constexprs else types[name]
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], which
+    print("compiled", which, mode, weights, index)
+"""
+
+
+def test_kernels_compile_for_cuda(tmp_path):
+    """The interpreter accepts code the compiler rejects (float64 ``tl.div_rn``, say), so
+    compile the kernels for an H100 target: Triton front end, LLVM and ptxas, no GPU. In a
+    fresh process (a process that imported triton.language interpreted cannot compile) with an
+    empty cache (so nothing is a cache hit)."""
+    import subprocess
+
+    import triton
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    if "cannot find" in result.stderr and "ptxas" in result.stderr:  # pragma: no cover
+        pytest.skip("ptxas unavailable")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 7
