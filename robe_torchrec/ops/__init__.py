@@ -18,7 +18,9 @@ implementations with one signature:
 
 For CPU tensors the implementation can be switched (tests, benchmarks) with
 :func:`cpu_backend` or the ``ROBE_CPU_BACKEND`` environment variable
-(``cpp`` | ``triton`` | ``reference``).
+(``cpp`` | ``triton`` | ``reference``). ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
+set before triton is first imported (the test suite's ``conftest.py`` does this when no GPU is
+present).
 
 Every op has a fake (meta) implementation, so ``torch.compile`` traces through it, and
 ``forward`` is differentiable (weights and per-sample weights).
