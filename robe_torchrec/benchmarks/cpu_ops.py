@@ -706,10 +706,7 @@ def machine_lines() -> List[str]:
                     break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = usable_cpus()
     try:
         import fbgemm_gpu
 
@@ -729,6 +726,26 @@ def loadavg() -> str:
             return " ".join(f.read().split()[:3])
     except OSError:
         return "n/a"
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def contention_warning(load_start: str) -> List[str]:
+    """A warning line when other processes were already busy when the run started."""
+    try:
+        load = float(load_start.split()[0])
+    except (ValueError, IndexError):
+        return []
+    if load < 0.5:
+        return []
+    return [f"- **warning**: 1-minute load average {load:.2f} at start on {usable_cpus()} usable "
+            "CPUs: other processes shared the cores, so timings are noisy (multi-thread rows "
+            "most: their threads compete with that load)"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -778,6 +795,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             print(f"[{time.perf_counter() - t0:6.1f}s] {spec.key} {opt}: {status}",
                   file=sys.stderr, flush=True)
 
+    load_end = loadavg()
     command = "python -m robe_torchrec.benchmarks.cpu_ops " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     setup = (f"batch {sizes.batch}, pair model (2 features sharing one table, 1 id per bag, SUM), "
@@ -790,7 +808,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         f"- date: {start.strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{command}`",
         *machine_lines(),
-        f"- load average (1/5/15 min) at start: {load_start}, at end: {loadavg()}",
+        f"- load average (1/5/15 min) at start: {load_start}, at end: {load_end}",
+        *contention_warning(load_start),
         f"- setup: {setup}",
         "",
         "Columns in ms. forward = the embedding call; hashing/lookup/other = its split "
