@@ -1,0 +1,183 @@
+"""The lookup kernel of a sharded ``RobeEmbeddingBagCollection``: one per sharding type.
+
+A lookup holds, on this rank, the ROBE arrays of the tables of its sharding type that this
+rank serves (``local weight``: those arrays concatenated), looks up the features TorchRec's
+input dist hands it, and applies the fused optimizer inside backward:
+
+* ``TABLE_WISE`` / ``ROW_WISE``: the gradient that TorchRec's output dist brings back covers
+  the whole global batch; ``robe::backward_fused_`` scatters it and updates in one go.
+* ``DATA_PARALLEL``: every rank holds the arrays and sees only its local batch. Backward
+  computes the dense array gradient (``robe::backward_dense``), all-reduces it (sum divided
+  by the world size, DDP's averaging) and applies the optimizer with
+  :func:`robe_torchrec.ops.reference.apply_optimizer_`, all inside autograd: there is no
+  DDP wrapper and no gradient left for a dense optimizer, so pipelines that need every
+  embedding optimizer fused into backward (FusedSparseDist, SemiSync) see what they expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from robe_torchrec.ops.meta import build_table_meta
+from robe_torchrec.ops.reference import apply_optimizer_
+from robe_torchrec.optim import RobeFusedOptimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A contiguous piece of the module's flat ``weight`` held by a lookup on this rank."""
+
+    global_offset: int  # first element inside the unsharded module's flat ``weight``
+    size: int
+    local_offset: int  # first element inside the lookup's local weight
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """One input feature of a lookup, in the order its KJT carries them."""
+
+    name: str
+    dim: int
+    local_array_offset: int  # W_OFFSET: where the feature's array starts in the local weight
+    array_size: int  # W_SIZE: what the hash maps into
+    row_offset: int  # ROW_OFFSET (shared layout / row-wise slices)
+    num_rows: int  # NUM_ROWS (bounds check)
+    pooling: int
+
+
+class _LocalRobeOptimizer(RobeFusedOptimizer):
+    """Per-lookup optimizer state; hyper-parameters are read from the module-level group, so
+    that a change of ``dmp.fused_optimizer.param_groups[..]["lr"]`` reaches every lookup."""
+
+    def __init__(self, param, optimizer_class, kwargs) -> None:
+        super().__init__("local", param, optimizer_class, kwargs)
+        self._owner: Optional[FusedOptimizer] = None  # set by the sharded module
+
+    def _group(self) -> Dict[str, Any]:
+        if self._owner is not None:
+            return self._owner.param_groups[0]
+        return self.param_groups[0]
+
+
+class RobeShardedLookup(nn.Module):
+    """Looks up the features of one sharding type on this rank (see module docstring)."""
+
+    def __init__(
+        self,
+        features: List[FeatureSpec],
+        segments: List[Segment],
+        local_size: int,
+        robe_args: Tuple[int, int, List[int], int],
+        optimizer_class: Type[torch.optim.Optimizer],
+        optimizer_kwargs: Dict[str, Any],
+        data_parallel: bool,
+        process_group: Optional[dist.ProcessGroup],
+        is_weighted: bool,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.features = features
+        self.segments = segments
+        self._block_size, self._hash_mode, self._hash_params, self._bounds_check = robe_args
+        self._data_parallel = data_parallel
+        self._pg = process_group
+        self._is_weighted = is_weighted
+        self._output_dim = sum(f.dim for f in features)
+        self.weight = nn.Parameter(torch.zeros(local_size, device=device))
+        self.register_buffer(
+            "table_meta",
+            build_table_meta(
+                [f.dim for f in features], [f.local_array_offset for f in features],
+                [f.array_size for f in features], [f.row_offset for f in features],
+                [f.num_rows for f in features], [f.pooling for f in features], device),
+            persistent=False,
+        )
+        self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs)
+        # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
+        self.weight._in_backward_optimizers = [self.optimizer]  # type: ignore[attr-defined]
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    # no state of its own in state_dict: the sharded module presents the arrays as ``weight``
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:  # called by TorchRec before state_dict
+        pass
+
+    def purge(self) -> None:
+        pass
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        batch = features.stride()
+        if not self.features:
+            # an empty rank still joins the output dist's collectives in backward
+            return _EmptyLookup.apply(self._dummy, batch, self)
+        values = features.values()
+        offsets = features.offsets()
+        if offsets.dtype != values.dtype:
+            offsets = offsets.to(values.dtype)
+        psw = features.weights_or_none() if self._is_weighted else None
+        args = (values, offsets, psw, self.table_meta, self._output_dim, self._block_size,
+                self._hash_mode, self._hash_params, self._bounds_check)
+        anchor = psw if psw is not None and psw.requires_grad else self._dummy
+        return _ShardedFusedLookup.apply(anchor, self.weight.detach(), self, args)
+
+
+class _EmptyLookup(torch.autograd.Function):
+    """Output of a rank without tables of this sharding type: ``[batch, 0]``, requiring grad
+    so the output dist's backward collective runs; counts the step like the others."""
+
+    @staticmethod
+    def forward(ctx, anchor, batch, lookup):  # type: ignore[override]
+        ctx.lookup = lookup
+        return anchor.new_empty(batch, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.lookup.optimizer.advance_step()
+        return None, None, None
+
+
+class _ShardedFusedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, weights, lookup, args):  # type: ignore[override]
+        ctx.weights, ctx.lookup, ctx.args = weights, lookup, args
+        return torch.ops.robe.forward(weights, *args)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        (values, offsets, psw, table_meta, _out_dim, block_size, hash_mode, hash_params,
+         _bounds) = ctx.args
+        lookup: RobeShardedLookup = ctx.lookup
+        weights = ctx.weights
+        grad_output = grad_output.contiguous()
+        grad_anchor = None
+        if ctx.needs_input_grad[0] and psw is not None:
+            grad_anchor = torch.ops.robe.per_sample_weights_grad(
+                grad_output, weights, values, offsets, table_meta, block_size, hash_mode,
+                hash_params).to(psw.dtype)
+        opt = lookup.optimizer
+        state1, state2 = opt.state_tensors()
+        step = opt.advance_step()
+        if lookup._data_parallel:
+            grad = torch.ops.robe.backward_dense(grad_output, weights, values, offsets, psw,
+                                                 table_meta, block_size, hash_mode, hash_params)
+            if lookup._pg is not None and dist.get_world_size(lookup._pg) > 1:
+                dist.all_reduce(grad, group=lookup._pg)
+                grad.div_(dist.get_world_size(lookup._pg))
+            apply_optimizer_(weights, grad, state1, state2, int(opt.kind), opt.hparams(), step)
+        else:
+            torch.ops.robe.backward_fused_(grad_output, weights, state1, state2, values, offsets,
+                                           psw, table_meta, block_size, hash_mode, hash_params,
+                                           int(opt.kind), opt.hparams(), step)
+        return grad_anchor, None, None, None

@@ -1,0 +1,545 @@
+"""Sharding ``RobeEmbeddingBagCollection`` with TorchRec's ``DistributedModelParallel``.
+
+:class:`RobeEmbeddingBagCollectionSharder` subclasses TorchRec's
+``EmbeddingBagCollectionSharder`` and :class:`ShardedRobeEmbeddingBagCollection` subclasses
+``ShardedEmbeddingBagCollection``: TorchRec's input dist, output dist, KeyedTensor assembly,
+planner and pipelines are reused as they are; only the lookup kernel (``_create_lookups``),
+the optimizer and the state dict are ROBE's own. See ``README_SECTION.md`` for semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim.fused import FusedOptimizer
+from torchrec.optim.keyed import CombinedOptimizer
+
+from robe_torchrec.distributed.lookup import FeatureSpec, RobeShardedLookup, Segment
+from robe_torchrec.embedding_bag import _POOLING, RobeEmbeddingBagCollection, _check_layout
+from robe_torchrec.optim import resolve_optimizer
+
+DP = ShardingType.DATA_PARALLEL.value
+TW = ShardingType.TABLE_WISE.value
+SUPPORTED_SHARDING_TYPES = (DP, TW)
+SHARED_SHARDING_TYPES = (DP,)
+_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value)
+
+_EMB_OPT = {
+    EmbOptimType.EXACT_SGD: torch.optim.SGD,
+    EmbOptimType.SGD: torch.optim.SGD,
+    EmbOptimType.EXACT_ADAGRAD: torch.optim.Adagrad,
+    EmbOptimType.ADAM: torch.optim.Adam,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# layout helpers
+# ---------------------------------------------------------------------------------------
+
+def array_of_table(module: RobeEmbeddingBagCollection, t: int) -> int:
+    return 0 if module._robe.shared else t
+
+
+def array_offsets(module: RobeEmbeddingBagCollection) -> List[int]:
+    sizes = module._array_sizes
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def table_array_share(module: RobeEmbeddingBagCollection, t: int) -> int:
+    """Floats of ROBE memory attributable to table ``t`` (its own array, or its share of
+    the shared array in proportion to ``num_embeddings * embedding_dim``)."""
+    tables = module.embedding_bag_configs()
+    if not module._robe.shared:
+        return module._array_sizes[t]
+    sizes = [tb.num_embeddings * tb.embedding_dim for tb in tables]
+    return max(1, math.ceil(module._array_sizes[0] * sizes[t] / sum(sizes)))
+
+
+def compressed_shape(module: RobeEmbeddingBagCollection, t: int) -> torch.Size:
+    """The shape the planner sees for table ``t``: its ROBE floats as ``[rows, dim]``."""
+    dim = module.embedding_bag_configs()[t].embedding_dim
+    return torch.Size([max(1, math.ceil(table_array_share(module, t) / dim)), dim])
+
+
+def resolve_fused_optimizer(
+    module: RobeEmbeddingBagCollection, fused_params: Optional[Dict[str, Any]]
+) -> Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]:
+    """The in-backward optimizer of a sharded module: from ``apply_optimizer_in_backward`` on
+    ``module.weight`` if called, else from the sharder's ``fused_params``."""
+    classes = getattr(module.weight, "_optimizer_classes", None)
+    if classes:
+        if len(classes) != 1:
+            raise ValueError("RobeEmbeddingBagCollection: exactly one in-backward optimizer "
+                             f"per ROBE array is supported, got {len(classes)}")
+        kwargs = {k: v for k, v in module.weight._optimizer_kwargs[0].items()  # type: ignore
+                  if k != "optimizer"}
+        resolve_optimizer(classes[0], kwargs)
+        return classes[0], kwargs
+    fused_params = fused_params or {}
+    opt = fused_params.get("optimizer")
+    if opt is None:
+        raise ValueError(
+            "sharding RobeEmbeddingBagCollection needs a fused optimizer: call "
+            "torchrec.optim.apply_optimizer_in_backward(torch.optim.SGD|Adagrad|Adam, "
+            "[ebc.weight], {...}) before DistributedModelParallel, or give the sharder "
+            "fused_params={'optimizer': EmbOptimType.EXACT_SGD|EXACT_ADAGRAD|ADAM, "
+            "'learning_rate': ...}")
+    cls = _EMB_OPT.get(opt)
+    if cls is None:
+        raise ValueError(f"RobeEmbeddingBagCollection: fused optimizer {opt} is not supported "
+                         "(EXACT_SGD, EXACT_ADAGRAD, ADAM)")
+    kwargs: Dict[str, Any] = {"lr": float(fused_params.get("learning_rate", 0.01))}
+    if "weight_decay" in fused_params:
+        kwargs["weight_decay"] = float(fused_params["weight_decay"])
+    if cls is not torch.optim.SGD and "eps" in fused_params:
+        kwargs["eps"] = float(fused_params["eps"])
+    if cls is torch.optim.Adam:
+        kwargs["betas"] = (float(fused_params.get("beta1", 0.9)),
+                           float(fused_params.get("beta2", 0.999)))
+    resolve_optimizer(cls, kwargs)
+    return cls, kwargs
+
+
+def validate_plan(module: RobeEmbeddingBagCollection,
+                  plan: Dict[str, ParameterSharding]) -> None:
+    """Refuse, with a message naming the table, a plan this module cannot run."""
+    names = [t.name for t in module.embedding_bag_configs()]
+    missing = [n for n in names if n not in plan]
+    if missing:
+        raise ValueError(f"RobeEmbeddingBagCollection: the plan has no entry for tables {missing}")
+    for name in names:
+        ps = plan[name]
+        if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise ValueError(
+                f"RobeEmbeddingBagCollection: table {name!r} is planned {ps.sharding_type}, "
+                f"which ROBE sharding does not support (supported: {list(SUPPORTED_SHARDING_TYPES)})")
+        if ps.compute_kernel not in _KERNELS:
+            raise ValueError(
+                f"RobeEmbeddingBagCollection: table {name!r} has compute kernel "
+                f"{ps.compute_kernel!r}; ROBE sharding runs its own kernel and accepts the plan "
+                f"names {list(_KERNELS)}")
+    if module._robe.shared:
+        types = {plan[n].sharding_type for n in names}
+        if len(types) != 1 or not types <= set(SHARED_SHARDING_TYPES):
+            raise ValueError(
+                "RobeEmbeddingBagCollection(shared=True) keeps every table in one ROBE array, "
+                "which cannot be split by table: all its tables must be planned "
+                f"{list(SHARED_SHARDING_TYPES)}, got "
+                f"{ {n: plan[n].sharding_type for n in names} }; use RobeConfig(shared=False) "
+                "for table-wise sharding")
+
+
+def robe_sharding_constraints(model: nn.Module, constraints=None):
+    """``ParameterConstraints`` for every ``RobeEmbeddingBagCollection`` in ``model``: a
+    shared-layout module's tables are restricted to the sharding types it supports (others
+    keep any constraints given). Pass the result to ``EmbeddingShardingPlanner``."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    constraints = dict(constraints or {})
+    for module in model.modules():
+        if isinstance(module, RobeEmbeddingBagCollection) and module._robe.shared:
+            for table in module.embedding_bag_configs():
+                c = constraints.get(table.name) or ParameterConstraints()
+                allowed = [t for t in (c.sharding_types or SHARED_SHARDING_TYPES)
+                           if t in SHARED_SHARDING_TYPES]
+                c.sharding_types = allowed or list(SHARED_SHARDING_TYPES)
+                constraints[table.name] = c
+    return constraints
+
+
+class _ModuleView:
+    """What ``ShardedEmbeddingBagCollection.__init__`` reads from the module it shards: the
+    table configs and one (meta) parameter per table, named as an EBC names them."""
+
+    def __init__(self, module: RobeEmbeddingBagCollection) -> None:
+        self._module = module
+        self._params = {
+            f"embedding_bags.{t.name}.weight": nn.Parameter(
+                torch.empty(compressed_shape(module, i), device="meta"), requires_grad=False)
+            for i, t in enumerate(module.embedding_bag_configs())
+        }
+        self.device = torch.device("cpu")
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._module.embedding_bag_configs()
+
+    def is_weighted(self) -> bool:
+        return self._module.is_weighted()
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        return iter(self._params.items())
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+
+# ---------------------------------------------------------------------------------------
+# the sharded module
+# ---------------------------------------------------------------------------------------
+
+class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """``RobeEmbeddingBagCollection`` sharded by TorchRec (built by the sharder).
+
+    State dict: ``weight`` (the unsharded module's flat array: a plain tensor when every table
+    is data-parallel, otherwise a ``ShardedTensor`` whose shards are the arrays each rank
+    owns, data-parallel ones declared by rank 0) and ``robe_layout``; the same keys as the
+    unsharded module, so checkpoints move between the two, between world sizes and between
+    sharding types (``torch.distributed.checkpoint``).
+    """
+
+    def __init__(
+        self,
+        module: RobeEmbeddingBagCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        optimizer: Tuple[Type[torch.optim.Optimizer], Dict[str, Any]],
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry=None,
+        module_fqn: Optional[str] = None,
+    ) -> None:
+        validate_plan(module, table_name_to_parameter_sharding)
+        # read by _create_lookups, which runs inside the base constructor
+        self.__dict__["_robe_src"] = (module, optimizer)
+        super().__init__(
+            _ModuleView(module),  # type: ignore[arg-type]
+            table_name_to_parameter_sharding,
+            env,
+            fused_params=None,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+        self._robe_finish(module)
+        del self.__dict__["_robe_src"]
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _create_lookups(self) -> None:
+        module, (opt_class, opt_kwargs) = self.__dict__["_robe_src"]
+        tables = module.embedding_bag_configs()
+        index = {t.name: i for i, t in enumerate(tables)}
+        offsets = array_offsets(module)
+        row_offsets = [sum(t.num_embeddings for t in tables[:i]) for i in range(len(tables))]
+        pg = self._env.process_group
+        for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
+            local_tables = [tb for gc in sharding._grouped_embedding_configs
+                            for tb in gc.embedding_tables]
+            features: List[FeatureSpec] = []
+            segments: List[Segment] = []
+            # local arrays in global order: a data-parallel lookup's weight is then laid out
+            # exactly as the unsharded module's (its state can be viewed without copies)
+            local_of_array: Dict[int, int] = {}
+            local_size = 0
+            for a in sorted({array_of_table(module, index[tb.name]) for tb in local_tables}):
+                local_of_array[a] = local_size
+                segments.append(Segment(offsets[a], module._array_sizes[a], local_size))
+                local_size += module._array_sizes[a]
+            for tb in local_tables:
+                t = index[tb.name]
+                a = array_of_table(module, t)
+                size = module._array_sizes[a]
+                cfg = tables[t]
+                for f in cfg.feature_names:
+                    features.append(FeatureSpec(
+                        f, cfg.embedding_dim, local_of_array[a], size,
+                        row_offsets[t] if module._robe.shared else 0, cfg.num_embeddings,
+                        int(_POOLING[cfg.pooling])))
+            lookup = RobeShardedLookup(
+                features, segments, local_size,
+                (module._robe.block_size, int(module._hash_mode), list(module._hash_params),
+                 module._bounds_check),
+                opt_class, opt_kwargs, sharding_type == DP, pg,
+                module.is_weighted(), self._device)
+            self._lookups.append(lookup)
+        self._robe_lookups = nn.ModuleList(self._lookups)
+
+    def init_data_parallel(self) -> None:
+        # no DDP: data-parallel arrays are all-reduced and updated inside backward
+        pass
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        # the state dict is ROBE's own (see _save_to_state_dict / _load_from_state_dict)
+        pass
+
+    def _robe_finish(self, module: RobeEmbeddingBagCollection) -> None:
+        pg = self._env.process_group
+        self._rank = dist.get_rank(pg) if pg is not None else 0
+        self._world = dist.get_world_size(pg) if pg is not None else 1
+        self._robe_config = module._robe
+        self._robe_table_names = [t.name for t in module.embedding_bag_configs()]
+        self._robe_layout = module._layout_tensor()
+        self._robe_total = module.memory_size
+        self._robe_hash_mode = module._hash_mode
+        # who declares each array in the state dict
+        plan = self.module_sharding_plan
+        offsets = array_offsets(module)
+        owners: Dict[int, Tuple[int, int, int]] = {}
+        for t, table in enumerate(module.embedding_bag_configs()):
+            a = array_of_table(module, t)
+            ps = plan[table.name]
+            owner = 0 if ps.sharding_type == DP else int(ps.ranks[0])  # type: ignore[index]
+            owners[a] = (offsets[a], module._array_sizes[a], owner)
+        self._global_segments = sorted(owners.values())
+        self._all_dp = all(plan[n].sharding_type == DP for n in self._robe_table_names)
+        self._dp_lookups = [lk for lk, st in zip(self._lookups, self._sharding_types) if st == DP]
+
+        # initial values: rank 0's module, so every rank starts from the same arrays
+        with torch.no_grad():
+            if module.weight.device.type != "meta":
+                src = module.weight.detach().clone().to(self._lookups[0].weight.device)
+                if pg is not None and self._world > 1:
+                    dist.broadcast(src, src=dist.get_global_rank(pg, 0), group=pg)
+                for lk in self._lookups:
+                    for s in lk.segments:
+                        lk.weight[s.local_offset: s.local_offset + s.size].copy_(
+                            src[s.global_offset: s.global_offset + s.size])
+            else:
+                scale = module._robe.init_scale or math.sqrt(
+                    1.0 / max(t.num_embeddings for t in module.embedding_bag_configs()))
+                for lk in self._lookups:
+                    lk.weight.uniform_(-scale, scale)
+                self._broadcast_dp()
+
+        self._robe_opt = ShardedRobeFusedOptimizer(self)
+        for lk in self._lookups:
+            lk.optimizer._owner = self._robe_opt
+        self._optim = CombinedOptimizer([("", self._robe_opt)])
+
+    def _broadcast_dp(self, tensors_of=lambda lk: [lk.weight.data]) -> None:
+        pg = self._env.process_group
+        if pg is None or self._world == 1:
+            return
+        for lk in self._dp_lookups:
+            for t in tensors_of(lk):
+                if t.numel():
+                    dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
+
+    # --- views over the local arrays -------------------------------------------------------
+
+    def _declared_local(self, tensor_of) -> List[Tuple[Segment, torch.Tensor]]:
+        """(segment, view) of every piece this rank declares in the state dict."""
+        out = []
+        for lk, st in zip(self._lookups, self._sharding_types):
+            if st == DP and self._rank != 0:
+                continue
+            t = tensor_of(lk)
+            for s in lk.segments:
+                out.append((s, t[s.local_offset: s.local_offset + s.size]))
+        return out
+
+    def global_view(self, tensor_of, clone: bool = False) -> torch.Tensor:
+        """The flat array (or an optimizer state of the same shape) as the state dict shows
+        it: a plain tensor when every table is data-parallel, else a ``ShardedTensor``."""
+        if self._all_dp:
+            t = tensor_of(self._dp_lookups[0])
+            return t.detach().clone() if clone else t
+        device = self._lookups[0].weight.device
+        def placement(rank: int) -> str:
+            return f"rank:{rank}/{device.type}" if device.type == "cpu" else f"rank:{rank}/{device}"
+        shards_md = [ShardMetadata(shard_offsets=[off], shard_sizes=[size], placement=placement(r))
+                     for off, size, r in self._global_segments]
+        by_offset = {md.shard_offsets[0]: md for md in shards_md}
+        local = []
+        for s, view in self._declared_local(tensor_of):
+            view = view.detach().clone() if clone else view.detach()
+            local.append(Shard(tensor=view, metadata=by_offset[s.global_offset]))
+        meta = ShardedTensorMetadata(
+            shards_metadata=shards_md, size=torch.Size([self._robe_total]),
+            tensor_properties=TensorProperties(dtype=torch.float32))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, meta, process_group=self._env.process_group)
+
+    # --- state dict ------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.global_view(lambda lk: lk.weight, clone=True)
+        destination[prefix + "robe_layout"] = self._robe_layout.clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        wkey, lkey = prefix + "weight", prefix + "robe_layout"
+        if lkey in state_dict:
+            _check_layout(state_dict[lkey].cpu(), self._robe_layout, self._robe_table_names)
+        elif strict:
+            missing_keys.append(lkey)
+        if wkey in state_dict:
+            self._load_flat(state_dict[wkey], lambda lk: lk.weight.data, "weight")
+        elif strict:
+            missing_keys.append(wkey)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        for key in (wkey, lkey):
+            while key in unexpected_keys:
+                unexpected_keys.remove(key)
+
+    def _load_flat(self, src, tensor_of, what: str) -> None:
+        """Copy a flat array (plain or ShardedTensor) into the local pieces of ``tensor_of``."""
+        with torch.no_grad():
+            if isinstance(src, ShardedTensor):
+                if tuple(src.size()) != (self._robe_total,):
+                    raise ValueError(f"RobeEmbeddingBagCollection: {what} has size "
+                                     f"{tuple(src.size())}, expected ({self._robe_total},)")
+                theirs = {(sh.metadata.shard_offsets[0], sh.metadata.shard_sizes[0]): sh.tensor
+                          for sh in src.local_shards()}
+                for s, view in self._declared_local(tensor_of):
+                    found = theirs.get((s.global_offset, s.size))
+                    if found is None:
+                        raise ValueError(
+                            f"RobeEmbeddingBagCollection: the {what} ShardedTensor given has no "
+                            f"local shard at offset {s.global_offset} (size {s.size}); load "
+                            "checkpoints of another sharding through "
+                            "torch.distributed.checkpoint into this module's own state_dict()")
+                    if found.data_ptr() != view.data_ptr():
+                        view.copy_(found)
+                if not self._all_dp:
+                    self._broadcast_dp(lambda lk: [tensor_of(lk)])
+            else:
+                if hasattr(src, "full_tensor"):  # DTensor
+                    src = src.full_tensor()
+                if src.numel() != self._robe_total:
+                    raise ValueError(f"RobeEmbeddingBagCollection: {what} has {src.numel()} "
+                                     f"elements, expected {self._robe_total}")
+                src = src.reshape(-1)
+                for lk in self._lookups:
+                    t = tensor_of(lk)
+                    for s in lk.segments:
+                        view = t[s.local_offset: s.local_offset + s.size]
+                        if view.data_ptr() != src[s.global_offset:].data_ptr():
+                            view.copy_(src[s.global_offset: s.global_offset + s.size])
+
+    # --- misc ------------------------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError("ShardedRobeEmbeddingBagCollection takes its initial arrays "
+                                  "from the module it shards")
+
+    @property
+    def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
+        return RobeEmbeddingBagCollection
+
+    def extra_repr(self) -> str:
+        return (f"tables={self._robe_table_names}, plan="
+                f"{ {n: self.module_sharding_plan[n].sharding_type for n in self._robe_table_names} }")
+
+
+class ShardedRobeFusedOptimizer(FusedOptimizer):
+    """The sharded module's in-backward optimizer, keyed ``weight`` as the unsharded module's
+    (DMP prefixes the module path). State tensors are viewed as the array is: plain when all
+    tables are data-parallel, else ``ShardedTensor``; ``step`` is a scalar tensor."""
+
+    def __init__(self, owner: ShardedRobeEmbeddingBagCollection) -> None:
+        self._owner = owner
+        first = owner._lookups[0].optimizer
+        group: Dict[str, Any] = {k: v for k, v in first.param_groups[0].items() if k != "params"}
+        weight = owner.global_view(lambda lk: lk.weight)
+        names = list(first.state[first._param].keys())
+        state: Dict[str, torch.Tensor] = {}
+        for name in names:
+            if name == "step":
+                continue
+            state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.state[lk.optimizer._param][n])
+        if "step" in names:
+            state["step"] = torch.tensor(0.0)
+        group["params"] = [weight]
+        super().__init__({"weight": weight}, {weight: state}, [group])
+        self._weight = weight
+        self.kind = first.kind
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+    def _lookup_opts(self):
+        return [lk.optimizer for lk in self._owner._lookups]
+
+    def state_dict(self) -> Dict[str, Any]:
+        st = self.state[self._weight]
+        if "step" in st:
+            st["step"].fill_(max(float(o.state[o._param]["step"]) for o in self._lookup_opts()))
+        return super().state_dict()
+
+    def post_load_state_dict(self) -> None:
+        st = self.state[self._weight]
+        owner = self._owner
+        if not owner._all_dp:
+            owner._broadcast_dp(lambda lk: [v for k, v in lk.optimizer.state[lk.optimizer._param].items()
+                                            if k != "step"])
+        if "step" in st:
+            for o in self._lookup_opts():
+                o.state[o._param]["step"].fill_(float(st["step"]))
+
+
+# ---------------------------------------------------------------------------------------
+# the sharder
+# ---------------------------------------------------------------------------------------
+
+class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards :class:`RobeEmbeddingBagCollection` for ``DistributedModelParallel`` and
+    ``EmbeddingShardingPlanner``.
+
+    Args:
+        fused_params: the in-backward optimizer when ``apply_optimizer_in_backward`` was not
+            called on the module's weight: ``{"optimizer": EmbOptimType.EXACT_SGD |
+            EXACT_ADAGRAD | ADAM, "learning_rate": ..., "eps": ..., "beta1": ..., "beta2": ...,
+            "weight_decay": ...}``.
+    """
+
+    def shard(self, module: RobeEmbeddingBagCollection, params: Dict[str, ParameterSharding],
+              env: ShardingEnv, device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedRobeEmbeddingBagCollection:
+        return ShardedRobeEmbeddingBagCollection(
+            module, params, env, resolve_fused_optimizer(module, self.fused_params), device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
+
+    def shardable_parameters(self, module: RobeEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+        """One meta tensor per table, shaped as the ROBE floats it costs (``[rows, dim]`` with
+        ``rows * dim`` about its array or its share of the shared array): the planner sizes
+        the module by its compressed memory. Carries the fused optimizer class so the planner
+        counts optimizer state."""
+        try:
+            opt_class = [resolve_fused_optimizer(module, self.fused_params)[0]]
+        except ValueError:
+            opt_class = None
+        out = {}
+        for i, table in enumerate(module.embedding_bag_configs()):
+            p = nn.Parameter(torch.empty(compressed_shape(module, i), device="meta"),
+                             requires_grad=False)
+            if opt_class:
+                p._optimizer_classes = opt_class  # type: ignore[attr-defined]
+            out[table.name] = p
+        return out
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SUPPORTED_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    @property
+    def module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
+        return RobeEmbeddingBagCollection
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedRobeEmbeddingBagCollection]:  # type: ignore[override]
+        return ShardedRobeEmbeddingBagCollection

@@ -1,0 +1,126 @@
+"""Shared pieces of the distributed tests (run inside spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    data_parallel,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from robe_torchrec import RobeConfig
+from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
+from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+
+B = 4  # local batch
+
+
+def tables() -> List[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=500,
+                           feature_names=["f1", "f2"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+
+
+FEATURES = ["f0", "f1", "f2", "f3"]
+ROWS = {"f0": 1000, "f1": 500, "f2": 500, "f3": 300}
+
+
+def make_ebc(robe: RobeConfig, seed: int = 0, device=None) -> RobeEmbeddingBagCollection:
+    torch.manual_seed(seed)
+    return RobeEmbeddingBagCollection(tables(), robe, device=device)
+
+
+def global_batch(step: int, world: int, batch: int = B) -> KeyedJaggedTensor:
+    """The same global batch (``world * batch`` samples) on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = world * batch
+    lengths, values = [], []
+    for f in FEATURES:
+        lens = torch.randint(0, 4, (n,), generator=g)
+        lengths.append(lens)
+        values.append(torch.randint(0, ROWS[f], (int(lens.sum()),), generator=g))
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(values), torch.cat(lengths))
+
+
+def local_slice(kjt: KeyedJaggedTensor, rank: int, batch: int = B) -> KeyedJaggedTensor:
+    """Samples ``[rank * batch, (rank + 1) * batch)`` of a KJT."""
+    n = kjt.stride()
+    lengths, values = [], []
+    for f in kjt.keys():
+        jt = kjt[f]
+        lens = jt.lengths()
+        offs = jt.offsets()
+        lo, hi = rank * batch, (rank + 1) * batch
+        lengths.append(lens[lo:hi])
+        values.append(jt.values()[offs[lo]: offs[hi]])
+    assert n % batch == 0
+    return KeyedJaggedTensor.from_lengths_sync(kjt.keys(), torch.cat(values), torch.cat(lengths))
+
+
+def target(step: int, rows: int, dim: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5000 + step)
+    return torch.randn(rows, dim, generator=g)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        # a sharded EBC may order its KeyedTensor keys differently: read them by name
+        kt = self.ebc(kjt).to_dict()
+        return torch.cat([kt[f] for f in FEATURES], dim=1)
+
+
+def plan_for(module: RobeEmbeddingBagCollection, types: Dict[str, str], world: int,
+             sharder: RobeEmbeddingBagCollectionSharder, ranks: Optional[Dict[str, int]] = None):
+    per_param = {}
+    for name, st in types.items():
+        if st == "data_parallel":
+            per_param[name] = data_parallel()
+        elif st == "table_wise":
+            per_param[name] = table_wise(rank=(ranks or {}).get(name, 0))
+        else:
+            raise ValueError(st)
+    return construct_module_sharding_plan(module, per_param_sharding=per_param, sharder=sharder,
+                                          local_size=world, world_size=world, device_type="cpu")
+
+
+def make_dmp(robe: RobeConfig, types: Dict[str, str], world: int, optimizer=None,
+             fused_params=None, ranks=None, seed: int = 0):
+    ebc = make_ebc(robe, seed)
+    if optimizer is not None:
+        apply_optimizer_in_backward(optimizer[0], [ebc.weight], optimizer[1])
+    sharder = RobeEmbeddingBagCollectionSharder(fused_params=fused_params)
+    plan = ShardingPlan({"ebc": plan_for(ebc, types, world, sharder, ranks)})
+    dmp = DistributedModelParallel(Wrapper(ebc), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    return dmp
+
+
+def full_weight(dmp) -> torch.Tensor:
+    """The sharded module's flat array, assembled on every rank."""
+    sd = dmp.state_dict()
+    w = sd["ebc.weight"]
+    if isinstance(w, torch.Tensor) and not hasattr(w, "local_shards"):
+        return w.clone()
+    out = torch.zeros(w.size())
+    for shard in w.local_shards():
+        off, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        out[off: off + size] = shard.tensor
+    dist.all_reduce(out)
+    return out
