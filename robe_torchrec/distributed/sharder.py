@@ -458,7 +458,8 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
                 continue
             state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.state[lk.optimizer._param][n])
         if "step" in names:
-            state["step"] = torch.tensor(0.0)
+            # the step counter of this rank's first lookup (they all count the same steps)
+            state["step"] = first.state[first._param]["step"]
         group["params"] = [weight]
         super().__init__({"weight": weight}, {weight: state}, [group])
         self._weight = weight
@@ -470,24 +471,20 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass
 
-    def _lookup_opts(self):
-        return [lk.optimizer for lk in self._owner._lookups]
-
-    def state_dict(self) -> Dict[str, Any]:
-        st = self.state[self._weight]
-        if "step" in st:
-            st["step"].fill_(max(float(o.state[o._param]["step"]) for o in self._lookup_opts()))
-        return super().state_dict()
-
     def post_load_state_dict(self) -> None:
+        """After ``load_state_dict`` (TorchRec copies into the state tensors in place):
+        data-parallel pieces declared by rank 0 only reach the other ranks, and every
+        lookup gets the loaded step count."""
         st = self.state[self._weight]
         owner = self._owner
         if not owner._all_dp:
             owner._broadcast_dp(lambda lk: [v for k, v in lk.optimizer.state[lk.optimizer._param].items()
                                             if k != "step"])
         if "step" in st:
-            for o in self._lookup_opts():
-                o.state[o._param]["step"].fill_(float(st["step"]))
+            for lk in owner._lookups:
+                o = lk.optimizer
+                if o.state[o._param]["step"] is not st["step"]:
+                    o.state[o._param]["step"].fill_(float(st["step"]))
 
 
 # ---------------------------------------------------------------------------------------

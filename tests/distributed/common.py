@@ -112,15 +112,19 @@ def make_dmp(robe: RobeConfig, types: Dict[str, str], world: int, optimizer=None
     return dmp
 
 
-def full_weight(dmp) -> torch.Tensor:
-    """The sharded module's flat array, assembled on every rank."""
-    sd = dmp.state_dict()
-    w = sd["ebc.weight"]
-    if isinstance(w, torch.Tensor) and not hasattr(w, "local_shards"):
-        return w.clone()
-    out = torch.zeros(w.size())
-    for shard in w.local_shards():
+def full_tensor(t) -> torch.Tensor:
+    """A flat array of the state dict (plain, or ShardedTensor with each piece declared
+    once), assembled on every rank (collective for a ShardedTensor)."""
+    if not hasattr(t, "local_shards"):
+        return t.detach().clone()
+    out = torch.zeros(tuple(t.size()))
+    for shard in t.local_shards():
         off, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
         out[off: off + size] = shard.tensor
     dist.all_reduce(out)
     return out
+
+
+def full_weight(dmp) -> torch.Tensor:
+    """The sharded module's flat array, assembled on every rank."""
+    return full_tensor(dmp.state_dict()["ebc.weight"])

@@ -1,0 +1,141 @@
+"""Optimizer integration and checkpoints of a sharded RobeEmbeddingBagCollection:
+``dmp.fused_optimizer`` keys, LR changes, ``in_backward_optimizer_filter``, state dicts,
+torch.distributed.checkpoint save on 2 ranks and load on 1 and 3 (other sharding types),
+layout mismatch and unsupported plans refused clearly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from robe_torchrec import RobeConfig
+from tests.distributed import common
+from tests.distributed.multiprocess import run_ranks
+
+GLOBAL_BATCH = 12
+ROBE = RobeConfig(compression=10, block_size=4, shared=False)
+ADAGRAD = (torch.optim.Adagrad, {"lr": 0.1})
+TW = {"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}
+DP = {"t0": "data_parallel", "t1": "data_parallel", "t2": "data_parallel"}
+
+
+def _step(dmp, rank: int, world: int, step: int) -> None:
+    """One training step on the same global batch whatever the world size (the loss is
+    scaled so the rank-averaged gradient is the global batch's mean)."""
+    local = GLOBAL_BATCH // world
+    kjt = common.global_batch(step, 1, GLOBAL_BATCH)
+    tgt = common.target(step, GLOBAL_BATCH, 24)[rank * local: (rank + 1) * local]
+    out = dmp(common.local_slice(kjt, rank, local))
+    (((out - tgt) ** 2).sum() * world / GLOBAL_BATCH).backward()
+
+
+def _state(dmp):
+    dmp.fused_optimizer.save_param_groups(True)  # TorchRec leaves LR out by default
+    return {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+
+
+def _arrays(dmp):
+    st = dmp.fused_optimizer.state_dict()["state"]["ebc.weight"]
+    return (common.full_weight(dmp), common.full_tensor(st["sum"]), float(st["step"]))
+
+
+def _save(rank, world, ckpt):
+    dmp = common.make_dmp(ROBE, TW, world, optimizer=ADAGRAD, ranks={"t0": 0, "t1": 1, "t2": 0})
+    # keys as TorchRec keys its own (module path + parameter name)
+    assert list(dmp.fused_optimizer.params) == ["ebc.weight"]
+    assert set(dmp.state_dict()) == {"ebc.weight", "ebc.robe_layout"}
+    assert not [n for n, _ in in_backward_optimizer_filter(dmp.named_parameters())]
+    assert [n for n, _ in dmp.named_parameters()]  # the arrays are parameters, filtered out
+
+    # LR through param_groups: 0 freezes the arrays, restoring it trains again
+    w0 = common.full_weight(dmp)
+    dmp.fused_optimizer.param_groups[0]["lr"] = 0.0
+    _step(dmp, rank, world, 100)
+    assert torch.equal(common.full_weight(dmp), w0)
+    dmp.fused_optimizer.param_groups[0]["lr"] = 0.1
+    _step(dmp, rank, world, 101)
+    assert not torch.equal(common.full_weight(dmp), w0)
+
+    for step in range(3):
+        _step(dmp, rank, world, step)
+    state = _state(dmp)
+    assert float(state["optim"]["state"]["ebc.weight"]["step"]) == 5.0
+    assert state["optim"]["param_groups"][0]["lr"] == 0.1
+    dcp.save(state, checkpoint_id=ckpt)
+    before = _arrays(dmp)
+    _step(dmp, rank, world, 3)
+    after = _arrays(dmp)
+    if rank == 0:
+        torch.save({"before": before, "after": after}, os.path.join(ckpt, "..", "arrays.pt"))
+
+
+def _load(rank, world, ckpt, types, ranks):
+    dmp = common.make_dmp(ROBE, types, world, optimizer=ADAGRAD, ranks=ranks, seed=123)
+    dmp.fused_optimizer.param_groups[0]["lr"] = 0.5  # the checkpoint's 0.1 must come back
+    state = _state(dmp)
+    dcp.load(state, checkpoint_id=ckpt)
+    dmp.load_state_dict(state["model"])
+    dmp.fused_optimizer.load_state_dict(state["optim"])
+    ref = torch.load(os.path.join(ckpt, "..", "arrays.pt"))
+    w, s, step = _arrays(dmp)
+    assert torch.equal(w, ref["before"][0]) and torch.equal(s, ref["before"][1])
+    assert step == ref["before"][2] == 5.0
+    assert dmp.fused_optimizer.param_groups[0]["lr"] == 0.1
+    _step(dmp, rank, world, 3)  # continues exactly as the 2-rank run did
+    w, s, step = _arrays(dmp)
+    return ((w - ref["after"][0]).abs().max().item(), (s - ref["after"][1]).abs().max().item(),
+            step)
+
+
+def _refusals(rank, world, ckpt):
+    # another hash seed: same sizes, so DCP reads it, and load_state_dict must refuse
+    other = RobeConfig(compression=10, block_size=4, shared=False, seed=7)
+    dmp = common.make_dmp(other, DP, world, optimizer=ADAGRAD)
+    state = _state(dmp)
+    dcp.load(state, checkpoint_id=ckpt)
+    with pytest.raises(ValueError, match="another ROBE layout.*seed: checkpoint 1024 vs module 7"):
+        dmp.load_state_dict(state["model"])
+    # unsupported sharding types in a plan
+    from torchrec.distributed.sharding_plan import column_wise
+    from torchrec.distributed.types import ShardingEnv
+    from robe_torchrec.distributed import ShardedRobeEmbeddingBagCollection
+    from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+
+    ebc = common.make_ebc(ROBE)
+    sharder = RobeEmbeddingBagCollectionSharder(fused_params={"optimizer": None})
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding={"t0": column_wise(ranks=[0]), "t1": table_wise(rank=0),
+                                 "t2": table_wise(rank=0)},
+        local_size=1, world_size=1, device_type="cpu", sharder=sharder)
+    with pytest.raises(ValueError, match="table 't0' is planned column_wise, which ROBE "
+                                         "sharding does not support"):
+        ShardedRobeEmbeddingBagCollection(ebc, plan, env, (torch.optim.SGD, {"lr": 0.1}))
+    shared = common.make_ebc(RobeConfig(compression=10, block_size=4, shared=True))
+    plan = construct_module_sharding_plan(
+        shared, per_param_sharding={n: table_wise(rank=0) for n in ("t0", "t1", "t2")},
+        local_size=1, world_size=1, device_type="cpu", sharder=sharder)
+    with pytest.raises(ValueError, match="shared=True.*cannot be split by table"):
+        ShardedRobeEmbeddingBagCollection(shared, plan, env, (torch.optim.SGD, {"lr": 0.1}))
+    # no fused optimizer anywhere
+    with pytest.raises(ValueError, match="needs a fused optimizer"):
+        common.make_dmp(ROBE, DP, world)
+    return True
+
+
+@pytest.mark.slow
+def test_checkpoint_2_ranks_to_1_and_3(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_save, 2, ckpt)
+    for world, types, ranks in ((1, DP, None),
+                                (3, TW, {"t0": 2, "t1": 0, "t2": 1})):
+        for w_diff, s_diff, step in run_ranks(_load, world, ckpt, types, ranks):
+            assert w_diff <= 1e-5 and s_diff <= 1e-5, (world, w_diff, s_diff)
+            assert step == 6.0
+    assert run_ranks(_refusals, 1, ckpt) == [True]
