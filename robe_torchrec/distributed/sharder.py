@@ -28,7 +28,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
@@ -38,8 +38,9 @@ from robe_torchrec.optim import resolve_optimizer
 
 DP = ShardingType.DATA_PARALLEL.value
 TW = ShardingType.TABLE_WISE.value
-SUPPORTED_SHARDING_TYPES = (DP, TW)
-SHARED_SHARDING_TYPES = (DP,)
+RW = ShardingType.ROW_WISE.value
+SUPPORTED_SHARDING_TYPES = (DP, TW, RW)
+SHARED_SHARDING_TYPES = (DP, RW)
 _KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value)
 
 _EMB_OPT = {
@@ -77,6 +78,22 @@ def compressed_shape(module: RobeEmbeddingBagCollection, t: int) -> torch.Size:
     """The shape the planner sees for table ``t``: its ROBE floats as ``[rows, dim]``."""
     dim = module.embedding_bag_configs()[t].embedding_dim
     return torch.Size([max(1, math.ceil(table_array_share(module, t) / dim)), dim])
+
+
+def rw_rows(num_embeddings: int, world: int, rank: int) -> Tuple[int, int]:
+    """First row and row count of ``rank`` under ROW_WISE, as TorchRec's input dist buckets
+    ids (blocks of ``ceil(num_embeddings / world)`` rows)."""
+    block = math.ceil(num_embeddings / world)
+    start = min(rank * block, num_embeddings)
+    return start, min(block, num_embeddings - start)
+
+
+def rw_slices(array_size: int, world: int) -> List[Tuple[int, int]]:
+    """ROW_WISE: (offset inside the array, size) of each rank's slice: ``world`` equal
+    slices, the remainder to the last."""
+    base = array_size // world
+    return [(r * base, base if r < world - 1 else array_size - base * (world - 1))
+            for r in range(world)]
 
 
 def resolve_fused_optimizer(
@@ -136,6 +153,15 @@ def validate_plan(module: RobeEmbeddingBagCollection,
                 f"RobeEmbeddingBagCollection: table {name!r} has compute kernel "
                 f"{ps.compute_kernel!r}; ROBE sharding runs its own kernel and accepts the plan "
                 f"names {list(_KERNELS)}")
+    for t, name in enumerate(names):
+        if plan[name].sharding_type == RW:
+            world = len(plan[name].ranks or []) or 1
+            a = array_of_table(module, t)
+            if module._array_sizes[a] // world < module._robe.block_size:
+                raise ValueError(
+                    f"RobeEmbeddingBagCollection: table {name!r} is planned row_wise over "
+                    f"{world} ranks but its ROBE array ({module._array_sizes[a]} floats) cannot "
+                    f"give each rank a slice of at least block_size={module._robe.block_size}")
     if module._robe.shared:
         types = {plan[n].sharding_type for n in names}
         if len(types) != 1 or not types <= set(SHARED_SHARDING_TYPES):
@@ -149,8 +175,9 @@ def validate_plan(module: RobeEmbeddingBagCollection,
 
 def robe_sharding_constraints(model: nn.Module, constraints=None):
     """``ParameterConstraints`` for every ``RobeEmbeddingBagCollection`` in ``model``: a
-    shared-layout module's tables are restricted to the sharding types it supports (others
-    keep any constraints given). Pass the result to ``EmbeddingShardingPlanner``."""
+    shared-layout module's tables are restricted to DATA_PARALLEL (or ROW_WISE where the
+    constraints given ask for it: then constrain all its tables alike); other modules keep
+    the constraints given. Pass the result to ``EmbeddingShardingPlanner``."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
     constraints = dict(constraints or {})
@@ -158,9 +185,8 @@ def robe_sharding_constraints(model: nn.Module, constraints=None):
         if isinstance(module, RobeEmbeddingBagCollection) and module._robe.shared:
             for table in module.embedding_bag_configs():
                 c = constraints.get(table.name) or ParameterConstraints()
-                allowed = [t for t in (c.sharding_types or SHARED_SHARDING_TYPES)
-                           if t in SHARED_SHARDING_TYPES]
-                c.sharding_types = allowed or list(SHARED_SHARDING_TYPES)
+                allowed = [t for t in (c.sharding_types or [DP]) if t in SHARED_SHARDING_TYPES]
+                c.sharding_types = allowed or [DP]
                 constraints[table.name] = c
     return constraints
 
@@ -244,24 +270,39 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                             for tb in gc.embedding_tables]
             features: List[FeatureSpec] = []
             segments: List[Segment] = []
-            # local arrays in global order: a data-parallel lookup's weight is then laid out
-            # exactly as the unsharded module's (its state can be viewed without copies)
+            rank, world = self._env.rank, self._env.world_size
+            row_wise = sharding_type == RW
+            # local arrays (ROW_WISE: this rank's slice of each) in global order: a
+            # data-parallel lookup's weight is then laid out exactly as the unsharded
+            # module's (its state can be viewed without copies)
             local_of_array: Dict[int, int] = {}
+            piece: Dict[int, Tuple[int, int]] = {}  # array -> (global offset, size) held
             local_size = 0
             for a in sorted({array_of_table(module, index[tb.name]) for tb in local_tables}):
+                if row_wise:
+                    off, size = rw_slices(module._array_sizes[a], world)[rank]
+                    piece[a] = (offsets[a] + off, size)
+                else:
+                    piece[a] = (offsets[a], module._array_sizes[a])
                 local_of_array[a] = local_size
-                segments.append(Segment(offsets[a], module._array_sizes[a], local_size))
-                local_size += module._array_sizes[a]
+                segments.append(Segment(piece[a][0], piece[a][1], local_size))
+                local_size += piece[a][1]
             for tb in local_tables:
                 t = index[tb.name]
                 a = array_of_table(module, t)
-                size = module._array_sizes[a]
+                size = piece[a][1]
                 cfg = tables[t]
+                row_offset = row_offsets[t] if module._robe.shared else 0
+                num_rows, pooling = cfg.num_embeddings, int(_POOLING[cfg.pooling])
+                if row_wise:
+                    # ids arrive local to this rank's row block: the hash key stays the
+                    # global row; MEAN is applied by TorchRec after the reduce-scatter
+                    start, num_rows = rw_rows(cfg.num_embeddings, world, rank)
+                    row_offset += start
+                    pooling = int(_POOLING[PoolingType.SUM])
                 for f in cfg.feature_names:
-                    features.append(FeatureSpec(
-                        f, cfg.embedding_dim, local_of_array[a], size,
-                        row_offsets[t] if module._robe.shared else 0, cfg.num_embeddings,
-                        int(_POOLING[cfg.pooling])))
+                    features.append(FeatureSpec(f, cfg.embedding_dim, local_of_array[a], size,
+                                                row_offset, num_rows, pooling))
             lookup = RobeShardedLookup(
                 features, segments, local_size,
                 (module._robe.block_size, int(module._hash_mode), list(module._hash_params),
@@ -291,13 +332,17 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # who declares each array in the state dict
         plan = self.module_sharding_plan
         offsets = array_offsets(module)
-        owners: Dict[int, Tuple[int, int, int]] = {}
+        pieces = set()
         for t, table in enumerate(module.embedding_bag_configs()):
             a = array_of_table(module, t)
             ps = plan[table.name]
-            owner = 0 if ps.sharding_type == DP else int(ps.ranks[0])  # type: ignore[index]
-            owners[a] = (offsets[a], module._array_sizes[a], owner)
-        self._global_segments = sorted(owners.values())
+            if ps.sharding_type == RW:
+                for r, (off, size) in enumerate(rw_slices(module._array_sizes[a], self._world)):
+                    pieces.add((offsets[a] + off, size, r))
+            else:
+                owner = 0 if ps.sharding_type == DP else int(ps.ranks[0])  # type: ignore[index]
+                pieces.add((offsets[a], module._array_sizes[a], owner))
+        self._global_segments = sorted(pieces)
         self._all_dp = all(plan[n].sharding_type == DP for n in self._robe_table_names)
         self._dp_lookups = [lk for lk, st in zip(self._lookups, self._sharding_types) if st == DP]
 

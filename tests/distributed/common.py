@@ -11,6 +11,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     data_parallel,
+    row_wise,
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -92,6 +93,8 @@ def plan_for(module: RobeEmbeddingBagCollection, types: Dict[str, str], world: i
     for name, st in types.items():
         if st == "data_parallel":
             per_param[name] = data_parallel()
+        elif st == "row_wise":
+            per_param[name] = row_wise()
         elif st == "table_wise":
             per_param[name] = table_wise(rank=(ranks or {}).get(name, 0))
         else:
