@@ -1,0 +1,197 @@
+"""CPU benchmark: one DLRM training step under DistributedModelParallel on 2 ranks (gloo)
+against the unsharded model on 1 rank, same global batch, ROBE-Z at 1000x, DATA_PARALLEL.
+
+Model: ``torchrec.models.dlrm.DLRM`` over a :class:`RobeEmbeddingBagCollection` of
+``--tables`` tables of ``--rows`` rows, dim ``--dim`` (one feature each, ``--pooling`` ids per
+bag, ids uniform), ``RobeConfig(compression=1000, block_size=32, shared=True)``, fused
+Adagrad on the ROBE array (``apply_optimizer_in_backward``), SGD on the dense part.
+
+* ``unsharded, 1 rank``: the plain model, the whole global batch in one process, with
+  ``torch.set_num_threads(t)`` for t = 1 and 2 (the machine's cores).
+* ``DMP, 2 ranks``: two processes (one thread each), the table DATA_PARALLEL through
+  :class:`RobeEmbeddingBagCollectionSharder` (array gradient all-reduced and Adagrad applied
+  inside backward), dense part under DMP's DDP, each rank half the global batch. The step time
+  is rank 0's (the ranks synchronise in every step's all-reduces).
+
+A step is forward + loss + backward + dense optimizer step. Reported: P50 and P90 over
+``--iters`` timed steps after ``--warmup`` (nearest-rank quantiles, as TorchRec's pipeline
+benchmark). The target is ``DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50`` (both 1 thread per
+process, and also against the 2-thread unsharded step).
+
+Usage::
+
+    python -m robe_torchrec.benchmarks.distributed_step --out robe_torchrec/benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _quantile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+def _build(args):
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim import apply_optimizer_in_backward
+
+    from robe_torchrec import RobeConfig
+    from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows,
+                                 feature_names=[f"f{i}"]) for i in range(args.tables)]
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(compression=1000, block_size=32,
+                                                        shared=True))
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.01})
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                 dense_arch_layer_sizes=[128, args.dim], over_arch_layer_sizes=[256, 128, 1])
+    return model
+
+
+def _batches(args, n: int, rank: int, world: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    local = n // world
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        dense = torch.randn(n, 13, generator=g)[rank * local:(rank + 1) * local]
+        ids = torch.randint(0, args.rows, (args.tables, n, args.pooling), generator=g)
+        ids = ids[:, rank * local:(rank + 1) * local].reshape(-1)
+        lengths = torch.full((args.tables * local,), args.pooling)
+        kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(args.tables)], ids,
+                                                  lengths)
+        labels = torch.randint(0, 2, (n,), generator=g).float()[rank * local:(rank + 1) * local]
+        out.append((dense, kjt, labels))
+    return out
+
+
+def _time_steps(model, dense_opt, batches, args) -> List[float]:
+    times = []
+    for it in range(args.warmup + args.iters):
+        dense, kjt, labels = batches[it % len(batches)]
+        t0 = time.perf_counter()
+        logits = model(dense, kjt).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss.backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return times[args.warmup:]
+
+
+def _unsharded(args, threads: int) -> List[float]:
+    torch.set_num_threads(threads)
+    model = _build(args)
+    dense_opt = torch.optim.SGD([p for n, p in model.named_parameters()
+                                 if "embedding_bag_collection" not in n], lr=0.01)
+    return _time_steps(model, dense_opt, _batches(args, args.batch, 0, 1), args)
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+        from torchrec.optim.keyed import KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
+
+        model = _build(args)
+        sharder = RobeEmbeddingBagCollectionSharder()
+        ebc = model.sparse_arch.embedding_bag_collection
+        plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+            ebc, per_param_sharding={t.name: data_parallel() for t in ebc.embedding_bag_configs()},
+            sharder=sharder, local_size=world, world_size=world, device_type="cpu")})
+        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                          lambda ps: torch.optim.SGD(ps, lr=0.01))
+        times = _time_steps(dmp, dense_opt, _batches(args, args.batch, rank, world), args)
+        queue.put((rank, times))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dmp(args, world: int) -> List[float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1200) for _ in range(world))
+    for p in procs:
+        p.join()
+    return results[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=10**6)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--pooling", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4096, help="global batch")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default=None, help="folder for distributed_step.{json,md}")
+    args = parser.parse_args()
+
+    rows: Dict[str, List[float]] = {}
+    # interleave so that load from other jobs on the machine hits both alike
+    rows["unsharded, 1 rank, 1 thread"] = _unsharded(args, 1)
+    rows["DMP DATA_PARALLEL, 2 ranks x 1 thread"] = _dmp(args, 2)
+    rows["unsharded, 1 rank, 2 threads"] = _unsharded(args, 2)
+    torch.set_num_threads(1)
+    summary = {name: {"p50_ms": 1e3 * _quantile(ts, 0.5), "p90_ms": 1e3 * _quantile(ts, 0.9)}
+               for name, ts in rows.items()}
+    dmp50 = summary["DMP DATA_PARALLEL, 2 ranks x 1 thread"]["p50_ms"]
+    ratios = {f"DMP 2 ranks / {name}": dmp50 / s["p50_ms"]
+              for name, s in summary.items() if name.startswith("unsharded")}
+    result = {"args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
+              "torch": torch.__version__, "summary": summary, "ratios_p50": ratios,
+              "target": "DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50",
+              "steps_ms": {k: [1e3 * t for t in v] for k, v in rows.items()}}
+    lines = ["# 2-rank DMP step vs 1-rank unsharded step (CPU, gloo)", "",
+             f"DLRM, {args.tables} tables x {args.rows:,} rows x dim {args.dim}, ROBE-Z 1000x "
+             f"(shared array, Z=32), pooling {args.pooling}, global batch {args.batch}, fused "
+             f"Adagrad; {args.iters} timed steps after {args.warmup} warm-up; "
+             f"{os.cpu_count()} CPUs (shared with other jobs: expect noise).", "",
+             "| setup | P50 ms | P90 ms |", "|---|---:|---:|"]
+    lines += [f"| {n} | {s['p50_ms']:.1f} | {s['p90_ms']:.1f} |" for n, s in summary.items()]
+    lines += ["", "| ratio (P50) | value | target <= 1.3 |", "|---|---:|---|"]
+    lines += [f"| {n} | {r:.2f} | {'met' if r <= 1.3 else 'missed'} |" for n, r in ratios.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "distributed_step.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "distributed_step.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
