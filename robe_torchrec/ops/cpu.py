@@ -1,0 +1,212 @@
+"""Multithreaded C++ ROBE-Z kernels for CPU tensors (``csrc/robe_cpu.cpp``).
+
+Same signatures as :mod:`robe_torchrec.ops.reference`. The extension is compiled on first
+use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached on
+disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags and of this CPU's flags>``
+or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the same torch, flags and CPU loads
+the cached build without compiling. Threads: ``torch.set_num_threads``.
+
+The wrappers only run :func:`~robe_torchrec.ops.validation.check_static` (dtypes and shapes);
+the C++ checks offsets, id bounds and per-sample weights inside its own loops and raises
+``ValueError`` with the messages of :mod:`robe_torchrec.ops.validation`.
+
+Example::
+
+    >>> from robe_torchrec.ops import cpu
+    >>> out = cpu.forward(weights, values, offsets, None, meta, 24, 4, 0, params, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+from typing import Iterator, List, Optional
+
+import torch
+
+from robe_torchrec.ops.validation import check_static
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "robe_cpu.cpp")
+_NAME = "robe_torchrec_cpu"
+# -fopenmp is required: at::parallel_for in the ATen headers is an `omp parallel` region,
+# which without it silently runs on one thread. -fno-math-errno lets sqrt vectorise.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-DNDEBUG"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_module = None
+
+
+def _cpu_flags_line() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_directory() -> str:
+    """Where the compiled extension is cached (created on demand)."""
+    override = os.environ.get("ROBE_TORCHREC_BUILD_DIR")
+    if override:
+        return override
+    key = hashlib.sha256(
+        "\n".join([" ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line()]).encode()
+    ).hexdigest()[:12]
+    return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
+
+
+def _find_compiler() -> Optional[str]:
+    for name in filter(None, [os.environ.get("CXX"), "c++", "g++"]):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def extension():
+    """The compiled extension module (built or loaded on first call; thread-safe)."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            if _find_compiler() is None:
+                raise RuntimeError(
+                    "robe: the C++ CPU kernels need a C++ compiler to build, and none was found "
+                    "(looked for $CXX, c++ and g++). Install g++ (e.g. `apt-get install g++`) or "
+                    "set ROBE_CPU_BACKEND=reference to use the pure-PyTorch ops instead."
+                )
+            from torch.utils.cpp_extension import load
+
+            directory = build_directory()
+            os.makedirs(directory, exist_ok=True)
+            _module = load(
+                name=_NAME,
+                sources=[_SOURCE],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=directory,
+                verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")),
+            )
+    return _module
+
+
+@contextlib.contextmanager
+def _value_errors() -> Iterator[None]:
+    """Data errors found by the C++ (messages starting with 'robe:') surface as ValueError."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except RuntimeError as exc:
+        message = str(exc)
+        if message.startswith("robe:"):
+            raise ValueError(message) from None
+        raise
+
+
+def _ints(values: List[int]) -> List[int]:
+    return [int(v) for v in values]
+
+
+def forward(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    output_dim: int,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    bounds_check: int,
+) -> torch.Tensor:
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    ext = extension()
+    with _value_errors():
+        return ext.forward(weights, values, offsets, per_sample_weights, table_meta, int(output_dim),
+                           int(block_size), int(hash_mode), _ints(hash_params), int(bounds_check))
+
+
+def backward_dense(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> torch.Tensor:
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    ext = extension()
+    with _value_errors():
+        return ext.backward_dense(grad_output, weights, values, offsets, per_sample_weights, table_meta,
+                                  int(block_size), int(hash_mode), _ints(hash_params))
+
+
+def per_sample_weights_grad(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> torch.Tensor:
+    check_static(weights, values, offsets, None, table_meta, block_size, hash_mode)
+    ext = extension()
+    with _value_errors():
+        return ext.per_sample_weights_grad(grad_output, weights, values, offsets, table_meta,
+                                           int(block_size), int(hash_mode), _ints(hash_params))
+
+
+def backward_fused_(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    state1: torch.Tensor,
+    state2: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    optimizer: int,
+    hparams: List[float],
+    step: int,
+) -> None:
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    ext = extension()
+    with _value_errors():
+        ext.backward_fused_(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
+                            table_meta, int(block_size), int(hash_mode), _ints(hash_params),
+                            int(optimizer), [float(h) for h in hparams], int(step))
+
+
+def forward_hash_only(*forward_args) -> int:
+    """Benchmark aid: :func:`forward`'s loops and hashing without the gathers and output
+    writes; returns the sum of all block starts."""
+    ext = extension()
+    with _value_errors():
+        return int(ext.forward_hash_only(*forward_args))
+
+
+__all__ = [
+    "backward_dense",
+    "backward_fused_",
+    "build_directory",
+    "extension",
+    "forward",
+    "forward_hash_only",
+    "per_sample_weights_grad",
+]

@@ -1,0 +1,1127 @@
+// ROBE-Z CPU kernels: pooled forward, dense weight gradient, per-sample-weight gradient and
+// the fused backward + optimizer step. Multithreaded with at::parallel_for (OpenMP: this file
+// must be compiled with -fopenmp, or at::parallel_for runs on one thread).
+//
+// The hash formulas are those of robe_torchrec/hashing.py, bit-exact; the argument layout is
+// that of robe_torchrec/ops/meta.py; the data-dependent checks are those of
+// robe_torchrec/ops/validation.py, with the same messages, done inside the kernel loops.
+//
+// Layout reminders (see meta.py): values/offsets are feature-major, bag (t, b) is
+// values[offsets[t*B + b] : offsets[t*B + b + 1]]; table_meta is int64 [7, T].
+
+#include <torch/extension.h>
+
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace robe {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// constants (hashing.py, meta.py)
+// ---------------------------------------------------------------------------------------
+
+constexpr uint64_t kPrime = 2038074743ULL;  // REFERENCE_PRIME
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+constexpr uint64_t kFmixC1 = 0xFF51AFD7ED558CCDULL;
+constexpr uint64_t kFmixC2 = 0xC4CEB9FE1A85EC53ULL;
+
+enum MetaField : int64_t {
+  OUT_OFFSET = 0,
+  DIM = 1,
+  W_OFFSET = 2,
+  W_SIZE = 3,
+  ROW_OFFSET = 4,
+  NUM_ROWS = 5,
+  POOLING = 6,
+  NUM_META_FIELDS = 7,
+};
+enum HashModeId : int64_t { HASH_REFERENCE = 0, HASH_MIX = 1 };
+enum BoundsCheckId : int64_t { BOUNDS_ERROR = 0, BOUNDS_UNBOUNDED = 1 };
+enum OptimizerId : int64_t { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
+constexpr int64_t kPoolingMean = 1;
+
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+
+// ---------------------------------------------------------------------------------------
+// errors: every message starts with "robe:" (validation.py texts); raised as c10::ValueError
+// (Python ValueError)
+// ---------------------------------------------------------------------------------------
+
+[[noreturn]] void fail(const std::string& msg) {
+  TORCH_CHECK_VALUE(false, msg);
+  __builtin_unreachable();
+}
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+std::string i128_str(__int128 v) {
+  if (v == 0) return "0";
+  const bool neg = v < 0;
+  unsigned __int128 u = neg ? -static_cast<unsigned __int128>(v) : static_cast<unsigned __int128>(v);
+  std::string s;
+  while (u) {
+    s.push_back(static_cast<char>('0' + static_cast<int>(u % 10)));
+    u /= 10;
+  }
+  if (neg) s.push_back('-');
+  return std::string(s.rbegin(), s.rend());
+}
+
+// Python's str(float) for the values the checks report (always non-finite there).
+std::string py_float_str(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+// Lowest position at which a check failed, shared by the threads of a parallel loop.
+struct FirstError {
+  std::atomic<int64_t> pos{kI64Max};
+  void record(int64_t p) {
+    int64_t cur = pos.load(std::memory_order_relaxed);
+    while (p < cur && !pos.compare_exchange_weak(cur, p, std::memory_order_relaxed)) {
+    }
+  }
+  bool any() const { return pos.load(std::memory_order_relaxed) != kI64Max; }
+  int64_t get() const { return pos.load(std::memory_order_relaxed); }
+};
+
+struct LoopErrors {
+  FirstError offsets;  // first bag whose offsets decrease
+  FirstError psw;      // first non-finite per-sample weight
+  FirstError ids;      // first id out of bounds
+};
+
+// ---------------------------------------------------------------------------------------
+// hashing
+// ---------------------------------------------------------------------------------------
+
+inline uint64_t fmix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= kFmixC1;
+  x ^= x >> 33;
+  x *= kFmixC2;
+  x ^= x >> 33;
+  return x;
+}
+
+struct Feature {
+  int64_t out_offset, dim, w_offset, w_size, row_offset, num_rows;
+  int64_t nblocks;  // ceil(dim / Z)
+  uint64_t span;    // w_size - Z + 1: number of valid block starts
+  uint64_t ref_d;   // min(span, P): h mod span == h mod ref_d for every h < P (< 2**32)
+  uint64_t ref_magic;  // Lemire fastmod multiplier of ref_d
+  bool mean;
+};
+
+// h_b = (key*A + b*B + C) mod P, start = h_b mod span. h_0 costs one constant-divisor mod,
+// each next block one add and a conditional subtract; the mod span is Lemire's fastmod
+// (exact: h < P < 2**31 and ref_d < 2**32).
+struct RefHash {
+  uint64_t a, c;  // raw int64 bit patterns (wrapping arithmetic, as torch does)
+  uint64_t b_mod;  // B mod P (floor mod), so the incremental step is exact for any B
+  template <typename Fn>
+  inline void blocks(uint64_t key, const Feature& f, Fn&& fn) const {
+    int64_t x = static_cast<int64_t>(key * a + c);
+    int64_t r = x % static_cast<int64_t>(kPrime);
+    if (r < 0) r += static_cast<int64_t>(kPrime);
+    uint64_t h = static_cast<uint64_t>(r);
+    const uint64_t magic = f.ref_magic, d = f.ref_d;
+    for (int64_t blk = 0; blk < f.nblocks; ++blk) {
+      const uint64_t low = magic * h;
+      const uint64_t start = static_cast<uint64_t>((static_cast<unsigned __int128>(low) * d) >> 64);
+      fn(blk, start);
+      h += b_mod;
+      h = h >= kPrime ? h - kPrime : h;
+    }
+  }
+};
+
+// base = fmix64(key + salt); h = fmix64(base + (b+1)*GOLDEN); start = ((h>>32)*span)>>32.
+struct MixHash {
+  uint64_t salt;
+  template <typename Fn>
+  inline void blocks(uint64_t key, const Feature& f, Fn&& fn) const {
+    uint64_t x = fmix64(key + salt);
+    const uint64_t span = f.span;
+    for (int64_t blk = 0; blk < f.nblocks; ++blk) {
+      x += kGolden;
+      const uint64_t h = fmix64(x);
+      fn(blk, ((h >> 32) * span) >> 32);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// table metadata
+// ---------------------------------------------------------------------------------------
+
+struct Layout {
+  std::vector<Feature> feats;
+  int64_t T = 0, B = 0, Z = 1;
+  int64_t max_dim = 0, max_blocks = 0, sum_dim = 0;
+};
+
+// Parses table_meta and runs the meta-level checks of validation.check_inputs, in its order.
+Layout parse_layout(const at::Tensor& table_meta, int64_t out_dim, int64_t Z, int64_t weights_numel,
+                    int64_t hash_mode, int64_t offsets_numel) {
+  if (table_meta.scalar_type() != at::kLong || table_meta.dim() != 2 ||
+      table_meta.size(0) != NUM_META_FIELDS) {
+    fail(cat("robe: table_meta must be int64 [", static_cast<int64_t>(NUM_META_FIELDS), ", T]"));
+  }
+  if (Z < 1) fail(cat("robe: block_size must be >= 1, got ", Z));
+  if (hash_mode != HASH_REFERENCE && hash_mode != HASH_MIX) {
+    fail(cat("robe: unknown hash mode ", hash_mode, "; expected 0 (reference) or 1 (mix)"));
+  }
+  const at::Tensor meta = table_meta.to(at::kCPU).contiguous();
+  const int64_t* m = meta.data_ptr<int64_t>();
+  Layout L;
+  L.T = meta.size(1);
+  L.Z = Z;
+  if (L.T == 0 || offsets_numel < 1 || (offsets_numel - 1) % L.T != 0) {
+    fail(cat("robe: offsets has ", offsets_numel, " entries; expected T * B + 1 with T = ", L.T,
+             " features"));
+  }
+  L.B = (offsets_numel - 1) / L.T;
+  auto field = [&](int64_t f, int64_t t) { return m[f * L.T + t]; };
+  for (int64_t t = 0; t < L.T; ++t) {
+    for (int64_t f : {OUT_OFFSET, DIM, W_OFFSET, W_SIZE, ROW_OFFSET, NUM_ROWS}) {
+      if (f != ROW_OFFSET && field(f, t) < 0) {
+        fail(cat("robe: table_meta holds a negative entry (field ", f, ") for feature ", t));
+      }
+    }
+  }
+  int64_t max_end = 0;
+  for (int64_t t = 0; t < L.T; ++t) max_end = std::max(max_end, field(OUT_OFFSET, t) + field(DIM, t));
+  if (max_end > out_dim) fail(cat("robe: output_dim ", out_dim, " is smaller than the features' dims"));
+  for (int64_t t = 0; t < L.T; ++t) {
+    if (field(W_SIZE, t) < Z || field(W_OFFSET, t) + field(W_SIZE, t) > weights_numel) {
+      fail(cat("robe: every ROBE array must hold at least block_size=", Z,
+               " floats and lie inside weights (", weights_numel, " floats)"));
+    }
+  }
+  if (hash_mode == HASH_MIX) {
+    for (int64_t t = 0; t < L.T; ++t) {
+      if (field(W_SIZE, t) - Z + 1 >= (int64_t(1) << 32)) {
+        fail("robe: the mix hash needs memory_size - block_size + 1 < 2**32");
+      }
+    }
+  }
+  L.feats.resize(L.T);
+  for (int64_t t = 0; t < L.T; ++t) {
+    Feature& f = L.feats[t];
+    f.out_offset = field(OUT_OFFSET, t);
+    f.dim = field(DIM, t);
+    f.w_offset = field(W_OFFSET, t);
+    f.w_size = field(W_SIZE, t);
+    f.row_offset = field(ROW_OFFSET, t);
+    f.num_rows = field(NUM_ROWS, t);
+    f.mean = field(POOLING, t) == kPoolingMean;
+    f.nblocks = (f.dim + Z - 1) / Z;
+    f.span = static_cast<uint64_t>(f.w_size - Z + 1);
+    f.ref_d = std::min<uint64_t>(f.span, kPrime);
+    f.ref_magic = std::numeric_limits<uint64_t>::max() / f.ref_d + 1;  // 0 for d == 1: fine
+    L.max_dim = std::max(L.max_dim, f.dim);
+    L.max_blocks = std::max(L.max_blocks, f.nblocks);
+    L.sum_dim += f.dim;
+  }
+  return L;
+}
+
+// hashing.reference_key_limit: ((2**63 - 1 - C - max(nb - 1, 0) * B) // A) + 1 (floor division)
+__int128 reference_key_limit(int64_t max_blocks, const std::vector<int64_t>& p) {
+  const __int128 a = p[0], b = p[1], c = p[2];
+  if (a == 0) fail("robe: reference hash parameter A must be non-zero");
+  const __int128 n = static_cast<__int128>(kI64Max) - c - static_cast<__int128>(std::max<int64_t>(max_blocks - 1, 0)) * b;
+  __int128 q = n / a;
+  if (n % a != 0 && ((n < 0) != (a < 0))) q -= 1;
+  return q + 1;
+}
+
+void check_hash_params(const std::vector<int64_t>& p) {
+  if (p.size() != 3) fail(cat("robe: hash_params must hold 3 integers, got ", p.size()));
+}
+
+RefHash make_ref_hash(const std::vector<int64_t>& p) {
+  RefHash h;
+  h.a = static_cast<uint64_t>(p[0]);
+  h.c = static_cast<uint64_t>(p[2]);
+  int64_t bm = p[1] % static_cast<int64_t>(kPrime);
+  if (bm < 0) bm += static_cast<int64_t>(kPrime);
+  h.b_mod = static_cast<uint64_t>(bm);
+  return h;
+}
+
+MixHash make_mix_hash(const std::vector<int64_t>& p) { return MixHash{static_cast<uint64_t>(p[0])}; }
+
+template <typename F>
+void dispatch_hash(int64_t hash_mode, const std::vector<int64_t>& params, F&& f) {
+  if (hash_mode == HASH_REFERENCE) {
+    f(make_ref_hash(params));
+  } else {
+    f(make_mix_hash(params));
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  if (!t.device().is_cpu()) fail(cat("robe: the C++ CPU kernel got ", name, " on ", t.device()));
+}
+
+// offsets[0] == 0 and offsets[-1] == N (the O(1) checks, done before any loop).
+template <typename index_t>
+void check_offset_ends(const index_t* offs, int64_t n_offs, int64_t N) {
+  const int64_t first = offs[0], last = offs[n_offs - 1];
+  if (first != 0) fail(cat("robe: offsets[0] must be 0, got ", first));
+  if (last != N) {
+    fail(cat("robe: offsets[-1] = ", last, " but values has ", N,
+             " entries (lengths do not match values)"));
+  }
+}
+
+template <typename index_t>
+[[noreturn]] void fail_offsets_decrease(const index_t* offs, int64_t bag, int64_t B) {
+  const int64_t b = std::max<int64_t>(B, 1);
+  fail(cat("robe: offsets decrease at bag ", bag, " (feature ", bag / b, ", sample ", bag % b, "): ",
+           static_cast<int64_t>(offs[bag]), " -> ", static_cast<int64_t>(offs[bag + 1])));
+}
+
+// All offset checks in one serial pass (used by the backward ops before they index values).
+template <typename index_t>
+void check_offsets_full(const index_t* offs, int64_t n_offs, int64_t N, int64_t B) {
+  check_offset_ends(offs, n_offs, N);
+  for (int64_t i = 0; i + 1 < n_offs; ++i) {
+    if (offs[i + 1] < offs[i]) fail_offsets_decrease(offs, i, B);
+  }
+}
+
+template <typename index_t>
+int64_t feature_of_position(const index_t* offs, const Layout& L, int64_t pos) {
+  for (int64_t t = 0; t < L.T; ++t) {
+    if (pos < static_cast<int64_t>(offs[(t + 1) * L.B])) return t;
+  }
+  return L.T - 1;
+}
+
+template <typename index_t>
+void raise_loop_errors(const LoopErrors& err, const index_t* offs, const index_t* vals,
+                       const at::Tensor& psw, const Layout& L, int64_t bounds_check,
+                       const std::string& limit_str) {
+  if (err.offsets.any()) fail_offsets_decrease(offs, err.offsets.get(), L.B);
+  if (err.psw.any()) {
+    const int64_t pos = err.psw.get();
+    const double v = psw.reshape(-1)[pos].item<double>();
+    fail(cat("robe: per_sample_weights[", pos, "] is ", py_float_str(v), "; weights must be finite"));
+  }
+  if (err.ids.any()) {
+    const int64_t pos = err.ids.get();
+    const int64_t t = feature_of_position(offs, L, pos);
+    const int64_t id = vals[pos];
+    if (bounds_check == BOUNDS_ERROR) {
+      fail(cat("robe: id ", id, " at position ", pos, " of feature ", t, " is out of range [0, ",
+               L.feats[t].num_rows, ")"));
+    }
+    fail(cat("robe: id ", id, " at position ", pos, " of feature ", t,
+             " cannot be hashed by the reference hash (keys must lie in [0, ", limit_str,
+             "); use hash='mix' for arbitrary 64-bit ids)"));
+  }
+}
+
+at::ScalarType acc_type_of(at::ScalarType w) { return w == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ---------------------------------------------------------------------------------------
+// forward
+// ---------------------------------------------------------------------------------------
+
+enum IdCheck { CHECK_RANGE = 0, CHECK_REF_LIMIT = 1, CHECK_NONE = 2 };
+
+// Prefetch the cache lines of a block of `len` weights (it may straddle lines).
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* p, int64_t len) {
+  __builtin_prefetch(p);
+  __builtin_prefetch(p + len - 1);
+}
+
+// Copies a finished output row out of the thread's row buffer. Large outputs use
+// non-temporal stores: they do not fit in cache anyway, and streaming them skips the read
+// for ownership that a plain store of a cold line costs (half of the output traffic).
+template <typename scalar_t, typename acc_t>
+inline void store_row(scalar_t* __restrict__ dst, const acc_t* __restrict__ src, int64_t n, bool stream) {
+#ifdef __AVX__
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (stream) {
+      int64_t j = 0;
+      for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
+      for (; j + 8 <= n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+      for (; j < n; ++j) dst[j] = src[j];
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<scalar_t, double> && std::is_same_v<acc_t, double>) {
+    if (stream) {
+      int64_t j = 0;
+      for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
+      for (; j + 4 <= n; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(src + j));
+      for (; j < n; ++j) dst[j] = src[j];
+      return;
+    }
+  }
+#endif
+  (void)stream;
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
+}
+
+inline void store_fence() {
+#ifdef __AVX__
+  _mm_sfence();
+#endif
+}
+
+// Samples per tile: the tile's (value, block) starts are hashed (and their weights
+// prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
+// overlap instead of each one stalling the loop.
+constexpr int64_t kTileEntries = 64;
+// Outputs at least this large are written with non-temporal stores.
+constexpr int64_t kStreamBytes = int64_t(1) << 21;
+
+template <typename scalar_t, typename acc_t, typename index_t, typename Hash, bool kHashOnly>
+uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
+                        const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
+                        scalar_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
+                        int64_t N, IdCheck id_check, int64_t max_key, LoopErrors& err) {
+  const int64_t B = L.B, T = L.T, Z = L.Z;
+  // work per sample ~ its multiply-adds; at least ~32k of them per task
+  const int64_t avg_dim = std::max<int64_t>(L.sum_dim / std::max<int64_t>(T, 1), 1);
+  const int64_t work_per_sample = std::max<int64_t>(1, N * avg_dim / std::max<int64_t>(B, 1) + T * 4);
+  const int64_t grain = std::max<int64_t>(1, 32768 / work_per_sample);
+  const int64_t entries_per_sample = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(B, 1));
+  const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
+  const bool stream = B * out_dim * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
+  std::atomic<uint64_t> checksum{0};
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
+    acc_t* __restrict__ row = row_buf.data();
+    // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
+    // this one is gathered, so every prefetch has a whole tile of work to land.
+    struct TileBuf {
+      std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
+      std::vector<acc_t> scales;    // scale of each valid value
+      std::vector<int64_t> counts;  // valid values of each bag (sample-major)
+    };
+    TileBuf bufs[2];
+    for (TileBuf& tb : bufs) {
+      tb.starts.reserve(4 * kTileEntries);
+      tb.scales.reserve(2 * kTileEntries);
+      tb.counts.reserve(static_cast<size_t>(tile * T));
+    }
+    uint64_t local_sum = 0;
+
+    // pass 1 of samples [tb0, tb1): checks, scales, hashing, prefetch
+    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf& buf) {
+      buf.starts.clear();
+      buf.scales.clear();
+      buf.counts.clear();
+      for (int64_t b = tb0; b < tb1; ++b) {
+        for (int64_t t = 0; t < T; ++t) {
+          const Feature& f = L.feats[t];
+          const int64_t bag = t * B + b;
+          const int64_t s = offs[bag], e = offs[bag + 1];
+          int64_t valid = 0;
+          if (e < s) {
+            err.offsets.record(bag);
+          } else if (s >= 0 && e <= N) {  // else: offsets decrease elsewhere, reported there
+            const acc_t len = static_cast<acc_t>(e - s);
+            const scalar_t* wf = w + f.w_offset;
+            for (int64_t p = s; p < e; ++p) {
+              const int64_t id = static_cast<int64_t>(vals[p]);
+              const uint64_t key = static_cast<uint64_t>(id) + static_cast<uint64_t>(f.row_offset);
+              if (id_check == CHECK_RANGE) {
+                if (id < 0 || id >= f.num_rows) {
+                  err.ids.record(p);
+                  continue;
+                }
+              } else if (id_check == CHECK_REF_LIMIT) {
+                if (id < 0 || static_cast<int64_t>(key) > max_key) {
+                  err.ids.record(p);
+                  continue;
+                }
+              }
+              acc_t scale = acc_t(1);
+              if (psw != nullptr) {
+                scale = psw[p];
+                if (!std::isfinite(scale)) {
+                  err.psw.record(p);
+                  continue;
+                }
+              }
+              if (f.mean) scale = scale / len;
+              ++valid;
+              if constexpr (kHashOnly) {
+                hash.blocks(key, f, [&](int64_t, uint64_t start) { local_sum += start; });
+              } else {
+                buf.scales.push_back(scale);
+                hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
+                  prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
+                  buf.starts.push_back(f.w_offset + static_cast<int64_t>(start));
+                });
+              }
+            }
+          }
+          buf.counts.push_back(valid);
+        }
+      }
+    };
+
+    // pass 2 of samples [tb0, tb1): gather and pool each row in the row buffer, store it
+    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf& buf) {
+      const int64_t* st = buf.starts.data();
+      const acc_t* sc = buf.scales.data();
+      const int64_t* cn = buf.counts.data();
+      for (int64_t b = tb0; b < tb1; ++b) {
+        std::fill(row, row + out_dim, acc_t(0));
+        for (int64_t t = 0; t < T; ++t) {
+          const Feature& f = L.feats[t];
+          const int64_t D = f.dim, nb = f.nblocks;
+          acc_t* __restrict__ acc = row + f.out_offset;
+          const int64_t valid = *cn++;
+          for (int64_t i = 0; i < valid; ++i) {
+            const acc_t scale = *sc++;
+            for (int64_t blk = 0; blk < nb; ++blk) {
+              const scalar_t* __restrict__ src = w + *st++;
+              acc_t* __restrict__ dst = acc + blk * Z;
+              const int64_t n = std::min(Z, D - blk * Z);
+#pragma omp simd
+              for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;
+            }
+          }
+        }
+        store_row(out + b * out_dim, row, out_dim, stream);
+      }
+    };
+
+    if constexpr (kHashOnly) {
+      for (int64_t tb0 = b0; tb0 < b1; tb0 += tile) hash_tile(tb0, std::min(b1, tb0 + tile), bufs[0]);
+      checksum.fetch_add(local_sum, std::memory_order_relaxed);
+    } else {
+      int cur = 0;
+      if (b0 < b1) hash_tile(b0, std::min(b1, b0 + tile), bufs[cur]);
+      for (int64_t tb0 = b0; tb0 < b1; tb0 += tile) {
+        const int64_t tb1 = std::min(b1, tb0 + tile);
+        if (tb1 < b1) hash_tile(tb1, std::min(b1, tb1 + tile), bufs[cur ^ 1]);
+        gather_tile(tb0, tb1, bufs[cur]);
+        cur ^= 1;
+      }
+      store_fence();
+    }
+  });
+  return checksum.load();
+}
+
+template <bool kHashOnly>
+at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_in,
+                        const at::Tensor& offsets_in, const std::optional<at::Tensor>& psw_in,
+                        const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
+                        int64_t hash_mode, const std::vector<int64_t>& hash_params,
+                        int64_t bounds_check) {
+  check_cpu(weights_in, "weights");
+  check_cpu(values_in, "values");
+  check_cpu(offsets_in, "offsets");
+  check_hash_params(hash_params);
+  if (values_in.scalar_type() != offsets_in.scalar_type()) {
+    fail(cat("robe: offsets dtype ", offsets_in.scalar_type(), " must equal values dtype ", values_in.scalar_type()));
+  }
+  const at::Tensor weights = weights_in.contiguous();
+  const at::Tensor values = values_in.contiguous();
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t N = values.numel();
+  const Layout L = parse_layout(table_meta, output_dim, block_size, weights.numel(), hash_mode, offsets.numel());
+  const at::ScalarType acc_st = acc_type_of(weights.scalar_type());
+  at::Tensor psw;
+  if (psw_in.has_value() && psw_in->defined()) {
+    check_cpu(*psw_in, "per_sample_weights");
+    if (psw_in->numel() != N) {
+      fail(cat("robe: per_sample_weights has ", psw_in->numel(), " entries but values has ", N));
+    }
+    psw = psw_in->to(acc_st).contiguous();
+  }
+  IdCheck id_check = CHECK_NONE;
+  int64_t max_key = kI64Max;
+  std::string limit_str;
+  if (bounds_check == BOUNDS_ERROR) {
+    id_check = CHECK_RANGE;
+  } else if (hash_mode == HASH_REFERENCE) {
+    id_check = CHECK_REF_LIMIT;
+    const __int128 limit = reference_key_limit(L.max_blocks, hash_params);
+    limit_str = i128_str(limit);
+    const __int128 mk = limit - 1, lo = std::numeric_limits<int64_t>::min();
+    max_key = static_cast<int64_t>(mk > kI64Max ? kI64Max : (mk < lo ? lo : mk));
+  }
+  at::Tensor out = kHashOnly ? at::zeros({}, values.options().dtype(at::kLong))
+                             : at::empty({L.B, output_dim}, weights.options());
+  LoopErrors err;
+  uint64_t checksum = 0;
+  AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "robe_forward_index", [&] {
+    const index_t* offs = offsets.data_ptr<index_t>();
+    check_offset_ends(offs, offsets.numel(), N);
+    const index_t* vals = values.data_ptr<index_t>();
+    auto run = [&](auto scalar_tag) {
+      using scalar_t = decltype(scalar_tag);
+      using acc_t = at::opmath_type<scalar_t>;
+      const acc_t* pswp = psw.defined() ? psw.data_ptr<acc_t>() : nullptr;
+      scalar_t* outp = kHashOnly ? nullptr : out.data_ptr<scalar_t>();
+      dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
+        using Hash = std::decay_t<decltype(hash)>;
+        checksum = forward_kernel<scalar_t, acc_t, index_t, Hash, kHashOnly>(
+            weights.data_ptr<scalar_t>(), vals, offs, pswp, outp, output_dim, L, hash, N, id_check,
+            max_key, err);
+      });
+    };
+    if constexpr (kHashOnly) {  // the benchmark aid only needs one weight type
+      if (weights.scalar_type() != at::kFloat) fail("robe: forward_hash_only takes float32 weights");
+      run(float{});
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "robe_forward",
+                                      [&] { run(scalar_t{}); });
+    }
+    raise_loop_errors(err, offs, vals, psw, L, bounds_check, limit_str);
+  });
+  if constexpr (kHashOnly) out.fill_(static_cast<int64_t>(checksum));
+  return out;
+}
+
+at::Tensor forward(const at::Tensor& weights, const at::Tensor& values, const at::Tensor& offsets,
+                   const std::optional<at::Tensor>& psw, const at::Tensor& table_meta, int64_t output_dim,
+                   int64_t block_size, int64_t hash_mode, const std::vector<int64_t>& hash_params,
+                   int64_t bounds_check) {
+  return forward_impl<false>(weights, values, offsets, psw, table_meta, output_dim, block_size,
+                             hash_mode, hash_params, bounds_check);
+}
+
+// Benchmark aid: the forward's loops with the hashing but without the gathers and the
+// output writes; returns the sum of all block starts (so nothing is optimised away).
+at::Tensor forward_hash_only(const at::Tensor& weights, const at::Tensor& values,
+                             const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
+                             const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
+                             int64_t hash_mode, const std::vector<int64_t>& hash_params,
+                             int64_t bounds_check) {
+  return forward_impl<true>(weights, values, offsets, psw, table_meta, output_dim, block_size,
+                            hash_mode, hash_params, bounds_check);
+}
+
+// ---------------------------------------------------------------------------------------
+// backward: the scatter plan shared by backward_dense and backward_fused_
+//
+// Phase 1 (parallel over fixed chunks of values) hashes every (value, block) once into a
+//   record {dst, src, scale, len} and counts, per chunk, the records that touch each
+//   destination range of the flat weights (ranges of RS = 2**k floats, cache sized).
+// Phase 1b (parallel over chunks) scatters the records into per-range buckets, in chunk
+//   order, so each bucket lists its records in value order (a block straddling two ranges
+//   goes to both).
+// Phase 2 (caller, parallel over ranges) adds each bucket into its own range only: no races,
+//   and each weight's sum runs in value order whatever the thread count (deterministic).
+// ---------------------------------------------------------------------------------------
+
+template <typename acc_t>
+struct Rec {
+  int64_t dst;  // first flat weight index of the block
+  int64_t src;  // first grad_output element of the block
+  acc_t scale;  // per-sample weight / bag length (MEAN)
+  int32_t len;  // elements in the block (the last block of a row may be partial)
+};
+
+// Scratch memory reused across calls by the calling thread: fresh multi-megabyte buffers
+// would be page-faulted in (and zeroed by the kernel) on every call.
+struct Scratch {
+  std::unique_ptr<char[]> data;
+  size_t capacity = 0;
+  static constexpr size_t kKeepBytes = size_t(256) << 20;  // larger buffers are not kept
+  template <typename T>
+  T* get(size_t n) {
+    static_assert(std::is_trivially_destructible_v<T>);
+    const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
+    if (bytes > capacity || (capacity > kKeepBytes && bytes <= kKeepBytes)) {
+      data.reset();
+      data.reset(new char[bytes]);  // new[] of char: aligned for any fundamental type
+      capacity = bytes;
+    }
+    return reinterpret_cast<T*>(data.get());
+  }
+  void trim() {
+    if (capacity > kKeepBytes) {
+      data.reset();
+      capacity = 0;
+    }
+  }
+};
+thread_local Scratch t_records, t_sorted;
+
+template <typename acc_t>
+struct Plan {
+  Rec<acc_t>* sorted = nullptr;  // t_sorted's memory (valid until the next plan)
+  std::vector<int64_t> bucket_begin;  // R + 1
+  int64_t R = 0, log2_rs = 0, rs = 0;
+};
+
+template <typename acc_t, typename index_t, typename Hash>
+Plan<acc_t> build_plan(const index_t* offs, const index_t* vals, const acc_t* psw, const Layout& L,
+                       const Hash& hash, int64_t N, int64_t weights_numel, int64_t ldg) {
+  const int64_t B = L.B, T = L.T, Z = L.Z;
+  Plan<acc_t> plan;
+  // destination ranges: power of two >= max(16384, Z, numel / 4096)
+  int64_t rs_min = std::max<int64_t>({16384, Z, (weights_numel + 4095) / 4096});
+  int64_t lg = 0;
+  while ((int64_t(1) << lg) < rs_min) ++lg;
+  plan.log2_rs = lg;
+  plan.rs = int64_t(1) << lg;
+  plan.R = std::max<int64_t>(1, (weights_numel + plan.rs - 1) / plan.rs);
+  const int64_t R = plan.R;
+
+  // entry (record) index of the first value of each feature
+  std::vector<int64_t> vbeg(T), ebeg(T + 1);
+  ebeg[0] = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    vbeg[t] = offs[t * B];
+    ebeg[t + 1] = ebeg[t] + (static_cast<int64_t>(offs[(t + 1) * B]) - vbeg[t]) * L.feats[t].nblocks;
+  }
+  const int64_t E = ebeg[T];
+  // fixed chunks (independent of the thread count: results do not depend on it)
+  int64_t C = std::min<int64_t>({64, std::max<int64_t>(1, (N + 2047) / 2048),
+                                 std::max<int64_t>(1, (int64_t(1) << 20) / R)});
+  if (N == 0) C = 0;
+  const int64_t vpc = C > 0 ? (N + C - 1) / C : 0;
+  std::vector<int64_t> hist(static_cast<size_t>(C * R), 0), chunk_e0(C + 1, E);
+  Rec<acc_t>* recs = t_records.get<Rec<acc_t>>(static_cast<size_t>(E));
+
+  auto entry_of = [&](int64_t p, int64_t bag) {
+    const int64_t t = bag / B;
+    return ebeg[t] + (p - vbeg[t]) * L.feats[t].nblocks;
+  };
+  auto bag_of = [&](int64_t p) {  // bag holding value p (offsets validated, p < N)
+    return static_cast<int64_t>(std::upper_bound(offs, offs + T * B + 1, static_cast<index_t>(p)) - offs) - 1;
+  };
+
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t p0 = c * vpc, p1 = std::min(N, p0 + vpc);
+      if (p0 >= p1) {
+        chunk_e0[c] = -1;  // empty chunk: fixed below
+        continue;
+      }
+      int64_t* h = hist.data() + c * R;
+      int64_t bag = bag_of(p0);
+      int64_t e = entry_of(p0, bag);
+      chunk_e0[c] = e;
+      int64_t bag_end = offs[bag + 1];
+      const Feature* f = &L.feats[bag / B];
+      int64_t sample = bag % B;
+      acc_t len = acc_t(1);
+      auto set_bag = [&]() {
+        f = &L.feats[bag / B];
+        sample = bag % B;
+        len = static_cast<acc_t>(static_cast<int64_t>(offs[bag + 1]) - static_cast<int64_t>(offs[bag]));
+      };
+      set_bag();
+      for (int64_t p = p0; p < p1; ++p) {
+        if (p >= bag_end) {
+          do {
+            ++bag;
+            bag_end = offs[bag + 1];
+          } while (bag_end <= p);
+          set_bag();
+        }
+        acc_t scale = psw != nullptr ? psw[p] : acc_t(1);
+        if (f->mean) scale = scale / len;
+        const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f->row_offset);
+        const int64_t src0 = sample * ldg + f->out_offset;
+        const int64_t D = f->dim, w0 = f->w_offset;
+        hash.blocks(key, *f, [&](int64_t blk, uint64_t start) {
+          Rec<acc_t>& r = recs[e++];
+          r.dst = w0 + static_cast<int64_t>(start);
+          r.src = src0 + blk * Z;
+          r.scale = scale;
+          r.len = static_cast<int32_t>(std::min(Z, D - blk * Z));
+          const int64_t ra = r.dst >> lg, rb = (r.dst + r.len - 1) >> lg;
+          for (int64_t q = ra; q <= rb; ++q) ++h[q];
+        });
+      }
+    }
+  });
+  // chunks with no values start where the next one does
+  chunk_e0[C] = E;
+  for (int64_t c = C - 1; c >= 0; --c) {
+    if (chunk_e0[c] < 0) chunk_e0[c] = chunk_e0[c + 1];
+  }
+
+  // prefix sums: bucket r holds chunk 0's records, then chunk 1's, ...
+  plan.bucket_begin.assign(R + 1, 0);
+  std::vector<int64_t> cursor(static_cast<size_t>(C * R));
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    plan.bucket_begin[r] = total;
+    for (int64_t c = 0; c < C; ++c) {
+      cursor[c * R + r] = total;
+      total += hist[c * R + r];
+    }
+  }
+  plan.bucket_begin[R] = total;
+  plan.sorted = t_sorted.get<Rec<acc_t>>(static_cast<size_t>(total));
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cur = cursor.data() + c * R;
+      for (int64_t i = chunk_e0[c]; i < chunk_e0[c + 1]; ++i) {
+        const Rec<acc_t>& r = recs[i];
+        const int64_t ra = r.dst >> lg, rb = (r.dst + r.len - 1) >> lg;
+        for (int64_t q = ra; q <= rb; ++q) plan.sorted[cur[q]++] = r;
+      }
+    }
+  });
+  t_records.trim();
+  return plan;
+}
+
+// Adds bucket r of the plan into buf (which holds the weights [lo, hi)).
+template <typename acc_t>
+inline void accumulate_bucket(const Plan<acc_t>& plan, int64_t r, int64_t lo, int64_t hi,
+                              const acc_t* __restrict__ go, acc_t* __restrict__ buf) {
+  constexpr int64_t kAhead = 16;  // records whose grad_output rows are prefetched ahead
+  const Rec<acc_t>* recs = plan.sorted;
+  const int64_t i0 = plan.bucket_begin[r], i1 = plan.bucket_begin[r + 1];
+  for (int64_t i = i0; i < std::min(i1, i0 + kAhead); ++i) prefetch_block(go + recs[i].src, recs[i].len);
+  for (int64_t i = i0; i < i1; ++i) {
+    if (i + kAhead < i1) prefetch_block(go + recs[i + kAhead].src, recs[i + kAhead].len);
+    const Rec<acc_t>& rec = recs[i];
+    const int64_t a = std::max(rec.dst, lo), b = std::min(rec.dst + rec.len, hi);
+    const acc_t* __restrict__ g = go + rec.src + (a - rec.dst);
+    acc_t* __restrict__ o = buf + (a - lo);
+    const acc_t s = rec.scale;
+    const int64_t n = b - a;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) o[j] += g[j] * s;
+  }
+}
+
+struct BackwardInputs {
+  at::Tensor grad_output, values, offsets, psw;
+  Layout L;
+  int64_t N = 0;
+};
+
+BackwardInputs prepare_backward(const at::Tensor& grad_output, const at::Tensor& weights,
+                                const at::Tensor& values, const at::Tensor& offsets,
+                                const std::optional<at::Tensor>& psw_in, const at::Tensor& table_meta,
+                                int64_t block_size, int64_t hash_mode,
+                                const std::vector<int64_t>& hash_params, at::ScalarType acc_st) {
+  check_cpu(grad_output, "grad_output");
+  check_cpu(weights, "weights");
+  check_cpu(values, "values");
+  check_cpu(offsets, "offsets");
+  check_hash_params(hash_params);
+  if (values.scalar_type() != offsets.scalar_type()) {
+    fail(cat("robe: offsets dtype ", offsets.scalar_type(), " must equal values dtype ", values.scalar_type()));
+  }
+  if (grad_output.dim() != 2) fail(cat("robe: grad_output must be 2-D [B, output_dim], got ", grad_output.dim(), " dims"));
+  BackwardInputs in;
+  in.L = parse_layout(table_meta, grad_output.size(1), block_size, weights.numel(), hash_mode, offsets.numel());
+  if (grad_output.size(0) != in.L.B) {
+    fail(cat("robe: grad_output has ", grad_output.size(0), " rows but the offsets describe ", in.L.B, " samples"));
+  }
+  in.grad_output = grad_output.to(acc_st).contiguous();
+  in.values = values.contiguous();
+  in.offsets = offsets.contiguous();
+  in.N = in.values.numel();
+  if (psw_in.has_value() && psw_in->defined()) {
+    check_cpu(*psw_in, "per_sample_weights");
+    if (psw_in->numel() != in.N) {
+      fail(cat("robe: per_sample_weights has ", psw_in->numel(), " entries but values has ", in.N));
+    }
+    in.psw = psw_in->to(acc_st).contiguous();
+  }
+  AT_DISPATCH_INDEX_TYPES(in.values.scalar_type(), "robe_check_offsets", [&] {
+    check_offsets_full(in.offsets.data_ptr<index_t>(), in.offsets.numel(), in.N, in.L.B);
+  });
+  return in;
+}
+
+// Runs fn(plan) with the plan of the inputs, dispatched on acc_t (float/double) and index_t.
+template <typename acc_t, typename Fn>
+void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mode,
+               const std::vector<int64_t>& hash_params, Fn&& fn) {
+  AT_DISPATCH_INDEX_TYPES(in.values.scalar_type(), "robe_backward_plan", [&] {
+    const acc_t* pswp = in.psw.defined() ? in.psw.data_ptr<acc_t>() : nullptr;
+    dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
+      Plan<acc_t> plan = build_plan<acc_t>(in.offsets.data_ptr<index_t>(), in.values.data_ptr<index_t>(),
+                                           pswp, in.L, hash, in.N, weights_numel, in.grad_output.size(1));
+      fn(plan);
+      t_sorted.trim();
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// backward_dense
+// ---------------------------------------------------------------------------------------
+
+at::Tensor backward_dense(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& values,
+                          const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
+                          const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
+                          const std::vector<int64_t>& hash_params) {
+  const at::ScalarType wst = weights.scalar_type();
+  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
+    fail(cat("robe: weights must be a floating point tensor, got ", wst));
+  }
+  const at::ScalarType acc_st = acc_type_of(wst);
+  BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
+                                       hash_mode, hash_params, acc_st);
+  const int64_t M = weights.numel();
+  at::Tensor grad = at::empty({M}, weights.options().dtype(acc_st));
+  AT_DISPATCH_FLOATING_TYPES(acc_st, "robe_backward_dense", [&] {
+    using acc_t = scalar_t;
+    with_plan<acc_t>(in, M, hash_mode, hash_params, [&](const Plan<acc_t>& plan) {
+      acc_t* gw = grad.data_ptr<acc_t>();
+      const acc_t* go = in.grad_output.data_ptr<acc_t>();
+      at::parallel_for(0, plan.R, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M);
+          std::fill(gw + lo, gw + hi, acc_t(0));
+          accumulate_bucket(plan, r, lo, hi, go, gw + lo);
+        }
+      });
+    });
+  });
+  return wst == acc_st ? grad : grad.to(wst);
+}
+
+// ---------------------------------------------------------------------------------------
+// backward_fused_: scatter + optimizer step, one cache-sized weight range at a time
+// ---------------------------------------------------------------------------------------
+
+struct HParams {
+  double lr, eps, beta1, beta2, wd;
+};
+
+template <typename T>
+inline void sgd_range(T* __restrict__ w, const T* __restrict__ g, int64_t n, T lr, T wd) {
+  const T neg_lr = -lr;
+  if (wd != T(0)) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) w[i] = w[i] + neg_lr * (g[i] + wd * w[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) w[i] = w[i] + neg_lr * g[i];
+  }
+}
+
+template <typename T>
+inline void adagrad_range(T* __restrict__ w, T* __restrict__ s1, const T* __restrict__ g, int64_t n,
+                          T lr, T eps, T wd) {
+  const T neg_lr = -lr;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = g[i] + wd * w[i];
+    const T s = s1[i] + gi * gi;
+    s1[i] = s;
+    w[i] = w[i] + neg_lr * (gi / (std::sqrt(s) + eps));
+  }
+}
+
+template <typename T>
+inline void adam_range(T* __restrict__ w, T* __restrict__ m1, T* __restrict__ m2, const T* __restrict__ g,
+                       int64_t n, T wd, T w1, T beta2, T one_minus_beta2, T inv_bias2_sqrt, T eps,
+                       T neg_step) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = g[i] + wd * w[i];
+    const T m = m1[i] + w1 * (gi - m1[i]);  // torch.lerp(m1, g, w1) for w1 < 0.5
+    const T v = m2[i] * beta2 + one_minus_beta2 * gi * gi;
+    m1[i] = m;
+    m2[i] = v;
+    w[i] = w[i] + neg_step * (m / (std::sqrt(v) * inv_bias2_sqrt + eps));
+  }
+}
+
+void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tensor state1, at::Tensor state2,
+                     const at::Tensor& values, const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
+                     const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
+                     const std::vector<int64_t>& hash_params, int64_t optimizer,
+                     const std::vector<double>& hparams, int64_t step) {
+  const at::ScalarType wst = weights.scalar_type();
+  if (wst != at::kFloat && wst != at::kDouble) {
+    fail(cat("robe: the fused backward supports float32 and float64 weights, got ", wst));
+  }
+  if (optimizer != OPT_SGD && optimizer != OPT_ADAGRAD && optimizer != OPT_ADAM) {
+    fail(cat("robe: unknown fused optimizer ", optimizer));
+  }
+  if (hparams.size() != 5) fail(cat("robe: hparams must hold 5 floats (lr, eps, beta1, beta2, weight_decay), got ", hparams.size()));
+  if (!weights.is_contiguous()) fail("robe: the fused backward updates weights in place; they must be contiguous");
+  const int64_t M = weights.numel();
+  auto check_state = [&](const at::Tensor& s, const char* name) {
+    check_cpu(s, name);
+    if (s.numel() != M || s.scalar_type() != wst || !s.is_contiguous()) {
+      fail(cat("robe: ", name, " must be a contiguous ", wst, " tensor of ", M, " elements like weights, got ",
+               s.scalar_type(), " with ", s.numel(), " elements"));
+    }
+  };
+  if (optimizer == OPT_ADAGRAD || optimizer == OPT_ADAM) check_state(state1, "state1");
+  if (optimizer == OPT_ADAM) check_state(state2, "state2");
+  if (optimizer == OPT_ADAM && step < 1) fail(cat("robe: Adam needs step >= 1, got ", step));
+  const HParams hp{hparams[0], hparams[1], hparams[2], hparams[3], hparams[4]};
+  BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
+                                       hash_mode, hash_params, wst);
+  AT_DISPATCH_FLOATING_TYPES(wst, "robe_backward_fused", [&] {
+    using T = scalar_t;
+    with_plan<T>(in, M, hash_mode, hash_params, [&](const Plan<T>& plan) {
+      T* w = weights.data_ptr<T>();
+      T* s1 = optimizer != OPT_SGD ? state1.data_ptr<T>() : nullptr;
+      T* s2 = optimizer == OPT_ADAM ? state2.data_ptr<T>() : nullptr;
+      const T* go = in.grad_output.data_ptr<T>();
+      const double bias1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
+      const double bias2_sqrt = std::sqrt(1.0 - std::pow(hp.beta2, static_cast<double>(step)));
+      at::parallel_for(0, plan.R, 1, [&](int64_t r0, int64_t r1) {
+        std::vector<T> buf(static_cast<size_t>(plan.rs));
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M), n = hi - lo;
+          std::fill(buf.begin(), buf.begin() + n, T(0));
+          accumulate_bucket(plan, r, lo, hi, go, buf.data());
+          if (optimizer == OPT_SGD) {
+            sgd_range<T>(w + lo, buf.data(), n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
+          } else if (optimizer == OPT_ADAGRAD) {
+            adagrad_range<T>(w + lo, s1 + lo, buf.data(), n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
+                             static_cast<T>(hp.wd));
+          } else {
+            adam_range<T>(w + lo, s1 + lo, s2 + lo, buf.data(), n, static_cast<T>(hp.wd),
+                          static_cast<T>(1.0 - hp.beta1), static_cast<T>(hp.beta2),
+                          static_cast<T>(1.0 - hp.beta2), static_cast<T>(1.0 / bias2_sqrt),
+                          static_cast<T>(hp.eps), static_cast<T>(-hp.lr / bias1));
+          }
+        }
+      });
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// per_sample_weights_grad
+// ---------------------------------------------------------------------------------------
+
+template <typename T, typename index_t, typename Hash>
+void psw_grad_kernel(const T* __restrict__ go, const T* __restrict__ w, const index_t* __restrict__ vals,
+                     const index_t* __restrict__ offs, T* __restrict__ out, int64_t ldg, const Layout& L,
+                     const Hash& hash, int64_t N) {
+  const int64_t B = L.B, T_ = L.T, Z = L.Z;
+  const int64_t n_bags = B * T_;
+  const int64_t entries_per_bag = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(n_bags, 1));
+  const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_bag, 1, 256);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, entries_per_bag * Z));
+  at::parallel_for(0, n_bags, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> starts;  // flat weight index of each (value, block) of the tile
+    starts.reserve(4 * kTileEntries);
+    for (int64_t tb0 = i0; tb0 < i1; tb0 += tile) {
+      const int64_t tb1 = std::min(i1, tb0 + tile);
+      starts.clear();
+      for (int64_t bag = tb0; bag < tb1; ++bag) {  // pass 1: hash and prefetch
+        const Feature& f = L.feats[bag / B];
+        const T* wf = w + f.w_offset;
+        for (int64_t p = offs[bag], e = offs[bag + 1]; p < e; ++p) {
+          const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f.row_offset);
+          hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
+            prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
+            starts.push_back(f.w_offset + static_cast<int64_t>(start));
+          });
+        }
+      }
+      const int64_t* st = starts.data();
+      for (int64_t bag = tb0; bag < tb1; ++bag) {  // pass 2: dot products
+        const Feature& f = L.feats[bag / B];
+        const int64_t s = offs[bag], e = offs[bag + 1];
+        const T* __restrict__ grow = go + (bag % B) * ldg + f.out_offset;
+        const T len = static_cast<T>(e - s);
+        const int64_t D = f.dim;
+        for (int64_t p = s; p < e; ++p) {
+          T dot = T(0);
+          for (int64_t blk = 0; blk < f.nblocks; ++blk) {
+            const T* __restrict__ src = w + *st++;
+            const T* __restrict__ g = grow + blk * Z;
+            const int64_t n = std::min(Z, D - blk * Z);
+            T part = T(0);
+#pragma omp simd reduction(+ : part)
+            for (int64_t j = 0; j < n; ++j) part += src[j] * g[j];
+            dot += part;
+          }
+          out[p] = f.mean ? dot / len : dot;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor per_sample_weights_grad(const at::Tensor& grad_output, const at::Tensor& weights,
+                                   const at::Tensor& values, const at::Tensor& offsets,
+                                   const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
+                                   const std::vector<int64_t>& hash_params) {
+  const at::ScalarType wst = weights.scalar_type();
+  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
+    fail(cat("robe: weights must be a floating point tensor, got ", wst));
+  }
+  const at::ScalarType acc_st = acc_type_of(wst);
+  BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, std::nullopt, table_meta,
+                                       block_size, hash_mode, hash_params, acc_st);
+  const at::Tensor w = weights.to(acc_st).contiguous();
+  at::Tensor out = at::empty({in.N}, weights.options().dtype(acc_st));
+  AT_DISPATCH_INDEX_TYPES(in.values.scalar_type(), "robe_psw_grad_index", [&] {
+    AT_DISPATCH_FLOATING_TYPES(acc_st, "robe_psw_grad", [&] {
+      dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
+        psw_grad_kernel<scalar_t, index_t>(in.grad_output.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                                           in.values.data_ptr<index_t>(), in.offsets.data_ptr<index_t>(),
+                                           out.data_ptr<scalar_t>(), in.grad_output.size(1), in.L, hash, in.N);
+      });
+    });
+  });
+  return wst == acc_st ? out : out.to(wst);
+}
+
+bool openmp_enabled() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace robe
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ROBE-Z CPU kernels (robe_torchrec.ops.cpu)";
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("forward", &robe::forward, release());
+  m.def("backward_dense", &robe::backward_dense, release());
+  m.def("per_sample_weights_grad", &robe::per_sample_weights_grad, release());
+  m.def("backward_fused_", &robe::backward_fused_, release());
+  m.def("forward_hash_only", &robe::forward_hash_only, release());
+  m.def("openmp_enabled", &robe::openmp_enabled);
+}

@@ -1,0 +1,441 @@
+"""The C++ CPU kernels (robe_torchrec.ops.cpu) against the pure-PyTorch reference."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
+from robe_torchrec.ops import cpu, cpu_backend, reference
+from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
+from tests.ops.cases import OpCase, case_matrix, random_case
+
+if cpu._find_compiler() is None:  # pragma: no cover - machines without g++
+    pytest.skip("no C++ compiler: the C++ kernels cannot be built", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built_extension():
+    cpu.extension()  # build (or load) once, outside the timing of any single test
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: 1e-5 relative to the magnitude of the result (sums run in another order)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert not torch.isnan(actual).any(), "kernel output holds NaN"
+    if expected.dtype == torch.float64:
+        rtol, atol = 1e-12, 1e-12
+    elif expected.dtype in (torch.float16, torch.bfloat16):
+        rtol, atol = 2e-2, 2e-2
+    else:
+        rtol, atol = 1e-5, 1e-5
+    scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Leave NaN-filled freed blocks of about ``nbytes`` in the allocator, so an op that
+    forgets to write part of a fresh ``empty`` output is likely to return NaNs."""
+    for size in (nbytes, nbytes + 64):
+        blob = torch.full((max(size // 4, 1),), float("nan"), dtype=torch.float32)
+        del blob
+
+
+EXTRA = [
+    dict(seed=300 + i, hash_mode=int(mode), index_dtype=idt, weighted=w, block_size=bs, shared=sh)
+    for i, (mode, idt, w, bs, sh) in enumerate([
+        (HashMode.REFERENCE, torch.int64, True, 2, False),
+        (HashMode.MIX, torch.int32, True, 7, True),
+        (HashMode.REFERENCE, torch.int32, False, 16, True),
+        (HashMode.MIX, torch.int64, False, 3, False),
+    ])
+]
+CASES = case_matrix() + EXTRA
+CASE_IDS = [f"seed{c['seed']}" for c in CASES]
+
+
+def grad_output_for(case: OpCase, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(case.batch, case.output_dim, generator=g, dtype=case.weights.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# forward / backward against the reference
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_forward_matches_reference(kw):
+    case = random_case(**kw)
+    expected = reference.forward(*case.forward_args())
+    poison_allocator(expected.numel() * expected.element_size())
+    actual = cpu.forward(*case.forward_args())
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_backward_dense_matches_reference(kw):
+    case = random_case(**kw)
+    grad_output = grad_output_for(case)
+    expected = reference.backward_dense(*case.backward_args(grad_output))
+    poison_allocator(expected.numel() * expected.element_size())
+    actual = cpu.backward_dense(*case.backward_args(grad_output))
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_per_sample_weights_grad_matches_reference(kw):
+    case = random_case(**kw)
+    grad_output = grad_output_for(case)
+    expected = reference.per_sample_weights_grad(*case.psw_grad_args(grad_output))
+    poison_allocator(expected.numel() * expected.element_size())
+    actual = cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output))
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+def test_float64_matches_reference(mode):
+    case = random_case(7, dtype=torch.float64, weighted=True, hash_mode=int(mode), batch=30)
+    grad_output = grad_output_for(case)
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
+    assert_close(cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output)),
+                 reference.per_sample_weights_grad(*case.psw_grad_args(grad_output)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_weights(dtype):
+    case = random_case(8, weighted=True, batch=20)
+    case.weights = case.weights.to(dtype)
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    grad_output = grad_output_for(case)
+    expected = reference.backward_dense(*case.backward_args(grad_output.float())).to(dtype)
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)), expected)
+
+
+def _layout_case(out_offsets, dims, output_dim, seed=11, mode=HashMode.REFERENCE):
+    """A case whose features leave gaps in, or overlap on, the output columns."""
+    base = random_case(seed, dims=list(dims), batch=9, hash_mode=int(mode), weighted=True)
+    meta = base.table_meta.clone()
+    meta[0] = torch.tensor(out_offsets)
+    base.table_meta = meta
+    base.output_dim = output_dim
+    return base
+
+
+@pytest.mark.parametrize("out_offsets,dims,output_dim", [
+    ([3, 20, 40], [8, 5, 16], 70),     # gaps before, between and after features
+    ([0, 4, 6], [8, 5, 16], 22),       # overlapping features: their rows add up
+    ([0, 8, 13], [8, 5, 16], 29),      # exact tiling (no zero fill)
+])
+def test_forward_output_layout(out_offsets, dims, output_dim):
+    case = _layout_case(out_offsets, dims, output_dim)
+    expected = reference.forward(*case.forward_args())
+    poison_allocator(expected.numel() * 4)
+    assert_close(cpu.forward(*case.forward_args()), expected)
+    grad_output = grad_output_for(case)
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
+    assert_close(cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output)),
+                 reference.per_sample_weights_grad(*case.psw_grad_args(grad_output)))
+
+
+def test_noncontiguous_inputs():
+    case = random_case(12, weighted=True)
+    expected = reference.forward(*case.forward_args())
+    strided = OpCase(**{**case.__dict__})
+    strided.weights = torch.stack([case.weights, case.weights], 1)[:, 0]
+    strided.values = torch.stack([case.values, case.values], 1)[:, 1]
+    strided.per_sample_weights = torch.stack([case.per_sample_weights] * 2, 1)[:, 0]
+    assert not strided.weights.is_contiguous()
+    assert_close(cpu.forward(*strided.forward_args()), expected)
+
+
+# ---------------------------------------------------------------------------------------
+# autograd through torch.ops.robe.forward
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gradcheck(mode, index_dtype):
+    case = random_case(21, dims=[4, 3, 6], batch=3, max_bag=4, block_size=2, hash_mode=int(mode),
+                       weighted=True, index_dtype=index_dtype, dtype=torch.float64, memory_size=37,
+                       empty_fraction=0.3)
+    weights = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+
+    def fn(w, p):
+        return torch.ops.robe.forward(w, case.values, case.offsets, p, case.table_meta,
+                                      case.output_dim, case.block_size, case.hash_mode,
+                                      case.hash_params, case.bounds_check)
+
+    with cpu_backend("cpp"):
+        assert torch.autograd.gradcheck(fn, (weights, psw))
+
+
+# ---------------------------------------------------------------------------------------
+# fused optimizers against torch.optim on the reference gradient
+# ---------------------------------------------------------------------------------------
+
+OPTIMIZERS = [
+    ("sgd", 0.0), ("sgd", 0.1), ("adagrad", 0.0), ("adagrad", 0.1), ("adam", 0.0), ("adam", 0.1),
+]
+
+
+@pytest.mark.parametrize("name,weight_decay", OPTIMIZERS)
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_optimizer_matches_torch_optim(name, weight_decay, mode, dtype):
+    case = random_case(31, batch=40, hash_mode=int(mode), weighted=True, dtype=dtype,
+                       memory_size=40000)
+    lr, eps, beta1, beta2 = 0.05, 1e-8, 0.9, 0.999
+    param = torch.nn.Parameter(case.weights.clone())
+    if name == "sgd":
+        opt, code = torch.optim.SGD([param], lr=lr, weight_decay=weight_decay), Optimizer.SGD
+    elif name == "adagrad":
+        opt = torch.optim.Adagrad([param], lr=lr, eps=eps, weight_decay=weight_decay)
+        code = Optimizer.ADAGRAD
+    else:
+        opt = torch.optim.Adam([param], lr=lr, eps=eps, betas=(beta1, beta2),
+                               weight_decay=weight_decay)
+        code = Optimizer.ADAM
+    weights = case.weights.clone()
+    state1, state2 = torch.zeros_like(weights), torch.zeros_like(weights)
+    for step in range(1, 4):
+        grad_output = grad_output_for(case, seed=step)
+        param.grad = reference.backward_dense(*case.backward_args(grad_output))
+        opt.step()
+        cpu.backward_fused_(grad_output, weights, state1, state2, case.values, case.offsets,
+                            case.per_sample_weights, case.table_meta, case.block_size,
+                            case.hash_mode, case.hash_params, int(code),
+                            [lr, eps, beta1, beta2, weight_decay], step)
+        assert_close(weights, param.detach())
+        st = opt.state[param]
+        if name == "adagrad":
+            assert_close(state1, st["sum"])
+        if name == "adam":
+            assert_close(state1, st["exp_avg"])
+            assert_close(state2, st["exp_avg_sq"])
+
+
+def test_fused_through_registered_op():
+    case = random_case(32, weighted=True)
+    grad_output = grad_output_for(case)
+    w_ref, w_cpp = case.weights.clone(), case.weights.clone()
+    s_ref, s_cpp = torch.zeros_like(w_ref), torch.zeros_like(w_cpp)
+    empty = torch.empty(0)
+    hp = [0.1, 1e-10, 0.9, 0.999, 0.0]
+    for backend, w, s in (("reference", w_ref, s_ref), ("cpp", w_cpp, s_cpp)):
+        with cpu_backend(backend):
+            torch.ops.robe.backward_fused_(grad_output, w, s, empty, case.values, case.offsets,
+                                           case.per_sample_weights, case.table_meta,
+                                           case.block_size, case.hash_mode, case.hash_params,
+                                           int(Optimizer.ADAGRAD), hp, 1)
+    assert_close(w_cpp, w_ref)
+    assert_close(s_cpp, s_ref)
+
+
+# ---------------------------------------------------------------------------------------
+# threads
+# ---------------------------------------------------------------------------------------
+
+def test_built_with_openmp():
+    assert cpu.extension().openmp_enabled()
+
+
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+def test_same_result_at_1_and_2_threads(mode):
+    case = random_case(41, dims=[32, 16, 8], batch=3000, max_bag=5, block_size=8,
+                       hash_mode=int(mode), weighted=True, memory_size=100_000)
+    grad_output = grad_output_for(case)
+    results = []
+    for n in (1, 2):
+        with num_threads(n):
+            w, s1, s2 = case.weights.clone(), torch.zeros_like(case.weights), torch.zeros_like(case.weights)
+            cpu.backward_fused_(grad_output, w, s1, s2, case.values, case.offsets,
+                                case.per_sample_weights, case.table_meta, case.block_size,
+                                case.hash_mode, case.hash_params, int(Optimizer.ADAM),
+                                [0.01, 1e-8, 0.9, 0.999, 0.01], 1)
+            results.append([
+                cpu.forward(*case.forward_args()),
+                cpu.backward_dense(*case.backward_args(grad_output)),
+                cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output)),
+                w, s1, s2,
+            ])
+    for one, two in zip(*results):
+        assert torch.equal(one, two)  # the kernels are deterministic
+    assert_close(results[0][0], reference.forward(*case.forward_args()))
+    assert_close(results[0][1], reference.backward_dense(*case.backward_args(grad_output)))
+
+
+# ---------------------------------------------------------------------------------------
+# bad inputs: ValueError with the reference's message
+# ---------------------------------------------------------------------------------------
+
+def _same_error(case: OpCase, match: str) -> None:
+    with pytest.raises(ValueError) as ref_err:
+        reference.forward(*case.forward_args())
+    with pytest.raises(ValueError, match=match) as cpp_err:
+        cpu.forward(*case.forward_args())
+    assert str(cpp_err.value) == str(ref_err.value)
+
+
+def _ids_case(index_dtype=torch.int64, **kw) -> OpCase:
+    case = random_case(51, batch=6, max_bag=4, empty_fraction=0.0, index_dtype=index_dtype, **kw)
+    lengths = (case.offsets[1:] - case.offsets[:-1]).reshape(4, case.batch).sum(1)
+    assert bool((lengths >= 3).all()) and case.values.numel() >= 8
+    return case
+
+
+def _feature_of(case: OpCase, pos: int) -> int:
+    ends = case.offsets[case.batch::case.batch].tolist()
+    return next(t for t, end in enumerate(ends) if pos < end)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_out_of_range_id(index_dtype):
+    case = _ids_case(index_dtype)
+    pos = case.values.numel() - 3
+    case.values[pos] = 10**6
+    case.values[-1] = 10**6 + 1  # a later bad id: the first one is reported
+    _same_error(case, f"id 1000000 at position {pos} of feature {_feature_of(case, pos)} is out of range")
+
+
+def test_negative_id():
+    case = _ids_case()
+    case.values[5] = -4
+    _same_error(case, f"id -4 at position 5 of feature {_feature_of(case, 5)} is out of range")
+
+
+def test_decreasing_offsets():
+    case = _ids_case()
+    case.offsets[8] = case.offsets[10] + 1  # bag 8 (feature 1, sample 2) grows past bag 9
+    _same_error(case, "offsets decrease at bag 8")
+
+
+def test_offsets_middle_out_of_bounds():
+    case = _ids_case()
+    case.offsets[3] = case.values.numel() + 100  # must not read past values
+    _same_error(case, "offsets decrease at bag 3")
+
+
+def test_offsets_last_mismatch():
+    case = _ids_case()
+    case.offsets[-1] -= 1
+    _same_error(case, r"offsets\[-1\] = .* but values has")
+
+
+def test_offsets_first_nonzero():
+    case = _ids_case()
+    case.offsets[0] = 1
+    _same_error(case, r"offsets\[0\] must be 0, got 1")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_per_sample_weight(bad):
+    case = _ids_case(weighted=True)
+    case.per_sample_weights[7] = bad
+    _same_error(case, r"per_sample_weights\[7\] is .*; weights must be finite")
+
+
+def test_meta_errors():
+    case = _ids_case()
+    case.output_dim -= 1
+    _same_error(case, "output_dim .* is smaller than the features' dims")
+    case = _ids_case()
+    case.weights = case.weights[:500]
+    _same_error(case, "every ROBE array must hold at least block_size")
+
+
+def test_backward_rejects_bad_offsets():
+    case = _ids_case()
+    grad_output = grad_output_for(case)
+    case.offsets[4] = case.values.numel() + 5
+    for fn, args in ((cpu.backward_dense, case.backward_args(grad_output)),
+                     (cpu.per_sample_weights_grad, case.psw_grad_args(grad_output))):
+        with pytest.raises(ValueError, match="offsets decrease at bag 4"):
+            fn(*args)
+
+
+def test_reference_hash_key_limit_unbounded():
+    case = _ids_case(hash_mode=int(HashMode.REFERENCE))
+    case.bounds_check = int(BoundsCheck.UNBOUNDED)
+    max_blocks = max(math.ceil(int(d) / case.block_size) for d in case.table_meta[1])
+    limit = reference_key_limit(max_blocks, case.hash_params)
+    row_offset = int(case.table_meta[4, 2])
+    # ids past num_rows are fine in UNBOUNDED mode as long as the key is below the limit
+    start = int(case.offsets[2 * case.batch])
+    case.values[start] = limit - 1 - row_offset
+    case.values[start + 1] = 10**7
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    case.values[start + 1] = limit - row_offset  # key == limit: over
+    _same_error(case, f"id {limit - row_offset} at position {start + 1} of feature 2 cannot be "
+                      r"hashed by the reference hash \(keys must lie in \[0, " f"{limit}\\)")
+    case.values[start + 1] = -1
+    _same_error(case, "id -1 at position .* cannot be hashed by the reference hash")
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_unbounded_mix_hash_accepts_any_id(index_dtype):
+    case = _ids_case(index_dtype, hash_mode=int(HashMode.MIX), weighted=True)
+    case.bounds_check = int(BoundsCheck.UNBOUNDED)
+    info = torch.iinfo(index_dtype)
+    specials = torch.tensor([info.min, info.max, -1, -123456, info.max - 7, 0], dtype=index_dtype)
+    case.values[: specials.numel()] = specials
+    g = torch.Generator().manual_seed(5)
+    rest = case.values.numel() - specials.numel()
+    case.values[specials.numel():] = torch.randint(info.min, info.max, (rest,), generator=g,
+                                                   dtype=torch.int64).to(index_dtype)
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    grad_output = grad_output_for(case)
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
+    assert_close(cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output)),
+                 reference.per_sample_weights_grad(*case.psw_grad_args(grad_output)))
+    case.bounds_check = int(BoundsCheck.ERROR)
+    _same_error(case, f"id {info.min} at position 0 of feature {_feature_of(case, 0)} is out of range")
+
+
+def test_errors_through_registered_op():
+    case = _ids_case()
+    case.values[2] = -1
+    with cpu_backend("cpp"), pytest.raises(ValueError, match="id -1 at position 2"):
+        torch.ops.robe.forward(*case.forward_args())
+
+
+def test_mean_pooling_of_empty_bags_is_zero():
+    case = random_case(61, pooling=[int(Pooling.MEAN)] * 4, empty_fraction=0.5, weighted=True)
+    out = cpu.forward(*case.forward_args())
+    lengths = (case.offsets[1:] - case.offsets[:-1]).reshape(4, case.batch)
+    dims = case.table_meta[1].tolist()
+    col = 0
+    for t, d in enumerate(dims):
+        empty = lengths[t] == 0
+        assert empty.any()
+        assert torch.equal(out[empty, col:col + d], torch.zeros(int(empty.sum()), d))
+        col += d
+    assert_close(out, reference.forward(*case.forward_args()))
+
+
+def test_large_memory_and_block_spanning_ranges():
+    """A memory large enough for many destination ranges, a block size that is no divisor."""
+    case = random_case(71, dims=[40, 24], batch=200, block_size=12, memory_size=300_000,
+                       weighted=True, shared=False)
+    grad_output = grad_output_for(case)
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
