@@ -2,7 +2,7 @@
 ``dmp.fused_optimizer`` keys, LR changes, ``in_backward_optimizer_filter``, state dicts,
 torch.distributed.checkpoint save on 2 ranks (TABLE_WISE) and load on 1 (DATA_PARALLEL) and
 3 (ROW_WISE + TABLE_WISE + DATA_PARALLEL),
-layout mismatch and unsupported plans refused clearly."""
+unsharded <-> sharded state dicts, layout mismatch and unsupported plans refused clearly."""
 
 from __future__ import annotations
 
@@ -94,7 +94,18 @@ def _load(rank, world, ckpt, types, ranks):
             step, (w - ref["before"][0]).abs().max().item())
 
 
-def _refusals(rank, world, ckpt):
+def _single_rank(rank, world, ckpt):
+    # the unsharded module's state dict loads into a sharded one, and back
+    unsharded = common.make_ebc(ROBE, seed=5)
+    dmp = common.make_dmp(ROBE, TW, world, optimizer=ADAGRAD)
+    dmp.load_state_dict({"ebc." + k: v for k, v in unsharded.state_dict().items()})
+    assert torch.equal(common.full_weight(dmp), unsharded.weight.detach())
+    dmp_dp = common.make_dmp(ROBE, DP, world, optimizer=ADAGRAD, seed=9)
+    back = common.make_ebc(ROBE, seed=11)
+    back.load_state_dict({k[len("ebc."):]: v for k, v in dmp_dp.state_dict().items()})
+    assert torch.equal(back.weight.detach(), common.full_weight(dmp_dp))
+    assert not torch.equal(back.weight.detach(), common.make_ebc(ROBE, seed=11).weight.detach())
+
     # another hash seed: same sizes, so DCP reads it, and load_state_dict must refuse
     other = RobeConfig(compression=10, block_size=4, shared=False, seed=7)
     dmp = common.make_dmp(other, DP, world, optimizer=ADAGRAD)
@@ -131,16 +142,33 @@ def _refusals(rank, world, ckpt):
     return True
 
 
-@pytest.mark.slow
-def test_checkpoint_2_ranks_to_1_and_3(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Trained and saved (DCP) on 2 ranks, TABLE_WISE; also checks keys, LR and filter."""
+    ckpt = str(tmp_path_factory.mktemp("robe_dcp") / "ckpt")
     run_ranks(_save, 2, ckpt)
-    for world, types, ranks in ((1, DP, None),
-                                (3, MIXED, {"t1": 2})):
-        for w_diff, s_diff, step, moved in run_ranks(_load, world, ckpt, types, ranks):
-            assert step == 6.0 and moved > 1e-3
-            if "row_wise" not in types.values():
-                assert w_diff <= 1e-5 and s_diff <= 1e-5, (world, w_diff, s_diff)
-            # (ROW_WISE hashes a table's rows into per-rank slices: the same arrays, loaded
-            # exactly above, are another function from here on)
-    assert run_ranks(_refusals, 1, ckpt) == [True]
+    return ckpt
+
+
+def _check_load(ckpt, world, types, ranks):
+    for w_diff, s_diff, step, moved in run_ranks(_load, world, ckpt, types, ranks):
+        assert step == 6.0 and moved > 1e-3
+        if "row_wise" not in types.values():
+            assert w_diff <= 1e-5 and s_diff <= 1e-5, (world, w_diff, s_diff)
+        # (ROW_WISE hashes a table's rows into per-rank slices: the same arrays, loaded
+        # exactly, are another function from there on)
+
+
+@pytest.mark.slow
+def test_save_on_2_load_on_1_data_parallel(checkpoint):
+    _check_load(checkpoint, 1, DP, None)
+
+
+@pytest.mark.slow
+def test_save_on_2_load_on_3_mixed_row_table_data_parallel(checkpoint):
+    _check_load(checkpoint, 3, MIXED, {"t1": 2})
+
+
+@pytest.mark.slow
+def test_unsharded_round_trip_layout_mismatch_and_bad_plans(checkpoint):
+    assert run_ranks(_single_rank, 1, checkpoint) == [True]

@@ -62,7 +62,7 @@ def test_storage_estimate_is_the_compressed_size():
         # array + Adagrad state (x2), per replica, plus TorchRec's I/O buffers
         assert 2 * compressed_bytes * replicas <= ddr <= 2 * compressed_bytes * replicas + 0.1 * GB, (
             option.sharding_type, ddr)
-    assert seen == {"data_parallel", "table_wise"}
+    assert seen == {"data_parallel", "table_wise", "row_wise"}
 
 
 def test_planner_plans_the_compressed_table():
@@ -72,7 +72,7 @@ def test_planner_plans_the_compressed_table():
     module_plan = plan.get_plan_for_module("sparse")
     assert set(module_plan) == {"big", "small"}
     for ps in module_plan.values():
-        assert ps.sharding_type in ("data_parallel", "table_wise")
+        assert ps.sharding_type in ("data_parallel", "table_wise", "row_wise")
         assert ps.compute_kernel == "fused"
 
 
