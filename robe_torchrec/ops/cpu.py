@@ -2,9 +2,10 @@
 
 Same signatures as :mod:`robe_torchrec.ops.reference`. The extension is compiled on first
 use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached on
-disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags and of this CPU's flags>``
-or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the same torch, flags and CPU loads
-the cached build without compiling. Threads: ``torch.set_num_threads``.
+disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags, of this CPU's flags and
+of the Python/torch install>`` or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the
+same torch, flags and CPU loads the cached build without compiling. The kernels run on
+``torch.get_num_threads()`` threads (``torch.set_num_threads``).
 
 The wrappers only run :func:`~robe_torchrec.ops.validation.check_static` (dtypes and shapes);
 the C++ checks offsets, id bounds and per-sample weights inside its own loops and raises
@@ -22,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sys
 import threading
 from typing import Iterator, List, Optional
 
@@ -56,9 +58,13 @@ def build_directory() -> str:
     override = os.environ.get("ROBE_TORCHREC_BUILD_DIR")
     if override:
         return override
-    key = hashlib.sha256(
-        "\n".join([" ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line()]).encode()
-    ).hexdigest()[:12]
+    # The flags and the CPU decide the machine code (-march=native); the interpreter and the
+    # torch install decide the ABI and build.ninja's include paths (two venvs sharing one
+    # directory would rebuild it in turn).
+    key = hashlib.sha256("\n".join([
+        " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
+        sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
+    ]).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
 
 

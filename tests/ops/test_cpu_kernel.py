@@ -257,6 +257,21 @@ def test_built_with_openmp():
     assert cpu.extension().openmp_enabled()
 
 
+def test_build_directory(monkeypatch):
+    monkeypatch.delenv("ROBE_TORCHREC_BUILD_DIR", raising=False)
+    default = cpu.build_directory()
+    assert torch.__version__ in default and "robe_torchrec" in default
+    monkeypatch.setenv("ROBE_TORCHREC_BUILD_DIR", "/tmp/somewhere")
+    assert cpu.build_directory() == "/tmp/somewhere"
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="install g\\+\\+.*ROBE_CPU_BACKEND=reference"):
+        cpu.extension()
+
+
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
 def test_same_result_at_1_and_2_threads(mode):
     case = random_case(41, dims=[32, 16, 8], batch=3000, max_bag=5, block_size=8,

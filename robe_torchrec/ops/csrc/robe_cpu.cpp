@@ -360,11 +360,14 @@ at::ScalarType acc_type_of(at::ScalarType w) { return w == at::kDouble ? at::kDo
 
 enum IdCheck { CHECK_RANGE = 0, CHECK_REF_LIMIT = 1, CHECK_NONE = 2 };
 
-// Prefetch the cache lines of a block of `len` weights (it may straddle lines).
+// Prefetch every cache line of a block of `len` elements (an unaligned block of 32 floats
+// spans three lines).
 template <typename scalar_t>
 inline void prefetch_block(const scalar_t* p, int64_t len) {
-  __builtin_prefetch(p);
-  __builtin_prefetch(p + len - 1);
+  const char* a = reinterpret_cast<const char*>(p);
+  const char* last = reinterpret_cast<const char*>(p + len) - 1;
+  for (; a < last; a += 64) __builtin_prefetch(a);
+  __builtin_prefetch(last);
 }
 
 // Copies a finished output row out of the thread's row buffer. Large outputs use
