@@ -129,8 +129,9 @@ class RobeShardedLookup(nn.Module):
         psw = features.weights_or_none() if self._is_weighted else None
         args = (values, offsets, psw, self.table_meta, self._output_dim, self._block_size,
                 self._hash_mode, self._hash_params, self._bounds_check)
-        anchor = psw if psw is not None and psw.requires_grad else self._dummy
-        return _ShardedFusedLookup.apply(anchor, self.weight.detach(), self, args)
+        psw_grad = psw is not None and psw.requires_grad
+        anchor = psw if psw_grad else self._dummy
+        return _ShardedFusedLookup.apply(anchor, self.weight.detach(), self, args, psw_grad)
 
 
 class _EmptyLookup(torch.autograd.Function):
@@ -150,8 +151,8 @@ class _EmptyLookup(torch.autograd.Function):
 
 class _ShardedFusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, weights, lookup, args):  # type: ignore[override]
-        ctx.weights, ctx.lookup, ctx.args = weights, lookup, args
+    def forward(ctx, anchor, weights, lookup, args, psw_grad):  # type: ignore[override]
+        ctx.weights, ctx.lookup, ctx.args, ctx.psw_grad = weights, lookup, args, psw_grad
         return torch.ops.robe.forward(weights, *args)
 
     @staticmethod
@@ -162,7 +163,7 @@ class _ShardedFusedLookup(torch.autograd.Function):
         weights = ctx.weights
         grad_output = grad_output.contiguous()
         grad_anchor = None
-        if ctx.needs_input_grad[0] and psw is not None:
+        if ctx.psw_grad and ctx.needs_input_grad[0]:
             grad_anchor = torch.ops.robe.per_sample_weights_grad(
                 grad_output, weights, values, offsets, table_meta, block_size, hash_mode,
                 hash_params).to(psw.dtype)
@@ -180,4 +181,4 @@ class _ShardedFusedLookup(torch.autograd.Function):
             torch.ops.robe.backward_fused_(grad_output, weights, state1, state2, values, offsets,
                                            psw, table_meta, block_size, hash_mode, hash_params,
                                            int(opt.kind), opt.hparams(), step)
-        return grad_anchor, None, None, None
+        return grad_anchor, None, None, None, None

@@ -329,6 +329,8 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._robe_layout = module._layout_tensor()
         self._robe_total = module.memory_size
         self._robe_hash_mode = module._hash_mode
+        self._robe_default_scale = math.sqrt(
+            1.0 / max(t.num_embeddings for t in module.embedding_bag_configs()))
         # who declares each array in the state dict
         plan = self.module_sharding_plan
         offsets = array_offsets(module)
@@ -474,8 +476,14 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # --- misc ------------------------------------------------------------------------------
 
     def reset_parameters(self) -> None:
-        raise NotImplementedError("ShardedRobeEmbeddingBagCollection takes its initial arrays "
-                                  "from the module it shards")
+        """Re-draw every local array uniformly as the unsharded module does (data-parallel
+        arrays then broadcast from rank 0). Sharding already copies rank 0's arrays; this is
+        for ``DistributedModelParallel``'s meta-device initialisation."""
+        scale = self._robe_config.init_scale or self._robe_default_scale
+        with torch.no_grad():
+            for lk in self._lookups:
+                lk.weight.uniform_(-scale, scale)
+            self._broadcast_dp()
 
     @property
     def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]

@@ -39,13 +39,15 @@ FEATURES = ["f0", "f1", "f2", "f3"]
 ROWS = {"f0": 1000, "f1": 500, "f2": 500, "f3": 300}
 
 
-def make_ebc(robe: RobeConfig, seed: int = 0, device=None) -> RobeEmbeddingBagCollection:
+def make_ebc(robe: RobeConfig, seed: int = 0, device=None,
+             is_weighted: bool = False) -> RobeEmbeddingBagCollection:
     torch.manual_seed(seed)
-    return RobeEmbeddingBagCollection(tables(), robe, device=device)
+    return RobeEmbeddingBagCollection(tables(), robe, is_weighted=is_weighted, device=device)
 
 
-def global_batch(step: int, world: int, batch: int = B) -> KeyedJaggedTensor:
-    """The same global batch (``world * batch`` samples) on every rank."""
+def global_batch(step: int, world: int, batch: int = B, weighted: bool = False) -> KeyedJaggedTensor:
+    """The same global batch (``world * batch`` samples) on every rank (with per-sample
+    weights if ``weighted``)."""
     g = torch.Generator().manual_seed(1000 + step)
     n = world * batch
     lengths, values = [], []
@@ -53,13 +55,15 @@ def global_batch(step: int, world: int, batch: int = B) -> KeyedJaggedTensor:
         lens = torch.randint(0, 4, (n,), generator=g)
         lengths.append(lens)
         values.append(torch.randint(0, ROWS[f], (int(lens.sum()),), generator=g))
-    return KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(values), torch.cat(lengths))
+    values = torch.cat(values)
+    weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, values, torch.cat(lengths), weights)
 
 
 def local_slice(kjt: KeyedJaggedTensor, rank: int, batch: int = B) -> KeyedJaggedTensor:
     """Samples ``[rank * batch, (rank + 1) * batch)`` of a KJT."""
     n = kjt.stride()
-    lengths, values = [], []
+    lengths, values, weights = [], [], []
     for f in kjt.keys():
         jt = kjt[f]
         lens = jt.lengths()
@@ -67,8 +71,11 @@ def local_slice(kjt: KeyedJaggedTensor, rank: int, batch: int = B) -> KeyedJagge
         lo, hi = rank * batch, (rank + 1) * batch
         lengths.append(lens[lo:hi])
         values.append(jt.values()[offs[lo]: offs[hi]])
+        if jt.weights_or_none() is not None:
+            weights.append(jt.weights()[offs[lo]: offs[hi]])
     assert n % batch == 0
-    return KeyedJaggedTensor.from_lengths_sync(kjt.keys(), torch.cat(values), torch.cat(lengths))
+    return KeyedJaggedTensor.from_lengths_sync(kjt.keys(), torch.cat(values), torch.cat(lengths),
+                                               torch.cat(weights) if weights else None)
 
 
 def target(step: int, rows: int, dim: int) -> torch.Tensor:
@@ -104,8 +111,8 @@ def plan_for(module: RobeEmbeddingBagCollection, types: Dict[str, str], world: i
 
 
 def make_dmp(robe: RobeConfig, types: Dict[str, str], world: int, optimizer=None,
-             fused_params=None, ranks=None, seed: int = 0):
-    ebc = make_ebc(robe, seed)
+             fused_params=None, ranks=None, seed: int = 0, is_weighted: bool = False):
+    ebc = make_ebc(robe, seed, is_weighted=is_weighted)
     if optimizer is not None:
         apply_optimizer_in_backward(optimizer[0], [ebc.weight], optimizer[1])
     sharder = RobeEmbeddingBagCollectionSharder(fused_params=fused_params)

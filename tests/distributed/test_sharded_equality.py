@@ -28,6 +28,9 @@ CASES = {
     "mixed_adam": (RobeConfig(compression=10, block_size=4, shared=False),
                    {"t0": "data_parallel", "t1": "table_wise", "t2": "table_wise"},
                    (torch.optim.Adam, {"lr": 0.01}), None),
+    "weighted_mixed_sgd": (RobeConfig(compression=10, block_size=4, shared=False),
+                           {"t0": "data_parallel", "t1": "table_wise", "t2": "table_wise"},
+                           (torch.optim.SGD, {"lr": 0.5}), None),
     "dp_adagrad": (RobeConfig(compression=10, block_size=4, shared=False),
                    {"t0": "data_parallel", "t1": "data_parallel", "t2": "data_parallel"},
                    (torch.optim.Adagrad, {"lr": 0.1}), None),
@@ -46,9 +49,10 @@ def _reference_optimizer(case):
 def _run_case(rank: int, world: int, name: str):
     case = CASES[name]
     robe, types, optimizer, fused = case
+    weighted = name.startswith("weighted")
     dmp = common.make_dmp(robe, types, world, optimizer=optimizer, fused_params=fused,
-                          ranks=TW_RANKS)
-    ref = common.make_ebc(robe)
+                          ranks=TW_RANKS, is_weighted=weighted)
+    ref = common.make_ebc(robe, is_weighted=weighted)
     opt_cls, opt_kwargs = _reference_optimizer(case)
     ref_opt = opt_cls([ref.weight], **opt_kwargs)
     # as TorchRec: every array sees the gradient averaged over ranks (DATA_PARALLEL by our
@@ -57,7 +61,7 @@ def _run_case(rank: int, world: int, name: str):
 
     worst_out = worst_w = 0.0
     for step in range(STEPS):
-        kjt = common.global_batch(step, world)
+        kjt = common.global_batch(step, world, weighted=weighted)
         tgt = common.target(step, world * common.B, ref._output_dim)
         out = dmp(common.local_slice(kjt, rank))
         lo, hi = rank * common.B, (rank + 1) * common.B
