@@ -263,6 +263,7 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, weights, fused, args):  # type: ignore[override]
         ctx.weights, ctx.fused, ctx.args = weights, fused, args
+        ctx.anchor_is_psw = anchor is args[2]
         return torch.ops.robe.forward(weights, *args)
 
     @staticmethod
@@ -271,7 +272,7 @@ class _FusedLookup(torch.autograd.Function):
          _bounds) = ctx.args
         grad_output = grad_output.contiguous()
         grad_anchor = None
-        if ctx.needs_input_grad[0] and psw is not None:
+        if ctx.needs_input_grad[0] and ctx.anchor_is_psw:
             # per-sample-weight gradients must see the weights before this step's update
             grad_anchor = torch.ops.robe.per_sample_weights_grad(
                 grad_output, ctx.weights, values, offsets, table_meta, block_size, hash_mode,

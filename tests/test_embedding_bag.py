@@ -225,6 +225,29 @@ def test_weighted_gradients_flow_to_per_sample_weights():
     torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("psw_requires_grad", [False, True])
+def test_weighted_module_with_fused_optimizer(psw_requires_grad):
+    tables = make_tables()
+    robe = RobeConfig(memory_size=300, block_size=4)
+    fused = RobeEmbeddingBagCollection(tables, robe, is_weighted=True)
+    dense = copy.deepcopy(fused)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [fused.weight], {"lr": 0.1})
+    opt = torch.optim.Adagrad([dense.weight], lr=0.1)
+    kjt = random_kjt(tables, weighted=True, seed=9)
+    grads = []
+    for module in (fused, dense):
+        w = kjt.weights().clone().requires_grad_(psw_requires_grad)
+        batch = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=w)
+        module(batch).values().square().sum().backward()
+        grads.append(w.grad)
+    opt.step()
+    torch.testing.assert_close(fused.weight, dense.weight, rtol=1e-5, atol=1e-6)
+    if psw_requires_grad:
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    else:
+        assert grads == [None, None]
+
+
 def test_state_dict_round_trip_and_layout_check():
     tables = make_tables()
     robe = RobeConfig(memory_size=300, block_size=4)
