@@ -1,6 +1,7 @@
 // ROBE-Z CPU kernels: pooled forward, dense weight gradient, per-sample-weight gradient and
 // the fused backward + optimizer step. Multithreaded with at::parallel_for (OpenMP: this file
-// must be compiled with -fopenmp, or at::parallel_for runs on one thread).
+// must be compiled with -fopenmp, or at::parallel_for runs on one thread), chunks handed out
+// dynamically (parallel_for_dynamic).
 //
 // The hash formulas are those of robe_torchrec/hashing.py, bit-exact; the argument layout is
 // that of robe_torchrec/ops/meta.py; the data-dependent checks are those of
@@ -405,6 +406,34 @@ inline void store_fence() {
 #endif
 }
 
+// at::parallel_for with dynamic load balancing: f(begin, end) runs on consecutive chunks of
+// `chunk` indices, handed to the pool's threads as they become free, so a thread slowed by
+// another process (shared cores) does not hold the whole call back. No result depends on
+// which thread runs which chunk.
+template <typename F>
+void parallel_for_dynamic(int64_t n, int64_t chunk, const F& f) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  const int64_t n_threads = std::min<int64_t>(n_chunks, at::get_num_threads());
+  if (n_threads <= 1 || at::in_parallel_region()) {
+    f(int64_t(0), n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < n_chunks;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      f(k * chunk, std::min(n, (k + 1) * chunk));
+    }
+  });
+}
+
+// Chunk of a dynamically scheduled loop: at least `grain`, about 8 chunks per thread.
+inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
+  return std::max<int64_t>(grain, n / (8 * std::max<int64_t>(at::get_num_threads(), 1)));
+}
+
 // Samples per tile: the tile's (value, block) starts are hashed (and their weights
 // prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
 // overlap instead of each one stalling the loop.
@@ -426,7 +455,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
-  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
     std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
     acc_t* __restrict__ row = row_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
@@ -728,7 +757,7 @@ Plan<acc_t> build_plan(const index_t* offs, const index_t* vals, const acc_t* ps
     return static_cast<int64_t>(std::upper_bound(offs, offs + T * B + 1, static_cast<index_t>(p)) - offs) - 1;
   };
 
-  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+  parallel_for_dynamic(C, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p0 = c * vpc, p1 = std::min(N, p0 + vpc);
       if (p0 >= p1) {
@@ -793,7 +822,7 @@ Plan<acc_t> build_plan(const index_t* offs, const index_t* vals, const acc_t* ps
   }
   plan.bucket_begin[R] = total;
   plan.sorted = t_sorted.get<Rec<acc_t>>(static_cast<size_t>(total));
-  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+  parallel_for_dynamic(C, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* cur = cursor.data() + c * R;
       for (int64_t i = chunk_e0[c]; i < chunk_e0[c + 1]; ++i) {
@@ -907,7 +936,7 @@ at::Tensor backward_dense(const at::Tensor& grad_output, const at::Tensor& weigh
     with_plan<acc_t>(in, M, hash_mode, hash_params, [&](const Plan<acc_t>& plan) {
       acc_t* gw = grad.data_ptr<acc_t>();
       const acc_t* go = in.grad_output.data_ptr<acc_t>();
-      at::parallel_for(0, plan.R, 1, [&](int64_t r0, int64_t r1) {
+      parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M);
           std::fill(gw + lo, gw + hi, acc_t(0));
@@ -1004,19 +1033,20 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
       const T* go = in.grad_output.data_ptr<T>();
       const double bias1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
       const double bias2_sqrt = std::sqrt(1.0 - std::pow(hp.beta2, static_cast<double>(step)));
-      at::parallel_for(0, plan.R, 1, [&](int64_t r0, int64_t r1) {
-        std::vector<T> buf(static_cast<size_t>(plan.rs));
+      parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
+        std::unique_ptr<T[]> buf_mem(new T[static_cast<size_t>(plan.rs)]);
+        T* buf = buf_mem.get();
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M), n = hi - lo;
-          std::fill(buf.begin(), buf.begin() + n, T(0));
-          accumulate_bucket(plan, r, lo, hi, go, buf.data());
+          std::fill(buf, buf + n, T(0));
+          accumulate_bucket(plan, r, lo, hi, go, buf);
           if (optimizer == OPT_SGD) {
-            sgd_range<T>(w + lo, buf.data(), n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
+            sgd_range<T>(w + lo, buf, n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
           } else if (optimizer == OPT_ADAGRAD) {
-            adagrad_range<T>(w + lo, s1 + lo, buf.data(), n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
+            adagrad_range<T>(w + lo, s1 + lo, buf, n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
                              static_cast<T>(hp.wd));
           } else {
-            adam_range<T>(w + lo, s1 + lo, s2 + lo, buf.data(), n, static_cast<T>(hp.wd),
+            adam_range<T>(w + lo, s1 + lo, s2 + lo, buf, n, static_cast<T>(hp.wd),
                           static_cast<T>(1.0 - hp.beta1), static_cast<T>(hp.beta2),
                           static_cast<T>(1.0 - hp.beta2), static_cast<T>(1.0 / bias2_sqrt),
                           static_cast<T>(hp.eps), static_cast<T>(-hp.lr / bias1));
@@ -1040,7 +1070,7 @@ void psw_grad_kernel(const T* __restrict__ go, const T* __restrict__ w, const in
   const int64_t entries_per_bag = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(n_bags, 1));
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_bag, 1, 256);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, entries_per_bag * Z));
-  at::parallel_for(0, n_bags, grain, [&](int64_t i0, int64_t i1) {
+  parallel_for_dynamic(n_bags, dynamic_chunk(n_bags, grain), [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> starts;  // flat weight index of each (value, block) of the tile
     starts.reserve(4 * kTileEntries);
     for (int64_t tb0 = i0; tb0 < i1; tb0 += tile) {
