@@ -17,8 +17,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from robe_torchrec import ops
 from robe_torchrec.config import RobeConfig
-from robe_torchrec.hashing import HashMode, hash_params
-from robe_torchrec.ops.meta import Pooling, build_table_meta
+from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
+from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
 from robe_torchrec.optim import RobeFusedOptimizer
 
 _LAYOUT_VERSION = 1
@@ -96,6 +96,14 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 row_offsets.append(sum(tb.num_embeddings for tb in tables[:t]) if robe.shared else 0)
                 num_rows.append(table.num_embeddings)
                 poolings.append(int(_POOLING[table.pooling]))
+        if self._hash_mode == HashMode.REFERENCE and robe.bounds_check_mode == BoundsCheck.ERROR:
+            num_blocks = max(-(-d // robe.block_size) for d in dims)
+            limit = reference_key_limit(num_blocks, self._hash_params)
+            largest_key = max(r + n - 1 for r, n in zip(row_offsets, num_rows))
+            if largest_key >= limit:
+                raise ValueError(f"RobeEmbeddingBagCollection: the reference hash computes keys "
+                                 f"below {limit} only, but these tables reach key {largest_key}; "
+                                 "use RobeConfig(hash='mix')")
         self._feature_names: List[str] = [f for table in tables for f in table.feature_names]
         self._embedding_names: List[str] = [
             name for names in get_embedding_names_by_table(tables) for name in names

@@ -110,3 +110,10 @@ def test_bad_configs():
         RobeConfig(memory_size=10, bounds_check="warn")
     with pytest.raises(ValueError, match="duplicate table name"):
         RobeEmbeddingBagCollection(tables() + tables()[:1], RobeConfig(memory_size=10))
+
+
+def test_tables_too_large_for_the_reference_hash():
+    huge = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=2 * 10**10, feature_names=["f"])]
+    with pytest.raises(ValueError, match=r"reference hash computes keys below .*hash='mix'"):
+        RobeEmbeddingBagCollection(huge, RobeConfig(memory_size=1000), device="meta")
+    RobeEmbeddingBagCollection(huge, RobeConfig(memory_size=1000, hash="mix"), device="meta")
