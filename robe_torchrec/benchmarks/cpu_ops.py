@@ -1,7 +1,8 @@
 """CPU benchmark of one training step: full table, FBGEMM TBE, pure-PyTorch ROBE-Z, our C++ ops.
 
-The setup of the seed benchmarks (seeds 000/001): batch 32768, a *pair model* (two features
-that share one table / ROBE array, one id per bag, SUM pooling, dim 64), ids uniform in
+The setup of the seed benchmarks (seeds 000/001): batch 32768, a *pair model* (two lookups of
+one id per sample into one table / ROBE array, SUM pooling, dim 64; every row does them as one
+call over 2B bags, so all rows compute the same loss on the same [2B, D] layout), ids uniform in
 ``[0, 1_562_500)``, loss ``sum(e1 * e2)`` over the two pooled embeddings. Rows, for each of
 SGD, Adagrad and Adam:
 
@@ -300,9 +301,11 @@ class Robe(Runner):
         if split == "estimate" and backend == "cpp" and _cpp_hash_only():
             self.split = "kernel"
         d, n = sizes.dim, sizes.num_embeddings
-        self.meta = m.build_table_meta(dims=[d, d], weight_offsets=[0, 0],
-                                       weight_sizes=[memory, memory], row_offsets=[0, 0],
-                                       num_rows=[n, n], poolings=[m.Pooling.SUM, m.Pooling.SUM])
+        # The two lookups of a sample read the same array with the same keys, so they are one
+        # feature of 2B bags (as the full-table row's single EmbeddingBag call over 2B bags):
+        # output [2B, D], and every row computes the same loss on the same layout.
+        self.meta = m.build_table_meta(dims=[d], weight_offsets=[0], weight_sizes=[memory],
+                                       row_offsets=[0], num_rows=[n], poolings=[m.Pooling.SUM])
         bound = math.sqrt(1.0 / n)  # the reference DLRM's init
         weights = torch.empty(memory).uniform_(-bound, bound)
         self.size_floats = memory
@@ -323,7 +326,7 @@ class Robe(Runner):
 
     def lookup(self, values: Tensor, offsets: Tensor) -> Tensor:
         return torch.ops.robe.forward(self.weights, values, offsets, None, self.meta,
-                                      2 * self.sizes.dim, self.block_size, int(self.hash_mode),
+                                      self.sizes.dim, self.block_size, int(self.hash_mode),
                                       self.params, int(m.BoundsCheck.ERROR))
 
     def forward(self, batch: Batch) -> Tensor:
@@ -332,8 +335,8 @@ class Robe(Runner):
         return _FusedLookup.apply(self.anchor, self, batch.values, batch.offsets)
 
     def backward(self, out: Tensor) -> None:
-        d = self.sizes.dim
-        pair_loss(out[:, :d], out[:, d:]).backward()
+        b = self.sizes.batch
+        pair_loss(out[:b], out[b:]).backward()
 
     def step(self) -> None:
         if self.mode == "dense":
@@ -346,7 +349,7 @@ class Robe(Runner):
     # --- the forward split -------------------------------------------------------------
 
     def _columns(self) -> List[List[int]]:
-        return [[int(v) for v in self.meta[:, t].tolist()] for t in range(2)]
+        return [[int(v) for v in self.meta[:, t].tolist()] for t in range(self.meta.shape[1])]
 
     def prepare(self, batches: Sequence[Batch]) -> None:
         b = self.sizes.batch
@@ -356,10 +359,10 @@ class Robe(Runner):
             for batch in batches:
                 starts = block_starts(batch.values, blocks, self.memory, self.block_size,
                                       self.hash_mode, self.params)
-                self._split_inputs.append(torch.cat([starts[:b], starts[b:]], dim=1).contiguous())
+                self._split_inputs.append(starts.contiguous())
         elif self.split == "exact":
-            self._samples = torch.arange(b)
-            self._scale = torch.ones(b)
+            self._samples = torch.arange(2 * b)
+            self._scale = torch.ones(2 * b)
 
     def extra(self, index: int, batch: Batch) -> Dict[str, float]:
         with torch.no_grad():
@@ -376,7 +379,7 @@ class Robe(Runner):
         from robe_torchrec.ops import cpu
 
         args = (self.weights.detach(), batch.values, batch.offsets, None, self.meta,
-                2 * self.sizes.dim, self.block_size, int(self.hash_mode), self.params,
+                self.sizes.dim, self.block_size, int(self.hash_mode), self.params,
                 int(m.BoundsCheck.ERROR))
         t0 = time.perf_counter()
         cpu.forward_hash_only(*args)
@@ -387,7 +390,7 @@ class Robe(Runner):
         z, w = self.block_size, self.weights.detach()
         t0 = time.perf_counter()
         blocks = w.as_strided((self.memory - z + 1, z), (1, 1))
-        out = F.embedding(starts, blocks).reshape(self.sizes.batch, 2 * self.sizes.dim)
+        out = F.embedding(starts, blocks).reshape(2 * self.sizes.batch, self.sizes.dim)
         t1 = time.perf_counter()
         del out
         return t1 - t0
@@ -395,17 +398,13 @@ class Robe(Runner):
     def _reference_split(self, batch: Batch) -> Dict[str, float]:
         """Hashing and gather + pool of reference.forward, timed apart (same operations)."""
         b, d, w = self.sizes.batch, self.sizes.dim, self.weights.detach()
-        cols = self._columns()
-        vals = [batch.values[t * b : (t + 1) * b] for t in range(2)]
+        col = self._columns()[0]
         t0 = time.perf_counter()
-        idx = [reference.element_indices(vals[t], cols[t], self.block_size, int(self.hash_mode),
-                                         self.params) for t in range(2)]
+        idx = reference.element_indices(batch.values, col, self.block_size, int(self.hash_mode),
+                                        self.params)
         t1 = time.perf_counter()
-        out = w.new_zeros(b, 2 * d)
-        for t in range(2):
-            rows = w[idx[t]] * self._scale[:, None]
-            lo = cols[t][m.OUT_OFFSET]
-            out[:, lo : lo + d].index_add_(0, self._samples, rows)
+        out = w.new_zeros(2 * b, d)
+        out.index_add_(0, self._samples, w[idx] * self._scale[:, None])
         t2 = time.perf_counter()
         return {"hashing": t1 - t0, "lookup": t2 - t1}
 
@@ -798,7 +797,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     load_end = loadavg()
     command = "python -m robe_torchrec.benchmarks.cpu_ops " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    setup = (f"batch {sizes.batch}, pair model (2 features sharing one table, 1 id per bag, SUM), "
+    setup = (f"batch {sizes.batch}, pair model (two lookups of one id per sample into one table or array, done as one call over 2B bags for every row, SUM), "
              f"dim {sizes.dim}, ids uniform in [0, {sizes.num_embeddings:,}), loss sum(e1*e2), "
              f"lr {LR}; ROBE hash {hash_mode.name.lower()} (seed {HASH_SEED}); "
              f"{warmup} warmup + {iters} timed iterations, medians, {len(batches)} distinct batches")
