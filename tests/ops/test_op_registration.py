@@ -1,0 +1,54 @@
+"""The torch.library registration: schemas, fake (meta) kernels and autograd pass
+torch.library.opcheck, and torch.compile traces through the ops without graph breaks."""
+
+import pytest
+import torch
+
+import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+from robe_torchrec.ops.meta import Optimizer
+from tests.ops.cases import random_case
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_opcheck_forward_and_backward(weighted):
+    case = random_case(3, weighted=weighted, dtype=torch.float64)
+    case.weights.requires_grad_(True)
+    if weighted:
+        case.per_sample_weights.requires_grad_(True)
+    torch.library.opcheck(torch.ops.robe.forward.default, case.forward_args())
+    grad = torch.randn(case.batch, case.output_dim, dtype=torch.float64)
+    # the backward ops are not differentiable themselves (no double backward)
+    case.weights = case.weights.detach()
+    if weighted:
+        case.per_sample_weights = case.per_sample_weights.detach()
+    torch.library.opcheck(torch.ops.robe.backward_dense.default, case.backward_args(grad))
+    torch.library.opcheck(torch.ops.robe.per_sample_weights_grad.default, case.psw_grad_args(grad))
+
+
+def test_opcheck_fused_backward():
+    case = random_case(4)
+    grad = torch.randn(case.batch, case.output_dim)
+    state1, state2 = torch.zeros_like(case.weights), torch.zeros_like(case.weights)
+    args = (grad, case.weights, state1, state2, case.values, case.offsets, None, case.table_meta,
+            case.block_size, case.hash_mode, case.hash_params, int(Optimizer.ADAM),
+            [1e-2, 1e-8, 0.9, 0.999, 0.0], 1)
+    torch.library.opcheck(torch.ops.robe.backward_fused_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_forward_and_backward():
+    case = random_case(5)
+    weights = case.weights.clone().requires_grad_(True)
+    args = case.forward_args()[1:]
+
+    def loss_fn(w):
+        return torch.ops.robe.forward(w, *args).square().sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    loss = compiled(weights)
+    loss.backward()
+    eager_weights = case.weights.clone().requires_grad_(True)
+    eager = loss_fn(eager_weights)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(weights.grad, eager_weights.grad)
