@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from robe_torchrec import ops
 from robe_torchrec.config import RobeConfig
+from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
 from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
 from robe_torchrec.optim import RobeFusedOptimizer
@@ -165,8 +166,7 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if fused is None:
                 pooled = ops.forward(self.weight, *args)
             else:
-                pooled = _FusedLookup.apply(_grad_anchor(per_sample_weights), self.weight.detach(),
-                                            fused, args)
+                pooled = fused_lookup(self.weight, fused, args)
         except (ValueError, RuntimeError) as err:
             raise self._name_feature(err) from None
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
@@ -263,43 +263,6 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             name = self._feature_names[int(found.group(1))]
             message = message.replace(found.group(0), f"of feature {found.group(1)} ('{name}')")
         return type(err)(message)
-
-
-class _FusedLookup(torch.autograd.Function):
-    """Forward through ``robe::forward``; backward applies the fused optimizer in place."""
-
-    @staticmethod
-    def forward(ctx, anchor, weights, fused, args):  # type: ignore[override]
-        ctx.weights, ctx.fused, ctx.args = weights, fused, args
-        ctx.anchor_is_psw = anchor is args[2]
-        return torch.ops.robe.forward(weights, *args)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        (values, offsets, psw, table_meta, _out_dim, block_size, hash_mode, hash_params,
-         _bounds) = ctx.args
-        grad_output = grad_output.contiguous()
-        grad_anchor = None
-        if ctx.needs_input_grad[0] and ctx.anchor_is_psw:
-            # per-sample-weight gradients must see the weights before this step's update
-            grad_anchor = torch.ops.robe.per_sample_weights_grad(
-                grad_output, ctx.weights, values, offsets, table_meta, block_size, hash_mode,
-                hash_params).to(psw.dtype)
-        fused: RobeFusedOptimizer = ctx.fused
-        state1, state2 = fused.state_tensors()
-        torch.ops.robe.backward_fused_(
-            grad_output, ctx.weights, state1, state2, values, offsets, psw, table_meta,
-            block_size, hash_mode, hash_params, int(fused.kind), fused.hparams(),
-            fused.advance_step())
-        return grad_anchor, None, None, None
-
-
-def _grad_anchor(per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """A tensor that requires grad, so autograd calls the fused backward. Per-sample weights
-    that need a gradient serve (and receive it); otherwise a fresh empty leaf."""
-    if per_sample_weights is not None and per_sample_weights.requires_grad:
-        return per_sample_weights
-    return torch.empty(0, requires_grad=True)
 
 
 def _check_tables(tables: List[EmbeddingBagConfig]) -> None:

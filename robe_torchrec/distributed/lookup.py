@@ -9,7 +9,8 @@ input dist hands it, and applies the fused optimizer inside backward:
 * ``DATA_PARALLEL``: every rank holds the arrays and sees only its local batch. Backward
   computes the dense array gradient (``robe::backward_dense``), all-reduces it (sum divided
   by the world size, DDP's averaging) and applies the optimizer with
-  :func:`robe_torchrec.ops.reference.apply_optimizer_`, all inside autograd: there is no
+  :func:`robe_torchrec.ops.reference.apply_optimizer_` (:mod:`robe_torchrec.fused_lookup`, shared
+  with the unsharded module), all inside autograd: there is no
   DDP wrapper and no gradient left for a dense optimizer, so pipelines that need every
   embedding optimizer fused into backward (FusedSparseDist, SemiSync) see what they expect.
 """
@@ -26,7 +27,7 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec.ops.meta import build_table_meta
-from robe_torchrec.ops.reference import apply_optimizer_
+from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.optim import RobeFusedOptimizer
 
 
@@ -129,9 +130,8 @@ class RobeShardedLookup(nn.Module):
         psw = features.weights_or_none() if self._is_weighted else None
         args = (values, offsets, psw, self.table_meta, self._output_dim, self._block_size,
                 self._hash_mode, self._hash_params, self._bounds_check)
-        psw_grad = psw is not None and psw.requires_grad
-        anchor = psw if psw_grad else self._dummy
-        return _ShardedFusedLookup.apply(anchor, self.weight.detach(), self, args, psw_grad)
+        return fused_lookup(self.weight, self.optimizer, args,
+                            self._pg if self._data_parallel else None)
 
 
 class _EmptyLookup(torch.autograd.Function):
@@ -148,37 +148,3 @@ class _EmptyLookup(torch.autograd.Function):
         ctx.lookup.optimizer.advance_step()
         return None, None, None
 
-
-class _ShardedFusedLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, weights, lookup, args, psw_grad):  # type: ignore[override]
-        ctx.weights, ctx.lookup, ctx.args, ctx.psw_grad = weights, lookup, args, psw_grad
-        return torch.ops.robe.forward(weights, *args)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        (values, offsets, psw, table_meta, _out_dim, block_size, hash_mode, hash_params,
-         _bounds) = ctx.args
-        lookup: RobeShardedLookup = ctx.lookup
-        weights = ctx.weights
-        grad_output = grad_output.contiguous()
-        grad_anchor = None
-        if ctx.psw_grad and ctx.needs_input_grad[0]:
-            grad_anchor = torch.ops.robe.per_sample_weights_grad(
-                grad_output, weights, values, offsets, table_meta, block_size, hash_mode,
-                hash_params).to(psw.dtype)
-        opt = lookup.optimizer
-        state1, state2 = opt.state_tensors()
-        step = opt.advance_step()
-        if lookup._data_parallel:
-            grad = torch.ops.robe.backward_dense(grad_output, weights, values, offsets, psw,
-                                                 table_meta, block_size, hash_mode, hash_params)
-            if lookup._pg is not None and dist.get_world_size(lookup._pg) > 1:
-                dist.all_reduce(grad, group=lookup._pg)
-                grad.div_(dist.get_world_size(lookup._pg))
-            apply_optimizer_(weights, grad, state1, state2, int(opt.kind), opt.hparams(), step)
-        else:
-            torch.ops.robe.backward_fused_(grad_output, weights, state1, state2, values, offsets,
-                                           psw, table_meta, block_size, hash_mode, hash_params,
-                                           int(opt.kind), opt.hparams(), step)
-        return grad_anchor, None, None, None, None
