@@ -178,6 +178,22 @@ def _feature_meta(meta_ptr, num_features, t):
 
 
 @triton.jit
+def _bag_setup(meta_ptr, offsets_ptr, bag, batch, num_features, Z: tl.constexpr,
+               ACC: tl.constexpr):
+    """What every kernel needs about bag ``bag`` (feature-major): its sample ``b``, its
+    feature's output offset, dim, array offset, hash span and row offset, its id range
+    ``[lo, hi)``, and what its sum is divided by (its size, at least 1, for MEAN; else 1)."""
+    t = bag // batch
+    b = bag % batch
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    lo = tl.load(offsets_ptr + bag).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    return b, out_offset, dim, w_offset, w_size - Z + 1, row_offset, lo, hi, divisor
+
+
+@triton.jit
 def _column_tile(tile, dim, Z: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr):
     """Blocks ``[BLOCK_B, 1]`` (int64), in-block offsets ``[1, BLOCK_Z]``, the columns
     ``[BLOCK_B, BLOCK_Z]`` they form and the mask of the valid ones, for column tile ``tile``."""
@@ -214,16 +230,9 @@ def _forward_kernel(
     """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]."""
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
-    t = bag // batch
-    b = bag % batch
-    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
-                                                                           num_features, t)
-    span = w_size - Z + 1
+    b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
+        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
-    lo = tl.load(offsets_ptr + bag).to(tl.int64)
-    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    # what the bag's sum is divided by: its size (at least 1) for MEAN, else 1
-    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
     if tile * BLOCK_B * Z >= dim:  # no column of this feature in the tile: skip the ids
         hi = lo
 
@@ -256,16 +265,9 @@ def _backward_kernel(
     """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
-    t = bag // batch
-    b = bag % batch
-    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
-                                                                           num_features, t)
-    span = w_size - Z + 1
+    b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
+        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
-    lo = tl.load(offsets_ptr + bag).to(tl.int64)
-    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    # what the bag's sum is divided by: its size (at least 1) for MEAN, else 1
-    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
     if tile * BLOCK_B * Z >= dim:
         hi = lo
 
@@ -294,14 +296,8 @@ def _psw_grad_kernel(
 ):
     """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
-    t = bag // batch
-    b = bag % batch
-    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
-                                                                           num_features, t)
-    span = w_size - Z + 1
-    lo = tl.load(offsets_ptr + bag).to(tl.int64)
-    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
+        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
     num_tiles = tl.cdiv(dim, BLOCK_B * Z)
     grad_row = grad_out_ptr + b * grad_stride + out_offset
 
