@@ -10,8 +10,6 @@ import torch
 from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops.meta import BoundsCheck, build_table_meta
 
-POISON = float("nan")
-
 
 @dataclasses.dataclass
 class OpCase:
