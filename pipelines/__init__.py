@@ -1,5 +1,35 @@
-"""Train pipelines for TorchRec models with ROBE-Z (or stock) embeddings.
+"""Train pipelines for TorchRec models with ROBE-Z (or stock) embeddings, selectable by name.
 
-The SparseDist, FusedSparseDist and SemiSync variants land with issue #4; until then this
-package is empty and TorchRec's own ``torchrec.distributed.train_pipeline`` is the one to use.
+* ``"plain"``: next batch, forward, backward, optimizer step; no overlap.
+* ``"sparse_dist"``: TorchRec's TrainPipelineSparseDist (input dist of the next batch
+  overlaps this batch's forward/backward).
+* ``"fused_sparse_dist"``: also starts the next batch's embedding lookup right after this
+  batch's fused backward, overlapping the dense optimizer step. Same numbers as the above.
+* ``"semi_sync"``: the next batch's embedding lookup overlaps this batch's dense
+  forward/backward (embeddings one step stale). Slightly different numbers.
+
+Example::
+
+    >>> from pipelines import make_pipeline
+    >>> pipeline = make_pipeline("sparse_dist", dmp_model, dense_opt, torch.device("cpu"))
+    >>> it = iter(dataloader)
+    >>> loss, (loss_, logits, labels) = pipeline.progress(it)  # DLRMTrain output
 """
+
+from pipelines.factory import PIPELINES, make_pipeline
+from pipelines.fused_sparse_dist import FusedSparseDistPipeline
+from pipelines.guards import PipelineModelError, check_pipeline_model
+from pipelines.plain import PlainPipeline
+from pipelines.semi_sync import SemiSyncPipeline
+from pipelines.sparse_dist import SparseDistPipeline
+
+__all__ = [
+    "PIPELINES",
+    "FusedSparseDistPipeline",
+    "PipelineModelError",
+    "PlainPipeline",
+    "SemiSyncPipeline",
+    "SparseDistPipeline",
+    "check_pipeline_model",
+    "make_pipeline",
+]

@@ -1,0 +1,54 @@
+"""``make_pipeline(name, model, optimizer, device, **options)``: pick a train pipeline by
+name, so that a training app can switch with one config value.
+
+Example::
+
+    >>> from pipelines import make_pipeline
+    >>> pipeline = make_pipeline("fused_sparse_dist", dmp_model, dense_opt,
+    ...                          torch.device("cpu"), embedding_lookup_after_opt=True)
+    >>> it = iter(dataloader)
+    >>> loss, (loss_, logits, labels) = pipeline.progress(it)  # StopIteration at the end
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+import torch
+from torch import nn
+from torchrec.distributed.train_pipeline import TrainPipeline
+
+from pipelines.fused_sparse_dist import FusedSparseDistPipeline
+from pipelines.plain import PlainPipeline
+from pipelines.semi_sync import SemiSyncPipeline
+from pipelines.sparse_dist import SparseDistPipeline
+
+PIPELINES: Dict[str, Type[TrainPipeline]] = {
+    "plain": PlainPipeline,
+    "sparse_dist": SparseDistPipeline,
+    "fused_sparse_dist": FusedSparseDistPipeline,
+    "semi_sync": SemiSyncPipeline,
+}
+
+
+def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  device: torch.device, **options) -> TrainPipeline:
+    """Build the pipeline called ``name`` (``"plain"``, ``"sparse_dist"``,
+    ``"fused_sparse_dist"``, ``"semi_sync"``). ``options`` go to its constructor, e.g.
+    ``emb_lookup_stream``, ``embedding_lookup_after_opt``, ``cpu_overlap`` (FusedSparseDist),
+    ``start_batch``, ``stash_gradients`` (SemiSync), ``execute_all_batches`` (TorchRec's).
+
+    Raises ``ValueError`` for an unknown name or for options the pipeline does not take, and
+    :class:`pipelines.guards.PipelineModelError` when FusedSparseDist or SemiSync would
+    train the model wrong.
+    """
+    try:
+        cls = PIPELINES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline {name!r}; choose one of {sorted(PIPELINES)}") from None
+    if cls is PlainPipeline and options:
+        raise ValueError(f"the 'plain' pipeline takes no options, got {sorted(options)}")
+    try:
+        return cls(model, optimizer, device, **options)
+    except TypeError as e:  # an option the constructor does not know
+        raise ValueError(f"pipeline {name!r}: {e}") from e
