@@ -1,0 +1,87 @@
+"""Entry point: set up torch.distributed, agree on one run directory, then hand over to Hydra.
+
+The app always runs inside a process group. Under ``torchrun`` / torchx (``RANK`` and
+``MASTER_ADDR`` set) it joins the ``env://`` rendezvous; launched plainly it makes a 1-rank
+group itself, so ``python -m robe_torchrec.train`` and a 64-rank job run the same code.
+
+Hydra creates its output directory in every process, named by each process's clock. To get
+one directory per run, the name is decided once (the elastic run id, which stays the same
+across ``max_restarts`` restarts so a restarted job finds its checkpoints; otherwise rank 0's
+clock, broadcast) and handed to Hydra through ``ROBE_RUN_STAMP`` (see ``configs/config.yaml``);
+only rank 0 writes Hydra's ``.hydra/`` files and log file there.
+
+Example::
+
+    python -m robe_torchrec.train run.steps=100 embedding.compression=100
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group (env://) or create a 1-rank one."""
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        # no launcher: an in-memory store needs no port
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def agree_on_run_stamp() -> str:
+    """The run directory's name, the same on every rank (collective)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S")]
+    dist.broadcast_object_list(stamp, src=0)
+    return stamp[0]
+
+
+def _hydra_argv(argv: list, rank: int) -> list:
+    if rank == 0:
+        return argv
+    # other ranks share rank 0's directory but leave Hydra's files to it
+    return argv + ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def _task(cfg) -> Optional[Dict[str, Any]]:
+    from hydra.core.hydra_config import HydraConfig
+
+    from robe_torchrec.train.loop import train
+
+    return train(cfg, HydraConfig.get().runtime.output_dir)
+
+
+def main() -> None:
+    """``python -m robe_torchrec.train [hydra overrides]``."""
+    import hydra
+
+    from robe_torchrec.train.config import config_dir
+
+    init_distributed()
+    try:
+        if "ROBE_RUN_STAMP" not in os.environ:
+            os.environ["ROBE_RUN_STAMP"] = agree_on_run_stamp()
+        sys.argv = _hydra_argv(sys.argv, dist.get_rank())
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

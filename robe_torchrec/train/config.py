@@ -1,0 +1,90 @@
+"""Checks of the composed Hydra config, so a bad setting fails at start with a message naming
+the key, instead of deep inside TorchRec.
+
+Example::
+
+    >>> validate(cfg)   # raises ConfigError("pipeline.name: unknown pipeline 'x' ...")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+PIPELINES = ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+MODELS = ("dlrm", "dcn")
+EMBEDDINGS = ("robe", "full")
+SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
+DATA = ("synthetic", "criteo_tsv", "criteo_npy")
+
+
+class ConfigError(ValueError):
+    """A setting of the training config is invalid (the message names the key)."""
+
+
+def config_dir() -> Path:
+    """The ``configs/`` directory: the repository's top level (a checkout or an editable
+    install), or ``$ROBE_TRAIN_CONFIGS``."""
+    import os
+
+    env = os.environ.get("ROBE_TRAIN_CONFIGS")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"no config.yaml in {path}: run from a checkout / editable install "
+                          "or set ROBE_TRAIN_CONFIGS to the configs/ directory")
+    return path
+
+
+def _choice(value, allowed, key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first invalid setting of ``cfg``."""
+    _choice(cfg.pipeline.name, PIPELINES, "pipeline.name")
+    _choice(cfg.optimizer.name, OPTIMIZERS, "optimizer.name")
+    _choice(cfg.model.name, MODELS, "model.name")
+    _choice(cfg.embedding.kind, EMBEDDINGS, "embedding.kind")
+    _choice(cfg.data.name, DATA, "data.name")
+    for t in cfg.sharding.types or []:
+        _choice(t, SHARDING_TYPES, "sharding.types")
+
+    emb = cfg.embedding
+    if emb.dim <= 0:
+        raise ConfigError(f"embedding.dim must be positive, got {emb.dim}")
+    if emb.kind == "robe":
+        if (emb.compression is None) == (emb.memory_size is None):
+            raise ConfigError("embedding: give exactly one of embedding.compression and "
+                              "embedding.memory_size (set the other to null)")
+        if emb.compression is not None and emb.compression < 1:
+            raise ConfigError(f"embedding.compression must be >= 1 (uncompressed / compressed), "
+                              f"got {emb.compression}")
+        if emb.memory_size is not None and emb.memory_size < emb.block_size:
+            raise ConfigError(f"embedding.memory_size ({emb.memory_size}) must hold at least "
+                              f"one block (embedding.block_size={emb.block_size})")
+        if emb.block_size < 1:
+            raise ConfigError(f"embedding.block_size must be >= 1, got {emb.block_size}")
+
+    dense = list(cfg.model.dense_arch_layer_sizes)
+    if not dense or dense[-1] != emb.dim:
+        raise ConfigError(
+            f"model.dense_arch_layer_sizes must end at the embedding dim (DLRM interacts the "
+            f"dense output with the embeddings): got {dense}, embedding.dim={emb.dim}")
+    over = list(cfg.model.over_arch_layer_sizes)
+    if not over or over[-1] != 1:
+        raise ConfigError(f"model.over_arch_layer_sizes must end at 1 (one logit), got {over}")
+
+    run = cfg.run
+    for key in ("steps", "log_every", "eval_every", "checkpoint_every", "eval_batches",
+                "test_batches"):
+        if run[key] < 0:
+            raise ConfigError(f"run.{key} must be >= 0, got {run[key]}")
+    if run.batch_size <= 0:
+        raise ConfigError(f"run.batch_size must be positive, got {run.batch_size}")
+    if str(run.resume).lower() not in ("auto", "true", "false"):
+        raise ConfigError(f"run.resume must be auto, true or false, got {run.resume!r}")
+    if (cfg.fault.kill_rank is None) != (cfg.fault.kill_at_step is None):
+        raise ConfigError("fault: set both fault.kill_rank and fault.kill_at_step, or neither")

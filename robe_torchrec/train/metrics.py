@@ -1,0 +1,75 @@
+"""Metrics of a phase (AUC, log loss: torchmetrics, synced over ranks at ``compute``) and the
+run's ``metrics.csv`` (written by rank 0; a resumed run appends).
+
+Example::
+
+    >>> m = PhaseMetrics()
+    >>> m.update(logits, labels)
+    >>> m.compute()                                  # collective: every rank calls it
+    {'auc': 0.71, 'log_loss': 0.52, 'samples': 8192}
+    >>> MetricsCsv("run/metrics.csv").write(phase="val", step=200, **m.compute())
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric, SumMetric
+from torchmetrics.classification import BinaryAUROC
+
+
+class PhaseMetrics:
+    """AUC and log loss (mean binary cross-entropy) over the samples seen since ``reset``."""
+
+    def __init__(self) -> None:
+        self.auc = BinaryAUROC()
+        self.log_loss = MeanMetric()
+        self.samples = SumMetric()
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        logits, labels = logits.detach().float().reshape(-1).cpu(), labels.detach().reshape(-1).cpu()
+        self.auc.update(torch.sigmoid(logits), labels.long())
+        self.log_loss.update(F.binary_cross_entropy_with_logits(logits, labels.float(),
+                                                                reduction="none"))
+        self.samples.update(labels.numel())
+
+    def compute(self) -> Dict[str, float]:
+        return {"auc": self.auc.compute().item(), "log_loss": self.log_loss.compute().item(),
+                "samples": int(self.samples.compute().item())}
+
+    def reset(self) -> None:
+        for m in (self.auc, self.log_loss, self.samples):
+            m.reset()
+
+
+class MetricsCsv:
+    """Rows of ``phase, step, samples, auc, log_loss, samples_per_s, elapsed_s`` (a no-op off
+    rank 0)."""
+
+    FIELDS = ("phase", "step", "samples", "auc", "log_loss", "samples_per_s", "elapsed_s")
+
+    def __init__(self, path: "str | os.PathLike", enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+
+    def write(self, phase: str, step: int, samples: Optional[int] = None,
+              auc: Optional[float] = None, log_loss: Optional[float] = None,
+              samples_per_s: Optional[float] = None, elapsed_s: Optional[float] = None) -> None:
+        if not self.enabled:
+            return
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(self.FIELDS)
+            w.writerow([phase, step, samples, _fmt(auc), _fmt(log_loss), _fmt(samples_per_s),
+                        _fmt(elapsed_s)])
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.6g}"
