@@ -160,7 +160,6 @@ class CriteoNpy(IterableDataset):
         finally:
             np.random.set_state(rng_state)
         self.batch_size = batch_size
-        self.mmap_mode = mmap_mode
         self.rank = rank
         self.world_size = world_size
 
@@ -179,18 +178,19 @@ class CriteoNpy(IterableDataset):
                 return
             kjt = batch.sparse_features
             yield Batch(
-                dense_features=self._owned(batch.dense_features.to(torch.float32)),
+                dense_features=_owned(batch.dense_features, torch.float32),
                 sparse_features=KeyedJaggedTensor(
-                    keys=SPARSE_KEYS,
-                    values=self._owned(kjt.values().to(torch.int64)),
-                    lengths=kjt.lengths(),
+                    keys=SPARSE_KEYS, values=_owned(kjt.values(), torch.int64), lengths=kjt.lengths()
                 ),
-                labels=self._owned(batch.labels.to(torch.float32)),
+                labels=_owned(batch.labels, torch.float32),
             )
 
-    def _owned(self, t: torch.Tensor) -> torch.Tensor:
-        # a mapped file must not be written through a training step's in-place op
-        return t.clone() if self.mmap_mode else t
+
+def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # torchrec's batches can be views of the loaded (or mapped) arrays: an in-place op in a
+    # training step would then change the data set for the next epoch
+    out = t.to(dtype)
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 
 @dataclass
