@@ -100,10 +100,11 @@ class CriteoNpy(IterableDataset):
         num_embeddings_per_feature: rows of each table: 26 ints, or one int for all tables;
             ids are taken modulo it. ``None`` keeps the stored ids.
         rank, world_size: global batches go round-robin to ranks; every rank gets the same
-            number of batches (torchrec splits the last rows evenly).
+            number of batches (torchrec splits the last rows evenly; when fewer than
+            ``world_size`` rows are left over, some ranks' last batch has ``batch_size + 1``).
         drop_last: drop the rows that do not fill a batch on every rank.
         stage: ``"train"`` reads everything; ``"val"`` / ``"test"`` read the first / second
-            half of the first prefix (torchrec's split of the 1TB set's day 23).
+            half of a single prefix (torchrec's split of the 1TB set's day 23).
         mmap_mode: map the files instead of loading them (each rank then touches only its
             own batches; without it each rank loads all files into memory).
 
@@ -140,6 +141,16 @@ class CriteoNpy(IterableDataset):
         if stage not in ("train", "val", "test"):
             raise ValueError(f'stage must be "train", "val" or "test", got {stage!r}')
         self.rows_per_prefix = [check_npy_prefix(p) for p in self.prefixes]
+        if stage != "train" and len(self.prefixes) != 1:
+            # torchrec halves only the first file and would read the others whole
+            raise ValueError(f'stage="{stage}" reads half of one prefix; got {len(self.prefixes)} prefixes')
+        first_half = (self.rows_per_prefix[0] + 1) // 2
+        rows = {"train": sum(self.rows_per_prefix), "val": first_half}.get(
+            stage, self.rows_per_prefix[0] - first_half
+        )
+        if rows < world_size:
+            # torchrec would give every rank nothing, silently
+            raise ValueError(f"{rows} rows (stage {stage!r}) for {world_size} ranks: each rank needs a row")
         num_embeddings = resolve_num_embeddings(num_embeddings_per_feature)
         paths = [npy_paths(p) for p in self.prefixes]
         # torchrec's constructor re-seeds numpy's global generator; keep the caller's stream

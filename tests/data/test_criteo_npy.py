@@ -83,6 +83,23 @@ def test_ranks_get_equal_batch_counts_and_every_row_once(tmp_path):
     assert sorted(seen) == list(range(10))
 
 
+def test_val_and_test_stages_split_one_prefix(tmp_path):
+    tsv_to_npy(write_tsv(tmp_path / "a.tsv", random_rows(7)), tmp_path / "a")
+    assert _row_numbers(CriteoNpy(tmp_path / "a", batch_size=3, stage="val")) == [0, 1, 2, 3]
+    assert _row_numbers(CriteoNpy(tmp_path / "a", batch_size=3, stage="test")) == [4, 5, 6]
+    with pytest.raises(ValueError, match='stage="val" reads half of one prefix; got 2 prefixes'):
+        CriteoNpy([tmp_path / "a", tmp_path / "a"], batch_size=3, stage="val")
+
+
+def test_fewer_rows_than_ranks_is_an_error(tmp_path):
+    tsv_to_npy(write_tsv(tmp_path / "a.tsv", random_rows(3)), tmp_path / "a")
+    assert len(CriteoNpy(tmp_path / "a", batch_size=2, rank=2, world_size=3)) == 1
+    with pytest.raises(ValueError, match=r"3 rows \(stage 'train'\) for 4 ranks"):
+        CriteoNpy(tmp_path / "a", batch_size=2, rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"1 rows \(stage 'test'\) for 2 ranks"):
+        CriteoNpy(tmp_path / "a", batch_size=2, world_size=2, stage="test")
+
+
 @pytest.mark.filterwarnings("ignore:Local function is not supported by pickle")  # torchrec's own
 def test_reads_files_written_by_torchrec(tmp_path):
     rows = random_rows(6, seed=5)
