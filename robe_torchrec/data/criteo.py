@@ -56,6 +56,16 @@ def resolve_num_embeddings(num_embeddings_per_feature: NumEmbeddings) -> Optiona
     return np.asarray(sizes, dtype=np.int64).reshape(1, NUM_SPARSE)
 
 
+def table_sizes(num_embeddings: Optional[np.ndarray]) -> List[int]:
+    """The 26 table row counts, as ``SyntheticCriteo.table_sizes()`` gives them."""
+    if num_embeddings is None:
+        raise ValueError(
+            "num_embeddings_per_feature=None keeps the raw ids, so there are no table sizes; "
+            "give 26 row counts or one hash size"
+        )
+    return num_embeddings.reshape(-1).tolist()
+
+
 def dlrm_dense_transform(raw: np.ndarray) -> np.ndarray:
     """DLRM's dense normalisation: ``log(1 + max(x, 0))`` as float32.
 

@@ -37,6 +37,7 @@ from robe_torchrec.data.criteo import (
     NumEmbeddings,
     dlrm_dense_transform,
     resolve_num_embeddings,
+    table_sizes,
 )
 from robe_torchrec.data.criteo_tsv import OnBadRow, TsvReadStats, _check_paths, _check_shard, iter_tsv_rows
 
@@ -173,6 +174,12 @@ class CriteoNpy(IterableDataset):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.num_embeddings = num_embeddings
+        self.keys: List[str] = list(SPARSE_KEYS)
+
+    def table_sizes(self) -> List[int]:
+        """Rows of each of the 26 tables (raises if ``num_embeddings_per_feature`` is None)."""
+        return table_sizes(self.num_embeddings)
 
     def __len__(self) -> int:
         """Batches this rank yields (the same on every rank)."""

@@ -38,8 +38,10 @@ from robe_torchrec.data.criteo import (
     NUM_TSV_FIELDS,
     NumEmbeddings,
     dlrm_dense_transform,
+    SPARSE_KEYS,
     make_batch,
     resolve_num_embeddings,
+    table_sizes,
 )
 
 logger = logging.getLogger(__name__)
@@ -256,7 +258,12 @@ class CriteoTsv(IterableDataset):
         self.world_size = world_size
         self.on_bad_row: OnBadRow = on_bad_row
         self.drop_last = drop_last
+        self.keys: List[str] = list(SPARSE_KEYS)
         self.stats = TsvReadStats()
+
+    def table_sizes(self) -> List[int]:
+        """Rows of each of the 26 tables (raises if ``num_embeddings_per_feature`` is None)."""
+        return table_sizes(self.num_embeddings)
 
     @property
     def rows_read(self) -> int:

@@ -58,6 +58,7 @@ def test_npy_batches_equal_tsv_batches(tmp_path, mmap_mode):
     got = list(data)
     _assert_same_batches(got, want)
     assert len(data) == 5
+    assert data.table_sizes() == TABLE_ROWS
     got[0].dense_features.add_(1)  # tensors are the caller's to modify, never the file's
     assert torch.equal(next(iter(data)).dense_features, want[0].dense_features)
 

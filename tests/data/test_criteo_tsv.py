@@ -59,6 +59,15 @@ def test_batches_look_like_synthetic_ones(tmp_path):
         assert (a.dtype, a.shape) == (b.dtype, b.shape)
 
 
+def test_table_sizes_and_keys(tmp_path):
+    path = write_tsv(tmp_path / "a.tsv", random_rows(2))
+    assert CriteoTsv(path, 2, num_embeddings_per_feature=TABLE_ROWS).table_sizes() == TABLE_ROWS
+    assert CriteoTsv(path, 2, num_embeddings_per_feature=9).table_sizes() == [9] * 26
+    assert CriteoTsv(path, 2).keys == SyntheticCriteo().keys
+    with pytest.raises(ValueError, match="no table sizes"):
+        CriteoTsv(path, 2).table_sizes()
+
+
 def test_one_hash_size_folds_every_feature(tmp_path):
     rows = random_rows(20, seed=1, empty_rate=0.0)
     path = write_tsv(tmp_path / "a.tsv", rows)
