@@ -157,7 +157,8 @@ def iter_tsv_rows(
                         if max(ids) > _INT64_MAX or min(ids) < 0 or max(map(abs, dense)) > _INT64_MAX:
                             raise OverflowError
                     except (KeyError, ValueError, OverflowError):
-                        problem = _diagnose(fields, strict_width=False)
+                        # the fallback only guards against _diagnose and the fast path drifting apart
+                        problem = _diagnose(fields, strict_width=False) or "could not parse the row"
                     if problem is None and not line.endswith("\n"):
                         problem = _diagnose(fields, strict_width=True)
                 if problem is not None:
