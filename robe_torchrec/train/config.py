@@ -68,6 +68,13 @@ def validate(cfg: DictConfig) -> None:
         if emb.block_size < 1:
             raise ConfigError(f"embedding.block_size must be >= 1, got {emb.block_size}")
 
+    if emb.kind == "full" and cfg.optimizer.name == "adam":
+        # torchrec 1.8 hands torch.optim.Adam's `betas` to FBGEMM's TBE, which takes
+        # beta1/beta2 and has no Adam on CPU
+        raise ConfigError("embedding=full with optimizer=adam is not supported (TorchRec 1.8 "
+                          "cannot pass Adam's betas to FBGEMM's TBE); use optimizer=adagrad or "
+                          "sgd for the full-table baseline")
+
     dense = list(cfg.model.dense_arch_layer_sizes)
     if not dense or dense[-1] != emb.dim:
         raise ConfigError(

@@ -13,9 +13,9 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, Protocol
+from typing import Iterator, List, Optional, Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
 from robe_torchrec.data.synthetic import SyntheticCriteo
@@ -32,8 +32,9 @@ class DataSource(Protocol):
     def train_batches(self, start: int, count: int) -> Iterator[Batch]:
         """This rank's batches of training steps ``start .. start + count - 1``."""
 
-    def eval_batches(self, split: str, count: int) -> Iterator[Batch]:
-        """This rank's first ``count`` batches of ``split`` ("val" or "test")."""
+    def eval_batches(self, split: str, count: int) -> Optional[Iterator[Batch]]:
+        """This rank's first ``count`` batches of ``split`` ("val" or "test"); None when
+        the source has no such split."""
 
 
 class SyntheticSource:
@@ -65,29 +66,78 @@ class SyntheticSource:
         return self._stream(_VAL_START if split == "val" else _TEST_START, count)
 
 
-class _SkippingSource:
-    """Adapter for loaders that only stream forwards: a resumed run skips the consumed
-    batches (``itertools.islice``)."""
+class FileSource:
+    """Criteo files (TSV or npy) for one rank: ``make(split)`` builds the split's loader.
 
-    def __init__(self, train, val, test, keys, cardinalities) -> None:
-        self._train, self._val, self._test = train, val, test
+    Training steps are counted, not epochs: the training stream repeats the data set, so
+    every rank runs the same number of steps even where its share of an epoch is a batch
+    shorter (which would leave the other ranks waiting in a collective). Validation and test
+    read ``count`` batches per rank, repeating a split smaller than that. A resumed run
+    re-reads and drops the batches it already trained on, so it sees the same stream."""
+
+    def __init__(self, make, splits, keys: List[str], cardinalities: List[int]) -> None:
+        self._make, self._splits = make, splits
         self.keys, self.cardinalities = list(keys), list(cardinalities)
 
-    def train_batches(self, start: int, count: int) -> Iterator[Batch]:
-        return itertools.islice(iter(self._train()), start, start + count)
+    def _repeat(self, split: str) -> Iterator[Batch]:
+        loader = self._make(split)
+        while True:
+            empty = True
+            for batch in loader:
+                empty = False
+                yield batch
+            if empty:
+                raise ConfigError(f"data.{split}: no batches for this rank")
 
-    def eval_batches(self, split: str, count: int) -> Iterator[Batch]:
-        return itertools.islice(iter((self._val if split == "val" else self._test)()), count)
+    def train_batches(self, start: int, count: int) -> Iterator[Batch]:
+        return itertools.islice(self._repeat("train"), start, start + count)
+
+    def eval_batches(self, split: str, count: int) -> Optional[Iterator[Batch]]:
+        if not self._splits.get(split):
+            return None
+        return itertools.islice(self._repeat(split), count)
+
+
+def _paths(value, key: str) -> List[str]:
+    if value is None:
+        raise ConfigError(f"{key} is required (a path or a list of paths)")
+    paths = [value] if isinstance(value, str) else list(value)
+    if not paths:
+        raise ConfigError(f"{key} is empty")
+    return [str(p) for p in paths]
+
+
+def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
+    d, batch = cfg.data, cfg.run.batch_size
+    if OmegaConf.is_missing(d, "train"):
+        raise ConfigError("data.train is required (a path or a list of paths)")
+    if d.num_embeddings_per_feature is None:
+        raise ConfigError("data.num_embeddings_per_feature is required (one hash size, or 26 "
+                          "row counts): the tables are built from it")
+    sizes = d.num_embeddings_per_feature
+    sizes = int(sizes) if isinstance(sizes, int) else [int(n) for n in sizes]
+    splits = {"train": _paths(d.train, "data.train"), "val": d.get("val"), "test": d.get("test")}
+    if d.name == "criteo_tsv":
+        from robe_torchrec.data.criteo_tsv import CriteoTsv
+
+        def make(split: str):
+            return CriteoTsv(_paths(splits[split], f"data.{split}"), batch, sizes, rank,
+                             world_size, on_bad_row=d.on_bad_row, drop_last=True)
+    else:
+        from robe_torchrec.data.criteo_npy import CriteoNpy
+
+        def make(split: str):
+            prefixes = _paths(splits[split], f"data.{split}")
+            # a val/test prefix is halved by CriteoNpy (torchrec's split of the last day)
+            stage = split if split != "train" and d.get("split_eval_prefix", True) else "train"
+            return CriteoNpy(prefixes, batch, sizes, rank, world_size, drop_last=True,
+                             stage=stage, mmap_mode=d.mmap_mode)
+    first = make("train")
+    return FileSource(make, splits, first.keys, first.table_sizes())
 
 
 def build_data(cfg: DictConfig, rank: int, world_size: int) -> DataSource:
     """The ``data`` config group's source for this rank."""
-    name = cfg.data.name
-    if name == "synthetic":
+    if cfg.data.name == "synthetic":
         return SyntheticSource(cfg.data, cfg.run.batch_size, rank, world_size)
-    try:
-        from robe_torchrec.data import criteo  # noqa: F401  (lands with issue #5 item 5)
-    except ImportError as e:
-        raise ConfigError(f"data={name} needs robe_torchrec.data.criteo, which is not "
-                          "available in this checkout") from e
-    raise ConfigError(f"data={name}: the Criteo loaders are not wired into the app yet")
+    return _criteo(cfg, rank, world_size)

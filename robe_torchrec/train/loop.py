@@ -35,6 +35,12 @@ from robe_torchrec.train.pipeline import make_pipeline
 log = logging.getLogger("robe_torchrec.train")
 
 
+def _quiet_planner(record: logging.LogRecord) -> bool:
+    # the planner warns (on the root logger) for every data-parallel table, which has no
+    # sharding spec by design
+    return not str(record.msg).startswith("Sharding spec not found")
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
@@ -90,6 +96,7 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     validate(cfg)
     # TorchRec logs several warnings per table while sharding; keep the run's log readable
     logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger().addFilter(_quiet_planner)
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,9 +171,10 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
         if run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps):
             path = ckpt.save(step, dmp, optimizer)
             say("checkpoint %s", path)
-        if run.eval_every and step % run.eval_every == 0 and step < run.steps:
+        val = data.eval_batches("val", run.eval_batches) if run.eval_batches else None
+        if run.eval_every and step % run.eval_every == 0 and step < run.steps and val:
             t = time.perf_counter()
-            m = evaluate(pipeline, dmp, data.eval_batches("val", run.eval_batches))
+            m = evaluate(pipeline, dmp, val)
             say("step %d  validation log loss %.4f  AUC %.4f", step, m["log_loss"], m["auc"])
             csv.write("val", step, m["samples"], m["auc"], m["log_loss"],
                       elapsed_s=time.perf_counter() - t)
@@ -177,8 +185,9 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     if trained_steps:
         results["train_samples_per_s"] = trained_steps * run.batch_size * world / trained_time
     for split, count in (("val", run.eval_batches), ("test", run.test_batches)):
-        if count:
-            m = evaluate(pipeline, dmp, data.eval_batches(split, count))
+        batches = data.eval_batches(split, count) if count else None
+        if batches is not None:
+            m = evaluate(pipeline, dmp, batches)
             say("%s log loss %.4f  AUC %.4f  (%d samples)", split, m["log_loss"], m["auc"],
                 m["samples"])
             csv.write(split, step, m["samples"], m["auc"], m["log_loss"])

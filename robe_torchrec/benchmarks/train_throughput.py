@@ -1,0 +1,156 @@
+"""Training throughput of the Hydra app: DLRM with full embeddings (TorchRec's
+EmbeddingBagCollection, FBGEMM TBE once sharded) against ROBE-Z at 1000x, same data,
+pipeline, optimizer and machine; the runs alternate (full, robe, full, robe, ...) so load
+changes on a shared machine hit both alike.
+
+Each run is ``python -m robe_torchrec.train`` (or ``torchrun --nproc-per-node N``) in its own
+run directory; its samples/s is the training rate after the first log window (warm-up),
+read from the run's ``metrics.csv``. Synthetic batches are pre-generated per rank
+(``data.cycle``) so that generating them (slower than a step at this size) is not measured.
+The target of issue #5: ROBE-Z >= 1.5x the full model's samples/s.
+
+Usage::
+
+    python -m robe_torchrec.benchmarks.train_throughput \\
+        --out robe_torchrec/benchmarks/results/train_throughput.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+TARGET = 1.5
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _command(args, embedding: str, run_dir: Path) -> List[str]:
+    overrides = [
+        f"embedding={embedding}", f"embedding.dim={args.dim}",
+        f"run.steps={args.steps}", f"run.batch_size={args.batch_size}",
+        f"run.log_every={args.log_every}", "run.eval_batches=0", "run.test_batches=0",
+        "run.progress_bar=false", f"data.cardinality_scale={args.cardinality_scale}",
+        f"data.cycle={args.cycle}", f"pipeline={args.pipeline}", f"hydra.run.dir={run_dir}",
+        *args.overrides,
+    ]
+    if embedding == "robe":
+        overrides.append(f"embedding.compression={args.compression}")
+    if args.nproc > 1:
+        return [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+                "--nproc-per-node", str(args.nproc), "-m", "robe_torchrec.train", *overrides]
+    return [sys.executable, "-m", "robe_torchrec.train", *overrides]
+
+
+def _rate(run_dir: Path) -> float:
+    """Samples/s over the train windows after the first one."""
+    rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
+    rows = rows[1:]
+    samples = sum(float(r["samples_per_s"]) * float(r["elapsed_s"]) for r in rows)
+    return samples / sum(float(r["elapsed_s"]) for r in rows)
+
+
+def _plan_line(run_dir: Path) -> str:
+    for line in open(run_dir / "train.log"):
+        if "embeddings (" in line:
+            return line.split(" - ", 1)[1].strip()
+    return ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--cardinality-scale", type=float, default=0.1)
+    p.add_argument("--compression", type=float, default=1000)
+    p.add_argument("--cycle", type=int, default=8, help="pre-generated batches per rank")
+    p.add_argument("--pipeline", default="sparse_dist")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("overrides", nargs="*", help="more Hydra overrides for both runs")
+    args = p.parse_args()
+
+    rates: Dict[str, List[float]] = {"full": [], "robe": []}
+    lines: Dict[str, str] = {}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for emb in ("full", "robe"):
+                run_dir = Path(tmp) / f"{emb}_{r}"
+                cmd = _command(args, emb, run_dir)
+                t = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+                rates[emb].append(_rate(run_dir))
+                lines[emb] = _plan_line(run_dir)
+                print(f"round {r} {emb:4s}: {rates[emb][-1]:9,.0f} samples/s "
+                      f"(run {time.perf_counter() - t:.0f} s)", flush=True)
+                load.append(os.getloadavg()[0])
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = med["robe"] / med["full"]
+    verdict = "met" if ratio >= TARGET else "missed"
+    print(f"median: full {med['full']:,.0f}, robe {med['robe']:,.0f} samples/s; "
+          f"ratio {ratio:.2f}x (target >= {TARGET}x: {verdict})")
+    if args.out is None:
+        return
+    shown = " ".join(a for a in sys.argv[1:])
+    report = [
+        "# Training throughput: ROBE-Z 1000x vs full embeddings (Hydra app)",
+        "",
+        f"Command: `python -m robe_torchrec.benchmarks.train_throughput {shown}`",
+        "",
+        f"Machine: {_cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {_version('torch')}, torchrec {_version('torchrec')}; load average (1 min) "
+        f"during the runs {min(load):.1f}-{max(load):.1f} (the machine is shared).",
+        "",
+        f"Setup: DLRM (TorchRec), 26 Criteo-like tables at cardinality scale "
+        f"{args.cardinality_scale}, dim {args.dim}, {args.nproc} process(es), batch "
+        f"{args.batch_size} per rank, pipeline `{args.pipeline}`, fused Adagrad on the "
+        f"embeddings, Adagrad on the dense layers; {args.steps} steps per run, samples/s after "
+        f"the first {args.log_every}-step window; runs alternate, {args.rounds} rounds.",
+        "",
+        f"- full: {lines.get('full', '')}",
+        f"- robe: {lines.get('robe', '')}",
+        "",
+        "| run | " + " | ".join(f"round {r}" for r in range(args.rounds)) + " | median |",
+        "|---|" + "---:|" * (args.rounds + 1),
+    ]
+    for emb in ("full", "robe"):
+        report.append(f"| {emb} | " + " | ".join(f"{x:,.0f}" for x in rates[emb])
+                      + f" | {med[emb]:,.0f} |")
+    report += ["", f"**ROBE-Z / full = {ratio:.2f}x** (target >= {TARGET}x: **{verdict}**)", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(report))
+    print(f"wrote {args.out}")
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - report only
+        return "?"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Shared pieces of the training-app tests: tiny configs, a 1-rank process group,
+subprocess launches with timeouts, and reading DCP checkpoints back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+# a few seconds per run on 2 shared cores
+TINY_RUN = [
+    "run.batch_size=32", "run.log_every=2", "run.eval_batches=1", "run.test_batches=1",
+    "run.progress_bar=false",
+]
+TINY = [*TINY_RUN, "data.cardinality_scale=0.001"]
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from robe_torchrec.train.config import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        tiny = TINY_RUN if any(o.startswith("data=") for o in overrides) else TINY
+        return hydra_compose("config", overrides=[*tiny, *overrides])
+
+
+@contextmanager
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def env() -> Dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["PYTHONPATH"] = f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}"
+    e.pop("ROBE_RUN_STAMP", None)
+    e.pop("TORCHELASTIC_RUN_ID", None)
+    return e
+
+
+def run(cmd: List[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher in its own process group; on timeout the whole group is killed."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> List[str]:
+    return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "-m", "robe_torchrec.train", *args]
+
+
+def read_checkpoint(path: Path, tmp: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer), assembled, by key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{path.parent.parent.name}_{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    flat: Dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], prefix: str
+                        ) -> int:
+    keys = sorted(k for k in a if k.startswith(prefix) and not k.startswith("rng"))
+    assert keys and keys == sorted(k for k in b if k.startswith(prefix) and not
+                                   k.startswith("rng")), "checkpoints hold different keys"
+    differ = [k for k in keys if not torch.equal(a[k], b[k])]
+    assert not differ, f"tensors differ: {differ[:5]}"
+    return len(keys)
+
+
+def run_dirs(root: Path) -> List[Path]:
+    """Run directories under ``root`` (those holding a metrics.csv)."""
+    return sorted(p.parent for p in root.rglob("metrics.csv"))

@@ -1,0 +1,71 @@
+"""Config composition and the clear errors of bad configs (fast, in-process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import HydraException
+
+from robe_torchrec.train.config import ConfigError, config_dir, validate
+from robe_torchrec.train.pipeline import make_pipeline
+from tests.train.helpers import compose
+
+
+def test_default_config_composes_and_is_valid():
+    cfg = compose()
+    validate(cfg)
+    assert (cfg.model.name, cfg.embedding.kind, cfg.pipeline.name, cfg.optimizer.name) == \
+        ("dlrm", "robe", "sparse_dist", "adagrad")
+    assert cfg.model.dense_arch_layer_sizes[-1] == cfg.embedding.dim  # interpolated
+    assert (config_dir() / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=dcn", "embedding=full", "optimizer=sgd", "pipeline=plain", "sharding=row_wise"],
+    ["model=dcn", "optimizer=adam"],
+    ["embedding.compression=null", "embedding.memory_size=4096", "embedding.shared=false",
+     "embedding.hash=mix", "sharding=table_wise", "optimizer=sgd"],
+    ["pipeline=fused_sparse_dist"], ["pipeline=semi_sync"], ["sharding=data_parallel"],
+])
+def test_every_group_option_is_valid(overrides):
+    validate(compose(*overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline.name=turbo"], "pipeline.name: unknown value 'turbo'"),
+    (["embedding.compression=0.5"], "embedding.compression must be >= 1"),
+    (["embedding.memory_size=100"], "exactly one of embedding.compression and embedding.memory_size"),
+    (["embedding.dim=8", "model.dense_arch_layer_sizes=[64,16]"],
+     r"dense_arch_layer_sizes must end at the embedding dim.*\[64, 16\], embedding.dim=8"),
+    (["model.over_arch_layer_sizes=[64,2]"], "over_arch_layer_sizes must end at 1"),
+    (["optimizer.name=lamb"], "optimizer.name: unknown value 'lamb'"),
+    (["run.resume=maybe"], "run.resume must be auto, true or false"),
+    (["fault.kill_rank=1"], "set both fault.kill_rank and fault.kill_at_step"),
+    (["embedding=full", "optimizer=adam"], "embedding=full with optimizer=adam is not supported"),
+    (["sharding.types=[diagonal]"], "sharding.types: unknown value 'diagonal'"),
+])
+def test_bad_config_is_refused_with_the_key_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(*overrides))
+
+
+def test_unknown_group_option_is_a_hydra_error():
+    with pytest.raises(HydraException, match="pipeline"):
+        compose("pipeline=turbo")
+
+
+def test_pipeline_factory_refuses_unknown_names():
+    with pytest.raises(ConfigError, match="unknown pipeline 'turbo'"):
+        make_pipeline("turbo", torch.nn.Linear(1, 1), None, torch.device("cpu"))
+
+
+def test_component_builds_the_torchrun_command():
+    from robe_torchrec.components import train
+
+    app = train("run.steps=5", "model=dcn", j="2x4", max_restarts=2, run_dir="/shared/r1")
+    role = app.roles[0]
+    cmd = role.args[-1]
+    assert cmd.startswith("torchrun --max_restarts 2 ")
+    assert "-m robe_torchrec.train run.steps=5 model=dcn hydra.run.dir=/shared/r1" in cmd
+    assert "--nproc_per_node 4" in cmd and role.num_replicas == 2
+    assert "--max_restarts" not in train("run.steps=5").roles[0].args[-1]

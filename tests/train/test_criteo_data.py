@@ -1,0 +1,46 @@
+"""The app trains on real-Criteo-format files (TSV and npy) through the data config group."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from robe_torchrec.train.config import ConfigError
+from robe_torchrec.train.loop import train
+from tests.train.helpers import compose, one_rank_group
+
+
+def _write_tsv(path, rows: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            dense = [str(rnd.randint(0, 50)) if rnd.random() > 0.1 else "" for _ in range(13)]
+            cats = [f"{rnd.getrandbits(32):08x}" if rnd.random() > 0.1 else "" for _ in range(26)]
+            f.write("\t".join([str(rnd.randint(0, 1)), *dense, *cats]) + "\n")
+
+
+@pytest.mark.slow
+def test_train_on_criteo_tsv_and_npy(tmp_path):
+    from robe_torchrec.data.criteo_npy import tsv_to_npy
+
+    _write_tsv(tmp_path / "day_0.tsv", 200, 0)
+    _write_tsv(tmp_path / "day_1.tsv", 100, 1)
+    tsv_to_npy(tmp_path / "day_0.tsv", tmp_path / "day_0")
+    tsv_to_npy(tmp_path / "day_1.tsv", tmp_path / "day_1")
+    sizes = "data.num_embeddings_per_feature=1000"
+    with one_rank_group():
+        # 200 rows = 6 batches of 32: 10 steps repeat the file
+        tsv = train(compose("data=criteo_tsv", f"data.train=[{tmp_path / 'day_0.tsv'}]",
+                            f"data.val={tmp_path / 'day_1.tsv'}", sizes, "run.steps=10"),
+                    tmp_path / "tsv")
+        npy = train(compose("data=criteo_npy", f"data.train={tmp_path / 'day_0'}",
+                            f"data.val={tmp_path / 'day_1'}", f"data.test={tmp_path / 'day_1'}",
+                            sizes, "run.steps=4"), tmp_path / "npy")
+    assert tsv["step"] == 10 and 0 <= tsv["val_auc"] <= 1 and "test_auc" not in tsv
+    assert npy["step"] == 4 and "val_auc" in npy and "test_auc" in npy
+
+
+def test_criteo_without_train_files_is_refused(tmp_path):
+    with one_rank_group(), pytest.raises(ConfigError, match="data.train is required"):
+        train(compose("data=criteo_tsv", "run.steps=1"), tmp_path)
