@@ -1,0 +1,135 @@
+"""Rank functions of the pipeline tests (run by ``tests.distributed.multiprocess.run_ranks``)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from pipelines import make_pipeline
+from pipelines.model import ModelSpec, build_dlrm, gather_state
+from robe_torchrec.data.synthetic import SyntheticCriteo
+
+B = 16          # local batch
+STEPS = 8       # batches per run
+DISTINCT = 4    # distinct batches, cycled, so that the loss visibly falls in 8 steps
+CPU = torch.device("cpu")
+
+
+def data() -> SyntheticCriteo:
+    return SyntheticCriteo(batch_size=B, cardinality_scale=1e-3, seed=dist.get_rank(),
+                           num_sparse=4)
+
+
+def train(spec: ModelSpec, name: str, options: Dict) -> Tuple[Dict[str, torch.Tensor],
+                                                              List[float], int]:
+    """Train a fresh model for STEPS batches with pipeline ``name``: the full state, the
+    per-step losses and the number of progress() calls that returned."""
+    d = data()
+    dmp, dense = build_dlrm(spec, d)
+    pipeline = make_pipeline(name, dmp, dense, CPU, **options)
+    it = iter([d.batch(i % DISTINCT) for i in range(STEPS)])
+    losses: List[float] = []
+    while True:
+        try:
+            loss, _logits, _labels = pipeline.progress(it)  # DLRMTrain output
+        except StopIteration:
+            break
+        losses.append(float(loss.detach()))
+    return gather_state(dmp), losses, len(losses)
+
+
+def run_variants(rank: int, world: int, spec: ModelSpec,
+                 variants: List[Tuple[str, str, Dict]]):
+    """``{label: (state as numpy arrays, losses, steps)}`` for each ``(label, pipeline name,
+    options)`` (pipeline name ``None``: the untrained model); numpy, because tensors sent between processes live in shared memory that
+    dies with the rank."""
+    out = {}
+    for label, name, options in variants:
+        if name is None:  # the weights before training
+            state, losses, steps = gather_state(build_dlrm(spec, data())[0]), [], 0
+        else:
+            state, losses, steps = train(spec, name, options)
+        out[label] = ({k: v.numpy() for k, v in state.items()}, losses, steps)
+    return out
+
+
+def _dp_dense_trained_model():
+    """A stock EBC whose tables are DATA_PARALLEL and trained by the dense optimizer (no
+    in-backward optimizer): the model the guards must refuse."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from pipelines.model import EBC_FQN
+    from robe_torchrec.data.synthetic import NUM_DENSE
+
+    d = data()
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=8, num_embeddings=n,
+                                 feature_names=[k]) for k, n in zip(d.keys, d.cardinalities)]
+    ebc = EmbeddingBagCollection(tables, device=CPU)
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                           dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1]))
+    sharder = EmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding={t.name: data_parallel() for t in tables}, sharder=sharder,
+        local_size=dist.get_world_size(), world_size=dist.get_world_size(), device_type="cpu")
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=CPU, plan=ShardingPlan({EBC_FQN: plan}),
+                                   sharders=[sharder])
+    dense = torch.optim.SGD(dmp.parameters(), lr=0.1)
+    return dmp, dense, d
+
+
+def guards_on_dp_dense_tables(rank: int, world: int):
+    """What each pipeline says about a model with data-parallel tables trained by the dense
+    optimizer; and what FusedSparseDist/SemiSync would do to it without the guard
+    ("identical" to SparseDist, "differs", or "fails: <error>")."""
+    from pipelines import PipelineModelError
+    import pipelines.fused_sparse_dist as fsd_mod
+    import pipelines.semi_sync as ss_mod
+
+    verdicts = {}
+    for name in ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync"):
+        dmp, dense, _ = _dp_dense_trained_model()
+        try:
+            make_pipeline(name, dmp, dense, CPU)
+            verdicts[name] = "accepted"
+        except PipelineModelError as e:
+            verdicts[name] = str(e)
+
+    def run(name, options):
+        dmp, dense, d = _dp_dense_trained_model()
+        pipeline = make_pipeline(name, dmp, dense, CPU, **options)
+        it = iter([d.batch(i) for i in range(4)])
+        while True:
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                break
+        return gather_state(dmp)
+
+    reference = run("sparse_dist", {})
+    unguarded = {}
+    saved = fsd_mod.check_pipeline_model, ss_mod.check_pipeline_model
+    fsd_mod.check_pipeline_model = ss_mod.check_pipeline_model = lambda *a, **k: None
+    try:
+        for label, name, options in [("fused_sparse_dist", "fused_sparse_dist", {}),
+                                     ("semi_sync", "semi_sync", {"start_batch": 0,
+                                                                 "strict": False})]:
+            try:
+                state = run(name, options)
+            except RuntimeError as e:  # e.g. autograd: a weight modified in place
+                unguarded[label] = f"fails: {e}"
+                continue
+            same = all(torch.equal(state[k], reference[k]) for k in reference)
+            unguarded[label] = "identical" if same else "differs"
+    finally:
+        fsd_mod.check_pipeline_model, ss_mod.check_pipeline_model = saved
+    return verdicts, unguarded
