@@ -91,7 +91,7 @@ def build_unsharded(spec: ModelSpec, data: SyntheticCriteo) -> DLRMTrain:
     return DLRMTrain(dlrm)
 
 
-def _plan(ebc: nn.Module, spec: ModelSpec, world: int, sharder) -> Dict:
+def _plan(ebc: nn.Module, spec: ModelSpec, world: int, sharder, device_type: str) -> Dict:
     per_table = {}
     for i, table in enumerate(ebc.embedding_bag_configs()):
         if spec.sharding == "data_parallel":
@@ -104,7 +104,7 @@ def _plan(ebc: nn.Module, spec: ModelSpec, world: int, sharder) -> Dict:
             raise ValueError(f"unknown sharding {spec.sharding!r}")
     return construct_module_sharding_plan(ebc, per_param_sharding=per_table, sharder=sharder,
                                           local_size=world, world_size=world,
-                                          device_type="cpu")
+                                          device_type=device_type)
 
 
 def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
@@ -116,7 +116,7 @@ def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
     sharder = (RobeEmbeddingBagCollectionSharder() if spec.kind == "robe"
                else EmbeddingBagCollectionSharder())
     ebc = model.model.sparse_arch.embedding_bag_collection
-    plan = ShardingPlan({EBC_FQN: _plan(ebc, spec, world, sharder)})
+    plan = ShardingPlan({EBC_FQN: _plan(ebc, spec, world, sharder, device.type)})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=device, plan=plan, sharders=[sharder])
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),

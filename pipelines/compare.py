@@ -1,0 +1,392 @@
+"""Train the same DLRM under each pipeline and compare them (Hydra runner).
+
+Per pipeline: P50 and P90 step time (first and last iterations dropped, nearest-rank
+quantiles, as TorchRec's pipeline benchmark does; a step's time is the slowest rank's),
+peak memory (CUDA allocated/reserved, or the process's peak RSS on CPU), samples/s, final
+loss, and parity against SparseDist (bit-identical or how far). Printed as a table, written
+as ``<out_dir>/compare_<tag>.{md,json,png}`` with the machine's description.
+
+Every pipeline runs in fresh rank processes (so the peak RSS is its own) and, with
+``rounds: 2``, twice in alternating order, so a load change on a shared machine hits every
+pipeline alike; the step times of all rounds are pooled.
+
+Example::
+
+    python -m pipelines.compare                              # CPU, 2 gloo ranks
+    python -m pipelines.compare steps=20 rounds=1 batch_size=256 tag=quick
+    python -m pipelines.compare device=cuda tag=gpu          # one rank per GPU, NCCL
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Without a GPU, Triton kernels (imported with the ROBE ops) run in Triton's interpreter;
+# it must be chosen before triton is imported, and the spawned ranks inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---------------------------------------------------------------- statistics
+
+def nearest_rank(values: Sequence[float], pct: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least ``pct``% of the values
+    at or below it."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def kept(step_times: Sequence[float]) -> List[float]:
+    """Drop the first iteration (pipeline fill, first-touch allocations) and the last (drain)."""
+    return list(step_times[1:-1]) if len(step_times) > 2 else list(step_times)
+
+
+# ---------------------------------------------------------------- one rank
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
+              options: Dict[str, Any], want_init: bool) -> Optional[Dict[str, Any]]:
+    from pipelines import make_pipeline
+    from pipelines.model import ModelSpec, build_dlrm, gather_state
+    from robe_torchrec.data.synthetic import SyntheticCriteo
+
+    torch.set_num_threads(int(cfg["threads_per_rank"]))
+    device = torch.device(cfg["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    data = SyntheticCriteo(batch_size=int(cfg["batch_size"]),
+                           cardinality_scale=float(cfg["cardinality_scale"]), seed=rank,
+                           num_sparse=int(cfg["num_sparse"]))
+    # generated up front so that the step time is the pipeline's, not the generator's
+    batches = [data.batch(i) for i in range(int(cfg["steps"]))]
+    rss_before = _rss_mib()
+    spec = ModelSpec(**cfg["model"])
+    dmp, dense = build_dlrm(spec, data, device)
+    init = gather_state(dmp) if want_init else None
+    pipeline = make_pipeline(name, dmp, dense, device, **options)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    it = iter(batches)
+    times: List[float] = []
+    losses: List[float] = []
+    while True:
+        start = time.perf_counter()
+        try:
+            loss, _logits, _labels = pipeline.progress(it)  # DLRMTrain output
+        except StopIteration:
+            break
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    close = getattr(getattr(pipeline, "_worker", None), "close", None)
+    if close is not None:
+        close()
+    # a step takes as long as its slowest rank; the loss is the global batch's mean
+    t = torch.tensor(times, dtype=torch.float64)
+    lo = torch.tensor(losses, dtype=torch.float64)
+    mem = torch.tensor([_peak_rss_mib(), rss_before,
+                        torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0,
+                        torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else 0.0],
+                       dtype=torch.float64)
+    if device.type == "cuda":
+        t, lo, mem = t.to(device), lo.to(device), mem.to(device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    state = gather_state(dmp)
+    if rank != 0:
+        return None
+    return {
+        "step_s": t.cpu().tolist(),
+        "loss": (lo.cpu() / world).tolist(),
+        "peak_rss_mib": float(mem[0]), "rss_before_model_mib": float(mem[1]),
+        "cuda_alloc_mib": float(mem[2]), "cuda_reserved_mib": float(mem[3]),
+        # numpy: tensors sent between processes live in shared memory that dies with the rank
+        "state": {k: v.cpu().numpy() for k, v in state.items()},
+        "init": {k: v.cpu().numpy() for k, v in init.items()} if init is not None else None,
+    }
+
+
+# ---------------------------------------------------------------- spawning
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args, queue) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, backend: str, *args, timeout: float = 600.0) -> Any:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result, error = None, None
+    try:
+        for _ in range(world):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                error = f"rank {rank}:\n{value}"
+                break
+            if rank == 0:
+                result = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error else timeout)
+            if p.is_alive():
+                p.kill()
+    if error:
+        raise RuntimeError(error)
+    return result
+
+
+# ---------------------------------------------------------------- the report
+
+def _options(pipeline_cfg: DictConfig) -> Dict[str, Any]:
+    options = pipeline_cfg.get("options")
+    return OmegaConf.to_container(options, resolve=True) if options else {}
+
+
+def machine() -> Dict[str, Any]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = float("nan")
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = int(next(l for l in f if l.startswith("MemTotal")).split()[1]) / 2**20
+    except (OSError, StopIteration):
+        pass
+    import fbgemm_gpu  # noqa: F401
+    import torchrec
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"platform": platform.platform(), "cpu": cpu, "logical_cpus": os.cpu_count(),
+            "memory_gib": round(mem_gib, 1), "gpu": gpu, "python": platform.python_version(),
+            "torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
+            "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
+
+
+def _parity(state, ref, init) -> str:
+    keys = [k for k in ref if ref[k].dtype.kind == "f"]
+    if all(state[k].shape == ref[k].shape and (state[k] == ref[k]).all() for k in ref):
+        return "bit-identical"
+    num = sum(float(((state[k].astype("float64") - ref[k]) ** 2).sum()) for k in keys)
+    den = sum(float(((ref[k].astype("float64") - init[k]) ** 2).sum()) for k in keys)
+    worst = max(float(abs(state[k].astype("float64") - ref[k]).max()) for k in keys)
+    return f"differs: {math.sqrt(num / den):.2g} of travel, max abs {worst:.2g}"
+
+
+def summarize(runs: Dict[str, List[Dict[str, Any]]], cfg: DictConfig) -> List[Dict[str, Any]]:
+    world = int(cfg.world_size)
+    global_batch = world * int(cfg.batch_size)
+    ref_label = cfg.reference
+    ref = runs[ref_label][0]
+    init = next(r["init"] for rs in runs.values() for r in rs if r["init"] is not None)
+    base_p90 = None
+    rows = []
+    for label, rs in runs.items():
+        steps = [s for r in rs for s in kept(r["step_s"])]
+        p50, p90 = nearest_rank(steps, 50), nearest_rank(steps, 90)
+        if label == ref_label:
+            base_p90 = p90
+        # identical in every round (deterministic), else the run is not reproducible
+        repeat_ok = all(_parity(r["state"], rs[0]["state"], init) == "bit-identical" for r in rs)
+        tail = max(1, min(10, len(rs[0]["loss"]) // 5))
+        rows.append({
+            "pipeline": label, "name": cfg.pipelines[label].name,
+            "options": _options(cfg.pipelines[label]),
+            "p50_ms": 1e3 * p50, "p90_ms": 1e3 * p90, "mean_ms": 1e3 * sum(steps) / len(steps),
+            "samples_per_s": global_batch * len(steps) / sum(steps),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+            "rss_before_model_mib": max(r["rss_before_model_mib"] for r in rs),
+            "cuda_alloc_mib": max(r["cuda_alloc_mib"] for r in rs),
+            "cuda_reserved_mib": max(r["cuda_reserved_mib"] for r in rs),
+            "final_loss": sum(rs[0]["loss"][-tail:]) / tail, "loss_tail_steps": tail,
+            "first_loss": sum(rs[0]["loss"][:tail]) / tail,
+            "parity": _parity(rs[0]["state"], ref["state"], init),
+            "reproducible": repeat_ok, "kept_steps": len(steps),
+            "step_ms": [1e3 * s for r in rs for s in r["step_s"]],
+            "losses": rs[0]["loss"],
+        })
+    for row in rows:
+        row["p90_vs_ref"] = row["p90_ms"] / (1e3 * base_p90)
+    return rows
+
+
+def table(rows: List[Dict[str, Any]], cuda: bool, ref_label: str) -> str:
+    mem_head = "peak CUDA alloc / reserved (MiB)" if cuda else "peak RSS per rank (MiB)"
+    lines = [f"| pipeline | P50 step (ms) | P90 step (ms) | P90 vs {ref_label} | samples/s | "
+             f"{mem_head} | loss first→final | parity vs {ref_label} |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        mem = (f"{r['cuda_alloc_mib']:.0f} / {r['cuda_reserved_mib']:.0f}" if cuda
+               else f"{r['peak_rss_mib']:.0f}")
+        lines.append(f"| {r['pipeline']} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | "
+                     f"{r['p90_vs_ref']:.3f}x | {r['samples_per_s']:.0f} | {mem} | "
+                     f"{r['first_loss']:.4f}→{r['final_loss']:.4f} | {r['parity']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels = [r["pipeline"] for r in rows]
+    x = range(len(rows))
+    ax_t.bar([i - 0.2 for i in x], [r["p50_ms"] for r in rows], 0.4, label="P50")
+    ax_t.bar([i + 0.2 for i in x], [r["p90_ms"] for r in rows], 0.4, label="P90")
+    for i, r in enumerate(rows):
+        pts = kept(r["step_ms"])
+        ax_t.scatter([i + 0.35] * len(pts), pts, s=4, color="black", alpha=0.3)
+    ax_t.set_xticks(list(x))
+    ax_t.set_xticklabels(labels, rotation=25, ha="right")
+    ax_t.set_ylabel("step time (ms)")
+    ax_t.set_title("step time (first and last steps dropped)")
+    ax_t.legend()
+    for r in rows:
+        ax_l.plot(r["losses"], label=r["pipeline"], linewidth=1)
+    ax_l.set_xlabel("step")
+    ax_l.set_ylabel("training loss (global batch)")
+    ax_l.set_title("loss")
+    ax_l.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(rows, cfg: DictConfig, info: Dict[str, Any], loads, wall_s: float) -> Path:
+    out_dir = Path(cfg.out_dir)
+    if not out_dir.is_absolute():
+        out_dir = ROOT / out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"compare_{cfg.tag}"
+    cuda = cfg.device == "cuda"
+    tab = table(rows, cuda, cfg.reference)
+    m = cfg.model
+    title = (f"{m.kind} {m.sharding} DLRM, {cfg.world_size} ranks x batch {cfg.batch_size}, "
+             f"{cfg.steps} steps x {cfg.rounds} rounds, {info['cpu']} ({info['logical_cpus']} "
+             f"logical CPUs){', ' + info['gpu'] if info['gpu'] else ''}")
+    plot(rows, stem.with_suffix(".png"), title)
+    json_rows = [{k: v for k, v in r.items()} for r in rows]
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"config": OmegaConf.to_container(cfg, resolve=True), "machine": info,
+         "load_average": loads, "wall_s": wall_s, "rows": json_rows}, indent=1))
+    md = [f"# Train pipelines compared ({cfg.tag})", "",
+          f"Generated by `python -m pipelines.compare` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); "
+          f"raw numbers in `{stem.name}.json`, plot in `{stem.name}.png`.", "",
+          "## Machine", "",
+          *[f"- {k}: {v}" for k, v in info.items()],
+          f"- load average (1 min) before each run: {', '.join(f'{l:.2f}' for l in loads)}",
+          *([f"- note: {cfg.machine_note}"] if cfg.get("machine_note") else []),
+          "", "## Setup", "",
+          f"- model: {OmegaConf.to_container(m)}",
+          f"- data: SyntheticCriteo, {cfg.num_sparse} sparse features, cardinality scale "
+          f"{cfg.cardinality_scale}, local batch {cfg.batch_size}, {cfg.world_size} ranks "
+          f"({'NCCL' if cuda else 'gloo'}), {cfg.threads_per_rank} intra-op thread(s) per rank",
+          f"- {cfg.steps} steps per run, {cfg.rounds} round(s) in alternating order, each run "
+          "in fresh processes; step time = slowest rank's `progress()`; first and last step "
+          "of every run dropped; nearest-rank P50/P90 over the pooled steps; samples/s from "
+          "the mean kept step; loss = global-batch mean, first and final = mean of "
+          f"{rows[0]['loss_tail_steps']} steps",
+          "- parity: the final weights against the reference pipeline's (same seed, same "
+          "batches); 'of travel' = ||w - w_ref|| / ||w_ref - w_init||",
+          f"- wall time of the whole comparison: {wall_s:.0f} s",
+          "", "## Results", "", tab, ""]
+    stem.with_suffix(".md").write_text("\n".join(md))
+    return stem.with_suffix(".md")
+
+
+@hydra.main(config_path="../configs/pipeline_compare", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    labels = list(cfg.pipelines.keys())
+    if cfg.reference not in labels:
+        raise ValueError(f"reference {cfg.reference!r} is not among the pipelines {labels}")
+    plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+    runs: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
+    loads: List[float] = []
+    start = time.time()
+    for rnd in range(int(cfg.rounds)):
+        order = labels if rnd % 2 == 0 else labels[::-1]
+        for label in order:
+            p = cfg.pipelines[label]
+            options = _options(p)
+            loads.append(os.getloadavg()[0])
+            t0 = time.time()
+            res = spawn(_rank_run, int(cfg.world_size), backend, plain_cfg, p.name, options,
+                        label == cfg.reference and rnd == 0)
+            runs[label].append(res)
+            steps = kept(res["step_s"])
+            print(f"round {rnd} {label:32s} P50 {1e3 * nearest_rank(steps, 50):8.1f} ms  "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    wall = time.time() - start
+    rows = summarize(runs, cfg)
+    print(table(rows, cfg.device == "cuda", cfg.reference))
+    path = write_report(rows, cfg, machine(), loads, wall)
+    print(f"written: {path} (+ .json, .png)")
+
+
+if __name__ == "__main__":
+    main()
