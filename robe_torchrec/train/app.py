@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any, Dict, Optional
 
 import torch
@@ -35,7 +36,19 @@ def init_distributed() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Under torchrun the workers share the agent's store, and a restarted worker group
+            # could read the dead group's gloo addresses from it (seen as "connectFullMesh
+            # failed ... Connection refused" after a restart): key this attempt's group apart.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  world, is_master=False, timeout=timedelta(minutes=10))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"robe/attempt_{attempt}",
+                                                                    store),
+                                    rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
     else:
         # no launcher: an in-memory store needs no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -4,8 +4,10 @@ subprocess launches with timeouts, and reading DCP checkpoints back."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List
@@ -44,26 +46,49 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def env() -> Dict[str, str]:
+def env(marker: str = "") -> Dict[str, str]:
     e = dict(os.environ)
     e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '')}"
     e["PYTHONPATH"] = f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}"
     e.pop("ROBE_RUN_STAMP", None)
     e.pop("TORCHELASTIC_RUN_ID", None)
+    e["ROBE_TEST_LAUNCH"] = marker
     return e
 
 
+def _kill_marked(marker: str) -> None:
+    """Kill every process started with ``ROBE_TEST_LAUNCH=marker`` in its environment:
+    torchrun starts its workers in their own sessions, so killing the launcher's process
+    group would leave them running."""
+    needle = f"ROBE_TEST_LAUNCH={marker}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def run(cmd: List[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run a launcher in its own process group; on timeout the whole group is killed."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    """Run a launcher with a timeout; afterwards (and on timeout) no process it started is
+    left. Output goes through a file, so a leftover worker holding it cannot block us."""
+    marker = uuid.uuid4().hex
+    log = cwd / f"launch-{marker[:8]}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill_marked(marker)
+            proc.wait()
+    text = log.read_text()
+    if proc.returncode in (-signal.SIGKILL,) and "Job finished" not in text:
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{text[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, None)
 
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> List[str]:
