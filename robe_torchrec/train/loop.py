@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from robe_torchrec.train.checkpoint import Checkpointer
 from robe_torchrec.train.config import ConfigError, validate
@@ -159,26 +160,27 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
             window.reset()
             window_start, window_steps = time.perf_counter(), 0
 
-    while step < run.steps:
-        ends = [run.steps]
-        for every in (run.eval_every, run.checkpoint_every):
-            if every:
-                ends.append((step // every + 1) * every)
-        end = min(ends)
-        _run_dry(pipeline, data.train_batches(step, end - step), on_step)
-        if step != end:
-            raise RuntimeError(f"the data ran out at step {step} (expected {end})")
-        if run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps):
-            path = ckpt.save(step, dmp, optimizer)
-            say("checkpoint %s", path)
-        val = data.eval_batches("val", run.eval_batches) if run.eval_batches else None
-        if run.eval_every and step % run.eval_every == 0 and step < run.steps and val:
-            t = time.perf_counter()
-            m = evaluate(pipeline, dmp, val)
-            say("step %d  validation log loss %.4f  AUC %.4f", step, m["log_loss"], m["auc"])
-            csv.write("val", step, m["samples"], m["auc"], m["log_loss"],
-                      elapsed_s=time.perf_counter() - t)
-            window_start = time.perf_counter()  # keep evaluation out of the training rate
+    with logging_redirect_tqdm():  # log lines print above the progress bar, not through it
+        while step < run.steps:
+            ends = [run.steps]
+            for every in (run.eval_every, run.checkpoint_every):
+                if every:
+                    ends.append((step // every + 1) * every)
+            end = min(ends)
+            _run_dry(pipeline, data.train_batches(step, end - step), on_step)
+            if step != end:
+                raise RuntimeError(f"the data ran out at step {step} (expected {end})")
+            if run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps):
+                path = ckpt.save(step, dmp, optimizer)
+                say("checkpoint %s", path)
+            val = data.eval_batches("val", run.eval_batches) if run.eval_batches else None
+            if run.eval_every and step % run.eval_every == 0 and step < run.steps and val:
+                t = time.perf_counter()
+                m = evaluate(pipeline, dmp, val)
+                say("step %d  validation log loss %.4f  AUC %.4f", step, m["log_loss"], m["auc"])
+                csv.write("val", step, m["samples"], m["auc"], m["log_loss"],
+                          elapsed_s=time.perf_counter() - t)
+                window_start = time.perf_counter()  # keep evaluation out of the training rate
     bar.close()
 
     results: Dict[str, float] = {"step": step}
