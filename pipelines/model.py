@@ -42,7 +42,7 @@ from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 
 EBC_FQN = "model.sparse_arch.embedding_bag_collection"
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 
 
 @dataclass
@@ -62,6 +62,7 @@ class ModelSpec:
     emb_optimizer: str = "adagrad"
     emb_lr: float = 0.05
     dense_lr: float = 0.1
+    dense_optimizer: str = "sgd"
     seed: int = 0
 
 
@@ -110,7 +111,7 @@ def _plan(ebc: nn.Module, spec: ModelSpec, world: int, sharder, device_type: str
 def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
                device: torch.device = torch.device("cpu")
                ) -> Tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
-    """The DMP-wrapped model and its dense optimizer (SGD, ``spec.dense_lr``)."""
+    """The DMP-wrapped model and its dense optimizer (``spec.dense_optimizer``, ``dense_lr``)."""
     model = build_unsharded(spec, data)
     world = dist.get_world_size()
     sharder = (RobeEmbeddingBagCollectionSharder() if spec.kind == "robe"
@@ -120,7 +121,8 @@ def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=device, plan=plan, sharders=[sharder])
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=spec.dense_lr))
+                                  lambda params: _OPTIMIZERS[spec.dense_optimizer](
+                                      params, lr=spec.dense_lr))
     return dmp, dense
 
 

@@ -1,0 +1,47 @@
+"""The comparison runner: its statistics, and one tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.compare import kept, nearest_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_nearest_rank():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 6.0, 9.0, 7.0, 8.0]
+    assert nearest_rank(values, 50) == 5.0   # ceil(0.5 * 10) = 5th smallest
+    assert nearest_rank(values, 90) == 9.0   # 9th smallest, no interpolation
+    assert nearest_rank(values, 100) == 10.0
+    assert nearest_rank([3.0], 90) == 3.0
+    assert nearest_rank([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def test_first_and_last_steps_dropped():
+    assert kept([100.0, 1.0, 2.0, 50.0]) == [1.0, 2.0]
+
+
+@pytest.mark.slow
+def test_runner_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "pipelines.compare", "steps=4", "rounds=1", "batch_size=16",
+           "cardinality_scale=0.001", "num_sparse=4", "model.compression=100",
+           f"out_dir={tmp_path}", "tag=t", "~pipelines.plain",
+           "~pipelines.fused_sparse_dist_after_opt", "~pipelines.fused_sparse_dist_cpu_overlap",
+           "~pipelines.semi_sync", "hydra.run.dir=" + str(tmp_path / "hydra")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "compare_t.json").read_text())
+    rows = {r["pipeline"]: r for r in report["rows"]}
+    assert set(rows) == {"sparse_dist", "fused_sparse_dist"}
+    assert rows["fused_sparse_dist"]["parity"] == "bit-identical"
+    assert rows["sparse_dist"]["kept_steps"] == 2 and rows["sparse_dist"]["p90_vs_ref"] == 1.0
+    assert (tmp_path / "compare_t.png").stat().st_size > 0
+    assert "| fused_sparse_dist |" in (tmp_path / "compare_t.md").read_text()
