@@ -136,9 +136,6 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
-    close = getattr(getattr(pipeline, "_worker", None), "close", None)
-    if close is not None:
-        close()
     # a step takes as long as its slowest rank; the loss is the global batch's mean
     t = torch.tensor(times, dtype=torch.float64)
     lo = torch.tensor(losses, dtype=torch.float64)

@@ -35,7 +35,7 @@ def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                   device: torch.device, **options) -> TrainPipeline:
     """Build the pipeline called ``name`` (``"plain"``, ``"sparse_dist"``,
     ``"fused_sparse_dist"``, ``"semi_sync"``). ``options`` go to its constructor, e.g.
-    ``emb_lookup_stream``, ``embedding_lookup_after_opt``, ``cpu_overlap`` (FusedSparseDist),
+    ``emb_lookup_stream``, ``embedding_lookup_after_opt`` (FusedSparseDist),
     ``start_batch``, ``stash_gradients`` (SemiSync), ``execute_all_batches`` (TorchRec's).
 
     Raises ``ValueError`` for an unknown name or for options the pipeline does not take, and

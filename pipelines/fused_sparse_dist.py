@@ -14,8 +14,10 @@ Where the lookup runs (options as in TorchRec PR #2916):
   stream, no overlap). CUDA only; on CPU there are no streams.
 * ``embedding_lookup_after_opt``: start the lookup before (default) or after the dense
   optimizer step. On CUDA "before" lets the side-stream lookup run next to the optimizer.
-* ``cpu_overlap`` (CPU only): run the lookup on a worker thread while the main thread runs
-  the dense optimizer step (needs ``embedding_lookup_after_opt=False``).
+
+On CPU there are no streams: the work runs in the same order, with nothing overlapped. (A
+worker thread running the lookup during the optimizer step was tried and measured slower,
+so it is not offered: ``pipelines/results/compare_cpu_overlap.md``.)
 
 Example::
 
@@ -26,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -35,7 +37,6 @@ from torchrec.distributed.train_pipeline import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup
 
-from pipelines.cpu_overlap import OverlapWorker
 from pipelines.forwards import CpuSafeInSyncEmbeddingPipelinedForward, compute_stream
 from pipelines.guards import check_pipeline_model, uses_streams
 
@@ -49,11 +50,9 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
     Args:
         model: a DMP-wrapped model whose forward(batch) returns ``(losses, output)``.
         optimizer: the dense optimizer (must not hold embedding parameters).
-        device: ``cuda`` uses streams; ``cpu`` runs everything in order (or with
-            ``cpu_overlap``, on two threads).
+        device: ``cuda`` uses streams; ``cpu`` runs everything in order.
         emb_lookup_stream: ``"data_dist"`` | ``"new"`` | ``"current"`` (CUDA).
         embedding_lookup_after_opt: start the next lookup after the dense optimizer step.
-        cpu_overlap: on CPU, run the next lookup on a worker thread during the optimizer step.
         **kwargs: passed to ``TrainPipelineFusedSparseDist`` (``execute_all_batches``, ...).
     """
 
@@ -61,17 +60,10 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, emb_lookup_stream: str = "data_dist",
-                 embedding_lookup_after_opt: bool = False, cpu_overlap: bool = False,
-                 **kwargs) -> None:
+                 embedding_lookup_after_opt: bool = False, **kwargs) -> None:
         if emb_lookup_stream not in _STREAM_CHOICES:
             raise ValueError(f"emb_lookup_stream must be one of {_STREAM_CHOICES}, "
                              f"got {emb_lookup_stream!r}")
-        if cpu_overlap and uses_streams(device):
-            raise ValueError("cpu_overlap is for CPU training; on CUDA the lookup overlaps "
-                             "the optimizer on a stream (emb_lookup_stream)")
-        if cpu_overlap and embedding_lookup_after_opt:
-            raise ValueError("cpu_overlap runs the lookup during the optimizer step: it needs "
-                             "embedding_lookup_after_opt=False")
         check_pipeline_model(model, optimizer, "FusedSparseDist")
         super().__init__(model, optimizer, device, emb_lookup_stream=emb_lookup_stream,
                          **kwargs)
@@ -79,7 +71,6 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
             # TorchRec keeps torch.cpu.current_stream() for "current"; CPU has no streams
             self._emb_lookup_stream = None
         self._lookup_after_opt = embedding_lookup_after_opt
-        self._worker: Optional[OverlapWorker] = OverlapWorker() if cpu_overlap else None
 
     def start_embedding_lookup(self, batch, context: EmbeddingTrainPipelineContext) -> None:
         """Start the lookup and output dist of ``batch`` (its input dist has completed)."""
@@ -108,12 +99,6 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
         elif self._lookup_after_opt:
             self._optimizer_step()
             self.start_embedding_lookup(*nxt)
-        elif self._worker is not None:
-            self._worker.submit(lambda: self.start_embedding_lookup(*nxt))
-            try:
-                self._optimizer_step()
-            finally:
-                self._worker.join()
         else:
             self.start_embedding_lookup(*nxt)
             self._optimizer_step()

@@ -84,9 +84,9 @@ def test_unknown_name_and_option():
         make_pipeline("plain", model, opt, CPU, start_batch=3)
     fused = _Model(RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4)))
     apply_optimizer_in_backward(torch.optim.SGD, [fused.sparse.weight], {"lr": 0.1})
+    # measured slower and removed (pipelines/results/compare_cpu_overlap.md)
     with pytest.raises(ValueError, match="cpu_overlap"):
-        make_pipeline("fused_sparse_dist", fused, _dense_opt(fused), CPU, cpu_overlap=True,
-                      embedding_lookup_after_opt=True)
+        make_pipeline("fused_sparse_dist", fused, _dense_opt(fused), CPU, cpu_overlap=True)
     with pytest.raises(ValueError, match="emb_lookup_stream"):
         make_pipeline("fused_sparse_dist", fused, _dense_opt(fused), CPU,
                       emb_lookup_stream="side")

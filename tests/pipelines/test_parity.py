@@ -24,15 +24,13 @@ VARIANTS = [
     ("fused", "fused_sparse_dist", {}),
     ("fused_after_opt", "fused_sparse_dist", {"embedding_lookup_after_opt": True}),
     ("fused_new_stream", "fused_sparse_dist", {"emb_lookup_stream": "new"}),
-    ("fused_cpu_overlap", "fused_sparse_dist", {"cpu_overlap": True}),
     ("semi_sync_never", "semi_sync", {"start_batch": 10 ** 6}),
     ("semi_sync", "semi_sync", {"start_batch": SEMI_START}),
     ("semi_sync_stash", "semi_sync", {"start_batch": SEMI_START, "stash_gradients": True}),
 ]
 VARIANTS_SEMI = [v for v in VARIANTS if v[0] in ("init", "sparse_dist", "semi_sync",
                                                   "semi_sync_stash")]
-IDENTICAL = ["plain", "fused", "fused_after_opt", "fused_new_stream", "fused_cpu_overlap",
-             "semi_sync_never"]
+IDENTICAL = ["plain", "fused", "fused_after_opt", "fused_new_stream", "semi_sync_never"]
 SEMI = ["semi_sync", "semi_sync_stash"]
 
 # SemiSync's distance from SparseDist after 8 steps (2 synchronous, 6 semi-sync), as the
