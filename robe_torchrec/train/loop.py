@@ -183,7 +183,8 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
                 window_start = time.perf_counter()  # keep evaluation out of the training rate
     bar.close()
 
-    results: Dict[str, float] = {"step": step}
+    results: Dict[str, float] = {"step": step, "stored_floats": summary.stored_floats,
+                                 "compression": summary.compression_ratio}
     if trained_steps:
         results["train_samples_per_s"] = trained_steps * run.batch_size * world / trained_time
     for split, count in (("val", run.eval_batches), ("test", run.test_batches)):
