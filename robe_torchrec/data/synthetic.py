@@ -79,26 +79,35 @@ class SyntheticCriteo:
         normal = torch.sqrt(-2 * torch.log(u[:, 0])) * torch.cos(2 * math.pi * u[:, 1])
         return normal.to(torch.float32)
 
+    def hidden_logit(self, batch: Batch, sparse: bool = True) -> torch.Tensor:
+        """The hidden model's logit of each sample of ``batch`` (its labels were drawn from
+        ``sigmoid`` of it); ``sparse=False`` leaves out the id effects: the best any model
+        that ignores the sparse features can do."""
+        logit = torch.full((batch.labels.numel(),), self.bias) + \
+            batch.dense_features @ self._dense_weights
+        if sparse:
+            sparse_scale = self.sparse_signal / math.sqrt(len(self.cardinalities))
+            for f, key in enumerate(self.keys):
+                logit += sparse_scale * self.id_effects(f, batch.sparse_features[key].values())
+        return logit
+
     def batch(self, index: int) -> Batch:
         """Batch number ``index`` of the stream (the same for every call)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         b = self.batch_size
         dense = torch.randn(b, NUM_DENSE, generator=g)
         ids = []
-        logit = torch.full((b,), self.bias) + dense @ self._dense_weights
-        sparse_scale = self.sparse_signal / math.sqrt(len(self.cardinalities))
-        for f, n in enumerate(self.cardinalities):
+        for n in self.cardinalities:
             u = torch.rand(b, generator=g, dtype=torch.float64)
-            fid = (torch.exp(u * math.log(n + 1)) - 1).floor().clamp_(0, n - 1).to(torch.int64)
-            ids.append(fid)
-            logit += sparse_scale * self.id_effects(f, fid)
-        labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
+            ids.append((torch.exp(u * math.log(n + 1)) - 1).floor().clamp_(0, n - 1).to(torch.int64))
         kjt = KeyedJaggedTensor(
             keys=self.keys,
             values=torch.cat(ids),
             lengths=torch.ones(b * len(self.keys), dtype=torch.int32),
         )
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        batch = Batch(dense_features=dense, sparse_features=kjt, labels=torch.empty(b))
+        batch.labels = torch.bernoulli(torch.sigmoid(self.hidden_logit(batch)), generator=g)
+        return batch
 
     def batches(self, start: int = 0, count: int | None = None) -> Iterator[Batch]:
         index = start
