@@ -1,5 +1,6 @@
 """The README's main job and the examples run (small sizes), so they never rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -24,3 +25,18 @@ def test_quickstart_dlrm_trains():
               if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "compressed to" in out and "samples/s" in out and "held-out AUC" in out
+
+
+@pytest.mark.slow
+def test_quality_study_runs(tmp_path):
+    out = run_example("-m", "robe_torchrec.benchmarks.quality_study", "--steps", "4",
+                      "--compressions", "100", "--block-sizes", "8", "--hashes", "reference",
+                      "--test-batches", "4", "--batch-size", "256", "--out", str(tmp_path))
+    assert "| full |" in out and "| robe | 8 | reference | 100x |" in out
+    result = json.loads((tmp_path / "quality_study.json").read_text())
+    assert [r["embedding"] for r in result["rows"]] == ["full", "robe"]
+    for row in result["rows"]:
+        assert 0.5 < row["test_auc"] <= 1.0
+    oracle = result["oracle"]
+    assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
+    assert (tmp_path / "quality_study.png").stat().st_size > 10_000
