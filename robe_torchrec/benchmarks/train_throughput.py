@@ -4,8 +4,11 @@ pipeline, optimizer and machine; the runs alternate (full, robe, full, robe, ...
 changes on a shared machine hit both alike.
 
 Each run is ``python -m robe_torchrec.train`` (or ``torchrun --nproc-per-node N``) in its own
-run directory; its samples/s is the training rate after the first log window (warm-up),
-read from the run's ``metrics.csv``. Synthetic batches are pre-generated per rank
+run directory; its samples/s is the median over its log windows after the first (warm-up),
+read from the run's ``metrics.csv``: on a machine shared with other jobs a window that
+another process interrupts is an outlier, not a shift of the mean. Each process uses
+``--threads`` threads (default 1: with 2 threads on 2 shared cores, one descheduled thread
+stalls every parallel loop, and the spread between identical runs reached 10x). Synthetic batches are pre-generated per rank
 (``data.cycle``) so that generating them (slower than a step at this size) is not measured.
 The target of issue #5: ROBE-Z >= 1.5x the full model's samples/s.
 
@@ -49,6 +52,7 @@ def _command(args, embedding: str, run_dir: Path) -> List[str]:
         f"run.log_every={args.log_every}", "run.eval_batches=0", "run.test_batches=0",
         "run.progress_bar=false", f"data.cardinality_scale={args.cardinality_scale}",
         f"data.cycle={args.cycle}", f"pipeline={args.pipeline}", f"hydra.run.dir={run_dir}",
+        f"run.threads={args.threads}",
         *args.overrides,
     ]
     if embedding == "robe":
@@ -60,11 +64,9 @@ def _command(args, embedding: str, run_dir: Path) -> List[str]:
 
 
 def _rate(run_dir: Path) -> float:
-    """Samples/s over the train windows after the first one."""
+    """Median samples/s of the train windows after the first one."""
     rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
-    rows = rows[1:]
-    samples = sum(float(r["samples_per_s"]) * float(r["elapsed_s"]) for r in rows)
-    return samples / sum(float(r["elapsed_s"]) for r in rows)
+    return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
 
 
 def _plan_line(run_dir: Path) -> str:
@@ -78,7 +80,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--cardinality-scale", type=float, default=0.1)
     p.add_argument("--compression", type=float, default=1000)
@@ -125,10 +128,12 @@ def main() -> None:
         f"during the runs {min(load):.1f}-{max(load):.1f} (the machine is shared).",
         "",
         f"Setup: DLRM (TorchRec), 26 Criteo-like tables at cardinality scale "
-        f"{args.cardinality_scale}, dim {args.dim}, {args.nproc} process(es), batch "
+        f"{args.cardinality_scale}, dim {args.dim}, {args.nproc} process(es) x {args.threads} "
+        f"thread(s), batch "
         f"{args.batch_size} per rank, pipeline `{args.pipeline}`, fused Adagrad on the "
-        f"embeddings, Adagrad on the dense layers; {args.steps} steps per run, samples/s after "
-        f"the first {args.log_every}-step window; runs alternate, {args.rounds} rounds.",
+        f"embeddings, Adagrad on the dense layers; {args.steps} steps per run; a run's samples/s "
+        f"is the median of its {args.log_every}-step windows after the first; runs "
+        f"alternate, {args.rounds} rounds; the ratio is of the medians over rounds.",
         "",
         f"- full: {lines.get('full', '')}",
         f"- robe: {lines.get('robe', '')}",
