@@ -40,3 +40,26 @@ def test_quality_study_runs(tmp_path):
     oracle = result["oracle"]
     assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
     assert (tmp_path / "quality_study.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_full_vs_robe_auc_example():
+    out = run_example("examples/full_vs_robe_auc.py", "--steps", "20", "--batch-size", "256",
+                      "--eval-batches", "4", "--compression", "100")
+    rows = {line[:16].strip(): line.split() for line in out.splitlines()
+            if line.startswith(("full tables", "ROBE-Z"))}
+    assert set(rows) == {"full tables", "ROBE-Z 100x"}
+    for fields in rows.values():
+        assert 0.5 < float(fields[-2]) <= 1.0  # AUC
+    full_floats = int(rows["full tables"][2].replace(",", ""))
+    robe_floats = int(rows["ROBE-Z 100x"][2].replace(",", ""))
+    assert 0.009 < robe_floats / full_floats < 0.011
+
+
+@pytest.mark.slow
+def test_sharded_pipeline_example_on_two_ranks():
+    out = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2",
+                      "examples/sharded_dlrm_pipeline.py", "--steps", "12", "--batch-size", "64",
+                      "--pipeline", "fused_sparse_dist")
+    assert "step   12  loss" in out
+    assert float(out.split("fused_sparse_dist on 2 rank(s): held-out AUC")[1].split()[0]) > 0.5
