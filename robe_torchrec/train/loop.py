@@ -112,8 +112,9 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     data = build_data(cfg, rank, world)
     model, summary = build_model(cfg, data.keys, data.cardinalities, device)
     dmp = shard(model, cfg, device)
-    optimizer = build_optimizer(cfg, dmp)
-    pipeline = make_pipeline(cfg.pipeline.name, dmp, optimizer, device,
+    # the pipeline steps the dense optimizer; checkpoints hold both (fused one included)
+    dense_optimizer, optimizer = build_optimizer(cfg, dmp)
+    pipeline = make_pipeline(cfg.pipeline.name, dmp, dense_optimizer, device,
                              **(OmegaConf.to_container(cfg.pipeline.options) if cfg.pipeline.options else {}))
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))  # also saved in <run dir>/.hydra
     say("%s", summary)

@@ -4,7 +4,7 @@ Example::
 
     >>> model, summary = build_model(cfg, data.keys, data.cardinalities, torch.device("cpu"))
     >>> dmp = shard(model, cfg, torch.device("cpu"))
-    >>> optimizer = build_optimizer(cfg, dmp)   # dense + dmp.fused_optimizer, for checkpoints
+    >>> dense, optimizer = build_optimizer(cfg, dmp)   # optimizer: dense + dmp.fused_optimizer
 """
 
 from __future__ import annotations
@@ -118,6 +118,11 @@ def _constraints(model: nn.Module, cfg: DictConfig) -> Dict[str, ParameterConstr
         base = {n: ParameterConstraints(sharding_types=types) for n in _table_names(model)} \
             if types else None
         return robe_sharding_constraints(model, base)
+    if not types and cfg.embedding.kind == "full":
+        # a data-parallel TorchRec table is a dense parameter trained by the dense optimizer
+        # (not the fused one, nor with embedding_lr), which FusedSparseDist and SemiSync
+        # cannot pipeline: let the planner choose among the model-parallel types
+        types = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
     if not types:
         return {}
     return {n: ParameterConstraints(sharding_types=types) for n in _table_names(model)}
@@ -146,11 +151,13 @@ def _local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def build_optimizer(cfg: DictConfig, dmp: DistributedModelParallel) -> CombinedOptimizer:
-    """The dense optimizer (everything not fused into backward) combined with
-    ``dmp.fused_optimizer``: one KeyedOptimizer for the pipeline and the checkpoints."""
+def build_optimizer(cfg: DictConfig, dmp: DistributedModelParallel
+                    ) -> Tuple[KeyedOptimizerWrapper, CombinedOptimizer]:
+    """The dense optimizer (everything not fused into backward), for the pipeline to step,
+    and it combined with ``dmp.fused_optimizer`` (whose update runs inside backward): one
+    KeyedOptimizer holding every optimizer state, for the checkpoints."""
     opt = cfg.optimizer
     cls, kwargs = _OPTIMIZERS[opt.name], optimizer_kwargs(opt, opt.dense_lr)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: cls(params, **kwargs))
-    return CombinedOptimizer([("dense", dense), ("embedding", dmp.fused_optimizer)])
+    return dense, CombinedOptimizer([("dense", dense), ("embedding", dmp.fused_optimizer)])

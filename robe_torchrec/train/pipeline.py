@@ -1,9 +1,9 @@
-"""The train-pipeline factory: ``pipelines.make_pipeline`` once it exists (issue #4),
-TorchRec's own pipelines until then.
+"""The train-pipeline factory of the ``pipeline`` config group: ``pipelines.make_pipeline``
+(issue #4: plain, sparse_dist, fused_sparse_dist, semi_sync), with the config's errors.
 
 Example::
 
-    >>> pipeline = make_pipeline("sparse_dist", dmp, optimizer, torch.device("cpu"))
+    >>> pipeline = make_pipeline("sparse_dist", dmp, dense_optimizer, torch.device("cpu"))
     >>> loss, logits, labels = pipeline.progress(batches)   # StopIteration when exhausted
 """
 
@@ -13,34 +13,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.train_pipeline.train_pipelines import (
-    TrainPipeline,
-    TrainPipelineBase,
-    TrainPipelineFusedSparseDist,
-    TrainPipelineSemiSync,
-    TrainPipelineSparseDist,
-)
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
 from robe_torchrec.train.config import PIPELINES, ConfigError
-
-_TORCHREC = {
-    "plain": TrainPipelineBase,
-    "sparse_dist": TrainPipelineSparseDist,
-    "fused_sparse_dist": TrainPipelineFusedSparseDist,
-    "semi_sync": TrainPipelineSemiSync,
-}
 
 
 def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                   device: torch.device, **options: Any) -> TrainPipeline:
-    """A TrainPipeline by name ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync")."""
+    """A TrainPipeline by name. ``optimizer`` is the dense optimizer only: embeddings are
+    updated inside backward, and FusedSparseDist / SemiSync refuse a model whose embedding
+    parameters the optimizer they step would also update."""
     if name not in PIPELINES:
         raise ConfigError(f"pipeline.name: unknown pipeline {name!r}; choose one of "
                           f"{', '.join(PIPELINES)}")
+    from pipelines import make_pipeline as factory
+
     try:
-        from pipelines import make_pipeline as factory  # issue #4's pipelines
-    except ImportError:
-        factory = None
-    if factory is not None:
         return factory(name, model, optimizer, device, **options)
-    return _TORCHREC[name](model, optimizer, device, **options)
+    except ValueError as e:  # e.g. an option the pipeline does not take
+        raise ConfigError(f"pipeline={name}: {e}") from e

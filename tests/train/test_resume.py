@@ -24,7 +24,8 @@ N = 4
     [],                                                      # ROBE-Z, DLRM, fused Adagrad
     ["embedding=full"],                                      # FBGEMM TBE, fused Adagrad
     ["model=dcn", "optimizer=adam", "embedding.shared=false", "pipeline=plain"],
-], ids=["robe-adagrad", "full-adagrad", "robe-pertable-dcn-adam-plain"])
+    ["pipeline=fused_sparse_dist", "embedding.hash=mix"],
+], ids=["robe-adagrad", "full-adagrad", "robe-pertable-dcn-adam-plain", "robe-mix-fused-sparse-dist"])
 def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, caplog, overrides):
     every = [f"run.checkpoint_every={N}", *overrides]
     with one_rank_group():

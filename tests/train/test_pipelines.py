@@ -1,0 +1,29 @@
+"""Every pipeline of the config group trains the app's model, ROBE-Z and full tables
+(in-process, 1 rank); the pipeline gets the dense optimizer only, as FusedSparseDist and
+SemiSync require."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from robe_torchrec.train.config import ConfigError
+from robe_torchrec.train.loop import train
+from tests.train.helpers import compose, one_rank_group
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("embedding", ["robe", "full"])
+@pytest.mark.parametrize("pipeline", ["plain", "sparse_dist", "fused_sparse_dist", "semi_sync"])
+def test_every_pipeline_trains(tmp_path, pipeline, embedding):
+    with one_rank_group():
+        out = train(compose(f"pipeline={pipeline}", f"embedding={embedding}", "run.steps=4"),
+                    tmp_path)
+    assert out["step"] == 4
+    assert math.isfinite(out["test_log_loss"]) and 0.0 <= out["test_auc"] <= 1.0
+
+
+def test_unknown_pipeline_option_is_a_config_error(tmp_path):
+    with one_rank_group(), pytest.raises(ConfigError, match="pipeline=plain"):
+        train(compose("pipeline=plain", "+pipeline.options.turbo=true", "run.steps=1"), tmp_path)
