@@ -127,18 +127,21 @@ def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
 
 
 def gather_state(dmp: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every state-dict tensor, sharded ones assembled in full on every rank (collective)."""
+    """Every state-dict tensor on CPU, sharded ones assembled in full on every rank
+    (collective; on the device NCCL needs when the process group is NCCL)."""
+    comm = (torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl" else torch.device("cpu"))
     out: Dict[str, torch.Tensor] = {}
     for name, t in dmp.state_dict().items():
         if hasattr(t, "local_shards"):
-            full = torch.zeros(tuple(t.size()), dtype=t.dtype)
+            full = torch.zeros(tuple(t.size()), dtype=t.dtype, device=comm)
             for shard in t.local_shards():
                 idx = tuple(slice(o, o + s) for o, s in zip(shard.metadata.shard_offsets,
                                                             shard.metadata.shard_sizes))
-                full[idx] = shard.tensor
+                full[idx] = shard.tensor.to(comm)
             # shards are disjoint and each is declared once: a sum assembles them
             dist.all_reduce(full)
-            out[name] = full
+            out[name] = full.cpu()
         elif isinstance(t, torch.Tensor):
-            out[name] = t.detach().clone()
+            out[name] = t.detach().cpu().clone()
     return out
