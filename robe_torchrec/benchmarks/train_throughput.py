@@ -8,8 +8,9 @@ run directory; its samples/s is the median over its log windows after the first 
 read from the run's ``metrics.csv``: on a machine shared with other jobs a window that
 another process interrupts is an outlier, not a shift of the mean. Each process uses
 ``--threads`` threads (default 1: with 2 threads on 2 shared cores, one descheduled thread
-stalls every parallel loop, and the spread between identical runs reached 10x). Synthetic batches are pre-generated per rank
-(``data.cycle``) so that generating them (slower than a step at this size) is not measured.
+stalls every parallel loop, and the spread between identical runs reached 10x).
+Synthetic batches are pre-generated per rank (``data.cycle``) so that generating them (slower
+than a step at this size) is not measured.
 The target of issue #5: ROBE-Z >= 1.5x the full model's samples/s.
 
 Usage::

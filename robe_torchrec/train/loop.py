@@ -114,8 +114,8 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     dmp = shard(model, cfg, device)
     # the pipeline steps the dense optimizer; checkpoints hold both (fused one included)
     dense_optimizer, optimizer = build_optimizer(cfg, dmp)
-    pipeline = make_pipeline(cfg.pipeline.name, dmp, dense_optimizer, device,
-                             **(OmegaConf.to_container(cfg.pipeline.options) if cfg.pipeline.options else {}))
+    options = OmegaConf.to_container(cfg.pipeline.options) if cfg.pipeline.options else {}
+    pipeline = make_pipeline(cfg.pipeline.name, dmp, dense_optimizer, device, **options)
     log.debug("config:\n%s", OmegaConf.to_yaml(cfg))  # also saved in <run dir>/.hydra
     say("%s", summary)
     say("model: %s, %d rank(s) on %s, pipeline %s, global batch %d, run dir %s",

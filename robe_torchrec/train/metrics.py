@@ -32,7 +32,8 @@ class PhaseMetrics:
         self.samples = SumMetric()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        logits, labels = logits.detach().float().reshape(-1).cpu(), labels.detach().reshape(-1).cpu()
+        logits = logits.detach().float().reshape(-1).cpu()
+        labels = labels.detach().reshape(-1).cpu()
         self.auc.update(torch.sigmoid(logits), labels.long())
         self.log_loss.update(F.binary_cross_entropy_with_logits(logits, labels.float(),
                                                                 reduction="none"))

@@ -64,7 +64,8 @@ def optimizer_kwargs(opt: DictConfig, lr: float) -> Dict[str, Any]:
     return kwargs
 
 
-def _tables(keys: Sequence[str], cardinalities: Sequence[int], dim: int) -> List[EmbeddingBagConfig]:
+def _tables(keys: Sequence[str], cardinalities: Sequence[int], dim: int
+            ) -> List[EmbeddingBagConfig]:
     return [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=int(n),
                                feature_names=[k]) for k, n in zip(keys, cardinalities)]
 
