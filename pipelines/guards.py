@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, List, Set, Tuple
+from typing import List, Set, Tuple
 
 import torch
 from torch import nn
@@ -71,15 +71,12 @@ def _embedding_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def _fused_optimizer_params(module: nn.Module) -> Set[int]:
+    """Parameters a sharded module's ``fused_optimizer`` (a KeyedOptimizer) updates."""
     fused = getattr(module, "fused_optimizer", None)
-    ids: Set[int] = set()
     if fused is None:
-        return ids
-    for group in getattr(fused, "param_groups", []):
-        for p in group["params"]:
-            ids.add(id(p))
-    for p in getattr(fused, "params", {}).values() if hasattr(fused, "params") else []:
-        ids.add(id(p))
+        return set()
+    ids = {id(p) for group in getattr(fused, "param_groups", []) for p in group["params"]}
+    ids.update(id(p) for p in getattr(fused, "params", {}).values())
     return ids
 
 
@@ -134,4 +131,4 @@ def uses_streams(device: torch.device) -> bool:
     return device.type in ("cuda", "mtia")
 
 
-__all__: Iterable[str] = ["PipelineModelError", "check_pipeline_model", "uses_streams"]
+__all__ = ["PipelineModelError", "check_pipeline_model", "uses_streams"]

@@ -43,8 +43,8 @@ def train(spec: ModelSpec, name: str, options: Dict) -> Tuple[Dict[str, torch.Te
 def run_variants(rank: int, world: int, spec: ModelSpec,
                  variants: List[Tuple[str, str, Dict]]):
     """``{label: (state as numpy arrays, losses, steps)}`` for each ``(label, pipeline name,
-    options)`` (pipeline name ``None``: the untrained model); numpy, because tensors sent between processes live in shared memory that
-    dies with the rank."""
+    options)`` (pipeline name ``None``: the untrained model); numpy, because tensors sent
+    between processes live in shared memory that dies with the rank."""
     out = {}
     for label, name, options in variants:
         if name is None:  # the weights before training

@@ -33,7 +33,8 @@ def test_runner_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "pipelines.compare", "steps=4", "rounds=1", "batch_size=16",
            "cardinality_scale=0.001", "num_sparse=4", "model.compression=100",
            f"out_dir={tmp_path}", "tag=t", "~pipelines.plain",
-           "~pipelines.fused_sparse_dist_after_opt", "~pipelines.semi_sync", "hydra.run.dir=" + str(tmp_path / "hydra")]
+           "~pipelines.fused_sparse_dist_after_opt", "~pipelines.semi_sync",
+           "hydra.run.dir=" + str(tmp_path / "hydra")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -51,7 +51,8 @@ MAX_LOSS_DIFF = 0.02
 
 def _run(spec: ModelSpec, variants=None
          ) -> Dict[str, Tuple[Dict[str, torch.Tensor], List[float], int]]:
-    out = run_ranks(ranks.run_variants, 2, spec, variants or VARIANTS)[0]  # rank 0; states are global
+    # rank 0's result: the states are assembled in full on every rank
+    out = run_ranks(ranks.run_variants, 2, spec, variants or VARIANTS)[0]
     return {label: ({k: torch.from_numpy(v) for k, v in state.items()}, losses, steps)
             for label, (state, losses, steps) in out.items()}
 
