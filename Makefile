@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/quickstart_dlrm.py
+	$(PY) -m robe_torchrec.train
 
 test: setup
 	$(PY) -m pytest tests -q

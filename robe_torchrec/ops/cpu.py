@@ -60,10 +60,13 @@ def build_directory() -> str:
         return override
     # The flags and the CPU decide the machine code (-march=native); the interpreter and the
     # torch install decide the ABI and build.ninja's include paths (two venvs sharing one
-    # directory would rebuild it in turn).
+    # directory would rebuild it in turn). The ninja on PATH is part of the key too: two ninja
+    # versions fingerprint the same build differently, so processes alternating between them
+    # (a venv's and the system's) rebuilt the kernel each time.
     key = hashlib.sha256("\n".join([
         " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
         sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
+        os.path.realpath(shutil.which("ninja") or "no-ninja"),
     ]).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
 
