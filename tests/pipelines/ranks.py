@@ -133,3 +133,27 @@ def guards_on_dp_dense_tables(rank: int, world: int):
     finally:
         fsd_mod.check_pipeline_model, ss_mod.check_pipeline_model = saved
     return verdicts, unguarded
+
+
+def torchrec_originals_on_cpu(rank: int, world: int) -> Dict[str, str]:
+    """TorchRec's own FusedSparseDist and SemiSync on a CPU DMP model: the error each
+    raises within three steps ("ok" if none), the reason this package overrides them."""
+    from torchrec.distributed.train_pipeline.train_pipelines import (
+        TrainPipelineFusedSparseDist,
+        TrainPipelineSemiSync,
+    )
+
+    out = {}
+    for cls, kwargs in [(TrainPipelineFusedSparseDist, {}),
+                        (TrainPipelineSemiSync, {"start_batch": 0})]:
+        d = data()
+        dmp, dense = build_dlrm(ModelSpec(kind="robe", sharding="table_wise"), d)
+        pipeline = cls(dmp, dense, CPU, **kwargs)
+        it = iter([d.batch(i) for i in range(3)])
+        try:
+            for _ in range(3):
+                pipeline.progress(it)
+            out[cls.__name__] = "ok"
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out[cls.__name__] = f"{type(e).__name__}: {e}"
+    return out

@@ -116,3 +116,16 @@ def test_semi_sync_drift_with_sgd():
                              emb_lr=0.5), VARIANTS_SEMI)
     check_semi_sync(results, "semi_sync", MAX_TRAVEL_DIFF["sgd"])
     check_semi_sync(results, "semi_sync_stash", MAX_TRAVEL_DIFF["sgd_stash"])
+
+
+@pytest.mark.slow
+def test_torchrec_originals_fail_on_cpu():
+    """Why pipelines/ overrides TorchRec's classes: on CPU they crash (a CPU stream handed
+    to record_stream; cuda assumed when there is no stream). If this starts failing,
+    TorchRec fixed them and the overrides in pipelines/forwards.py can shrink."""
+    errors = run_ranks(ranks.torchrec_originals_on_cpu, 1)[0]
+    assert set(errors) == {"TrainPipelineFusedSparseDist", "TrainPipelineSemiSync"}
+    for name, error in errors.items():
+        assert error != "ok", f"TorchRec's {name} now runs on CPU"
+        # record_stream(torch.cpu.Stream) -> "unknown parameter type"; or the cuda default
+        assert "unknown parameter type" in error or "CUDA" in error, (name, error)
