@@ -110,7 +110,7 @@ def _markdown(result: Dict) -> str:
         f"`{result['command']}`", "",
         f"Machine: {result['machine']}. DLRM (configs/model/dlrm.yaml), embedding dim "
         f"{a['dim']}, Adagrad (embeddings fused into backward), {a['steps']} steps of batch "
-        f"{a['batch_size']} on one rank, synthetic data at cardinality scale "
+        f"{a['batch_size']} on one rank (1 thread), synthetic data at cardinality scale "
         f"{a['cardinality_scale']} (full tables: {full['stored_floats']:,} floats), seed "
         f"{a['seed']} for the data and the model (hash seed: the config default); test AUC over "
         f"{a['test_batches'] * a['batch_size']:,} held-out samples.", "",
@@ -130,7 +130,7 @@ def _markdown(result: Dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--cardinality-scale", type=float, default=0.01)
@@ -150,7 +150,7 @@ def main() -> None:
               f"data.cardinality_scale={args.cardinality_scale}", f"embedding.dim={args.dim}",
               f"run.test_batches={args.test_batches}", "run.eval_batches=0", "run.log_every=0",
               "run.progress_bar=false", "run.checkpoint_every=0", "run.resume=false",
-              "pipeline=plain", "optimizer=adagrad"]
+              "pipeline=plain", "optimizer=adagrad", "run.threads=1"]
     rows = _rows(args)
     for i, row in enumerate(rows):
         t0 = time.perf_counter()
