@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.robe-installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench compare quality clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m robe_torchrec.benchmarks.cpu_ops --out robe_torchrec/benchmarks/results/cpu_ops.md
+
+compare: setup
+	$(PY) -m pipelines.compare
+
+quality: setup
+	$(PY) -m robe_torchrec.benchmarks.quality_study --out robe_torchrec/benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

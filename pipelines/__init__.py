@@ -13,7 +13,7 @@ Example::
     >>> from pipelines import make_pipeline
     >>> pipeline = make_pipeline("sparse_dist", dmp_model, dense_opt, torch.device("cpu"))
     >>> it = iter(dataloader)
-    >>> loss, (loss_, logits, labels) = pipeline.progress(it)  # DLRMTrain output
+    >>> loss, logits, labels = pipeline.progress(it)  # DLRMTrain output
 """
 
 from pipelines.factory import PIPELINES, make_pipeline

@@ -7,7 +7,7 @@ Example::
     >>> pipeline = make_pipeline("fused_sparse_dist", dmp_model, dense_opt,
     ...                          torch.device("cpu"), embedding_lookup_after_opt=True)
     >>> it = iter(dataloader)
-    >>> loss, (loss_, logits, labels) = pipeline.progress(it)  # StopIteration at the end
+    >>> loss, logits, labels = pipeline.progress(it)  # DLRMTrain output; StopIteration at the end
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Example::
 
     >>> pipeline = FusedSparseDistPipeline(dmp_model, dense_optimizer, torch.device("cuda"),
     ...                                    emb_lookup_stream="new")
-    >>> loss, (loss_, logits, labels) = pipeline.progress(dataloader_iter)
+    >>> loss, logits, labels = pipeline.progress(dataloader_iter)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Example::
     >>> it = iter(dataloader)
     >>> while True:
     ...     try:
-    ...         loss, (loss_, logits, labels) = pipeline.progress(it)  # DLRMTrain output
+    ...         loss, logits, labels = pipeline.progress(it)  # DLRMTrain output
     ...     except StopIteration:
     ...         break
 """

@@ -16,7 +16,7 @@ Example::
 
     >>> pipeline = SemiSyncPipeline(dmp_model, dense_optimizer, torch.device("cpu"),
     ...                             start_batch=10, stash_gradients=False)
-    >>> loss, (loss_, logits, labels) = pipeline.progress(dataloader_iter)
+    >>> loss, logits, labels = pipeline.progress(dataloader_iter)
 """
 
 from __future__ import annotations
