@@ -66,9 +66,32 @@ def build_directory() -> str:
     key = hashlib.sha256("\n".join([
         " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
         sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
-        os.path.realpath(shutil.which("ninja") or "no-ninja"),
+        os.path.realpath(_ninja() or "no-ninja"),
     ]).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
+
+
+def _interpreter_bin() -> str:
+    return os.path.dirname(sys.executable)
+
+
+def _ninja() -> Optional[str]:
+    """The ninja the build uses: the one installed next to this interpreter (a venv's, a
+    dependency of this package) if any, else the first on PATH."""
+    local = shutil.which("ninja", path=_interpreter_bin())
+    return local or shutil.which("ninja")
+
+
+@contextlib.contextmanager
+def _interpreter_bin_first_on_path() -> Iterator[None]:
+    # torch's builder runs whatever `ninja` PATH finds: make it the interpreter's, so that
+    # `python -m ...` with or without the venv activated builds (and caches) the same way
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = _interpreter_bin() + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def _find_compiler() -> Optional[str]:
@@ -95,14 +118,15 @@ def extension():
 
             directory = build_directory()
             os.makedirs(directory, exist_ok=True)
-            _module = load(
-                name=_NAME,
-                sources=[_SOURCE],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
-                build_directory=directory,
-                verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")),
-            )
+            with _interpreter_bin_first_on_path():
+                _module = load(
+                    name=_NAME,
+                    sources=[_SOURCE],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS,
+                    build_directory=directory,
+                    verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")),
+                )
     return _module
 
 
