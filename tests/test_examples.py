@@ -63,3 +63,16 @@ def test_sharded_pipeline_example_on_two_ranks():
                       "--pipeline", "fused_sparse_dist")
     assert "step   12  loss" in out
     assert float(out.split("fused_sparse_dist on 2 rank(s): held-out AUC")[1].split()[0]) > 0.5
+
+
+@pytest.mark.slow
+def test_distributed_step_benchmark_runs(tmp_path):
+    run_example("-m", "robe_torchrec.benchmarks.distributed_step", "--tables", "2", "--rows",
+                "1000", "--dim", "8", "--batch", "64", "--warmup", "1", "--iters", "3",
+                "--rounds", "2", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "distributed_step.json").read_text())
+    for name, p50s in result["round_p50_ms"].items():
+        assert len(p50s) == 2 and all(p > 0 for p in p50s), name
+        assert len(result["steps_ms"][name]) == 2 * 3
+    assert set(result["round_ratios_p50"]) == set(result["ratios_p50"])
+    assert "| ratio (P50) | all rounds | by round |" in (tmp_path / "distributed_step.md").read_text()

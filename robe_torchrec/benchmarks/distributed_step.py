@@ -13,14 +13,16 @@ Adagrad on the ROBE array (``apply_optimizer_in_backward``), SGD on the dense pa
   inside backward), dense part under DMP's DDP, each rank half the global batch. The step time
   is rank 0's (the ranks synchronise in every step's all-reduces).
 
-A step is forward + loss + backward + dense optimizer step. Reported: P50 and P90 over
-``--iters`` timed steps after ``--warmup`` (nearest-rank quantiles, as TorchRec's pipeline
-benchmark). The target is ``DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50`` (both 1 thread per
-process, and also against the 2-thread unsharded step).
+A step is forward + loss + backward + dense optimizer step. Each of ``--rounds`` rounds runs
+every setup once (``--iters`` timed steps after ``--warmup``), the setups interleaved so that
+load from other jobs on the machine hits them alike. Reported: P50 and P90 over all rounds'
+steps and each round's P50 (nearest-rank quantiles, as TorchRec's pipeline benchmark), and
+the ratios, over all rounds and round by round. The target is ``DMP 2 ranks P50 <= 1.3 x
+unsharded 1 rank P50`` (against the 1-thread and the 2-thread unsharded step).
 
 Usage::
 
-    python -m robe_torchrec.benchmarks.distributed_step --out robe_torchrec/benchmarks/results
+    python -m robe_torchrec.benchmarks.distributed_step --rounds 8 --out robe_torchrec/benchmarks/results
 """
 
 from __future__ import annotations
@@ -156,33 +158,56 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096, help="global batch")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="each round runs every setup once, interleaved")
     parser.add_argument("--out", default=None, help="folder for distributed_step.{json,md}")
     args = parser.parse_args()
 
-    rows: Dict[str, List[float]] = {}
-    # interleave so that load from other jobs on the machine hits both alike
-    rows["unsharded, 1 rank, 1 thread"] = _unsharded(args, 1)
-    rows["DMP DATA_PARALLEL, 2 ranks x 1 thread"] = _dmp(args, 2)
-    rows["unsharded, 1 rank, 2 threads"] = _unsharded(args, 2)
-    torch.set_num_threads(1)
+    setups = {
+        "unsharded, 1 rank, 1 thread": lambda: _unsharded(args, 1),
+        "DMP DATA_PARALLEL, 2 ranks x 1 thread": lambda: _dmp(args, 2),
+        "unsharded, 1 rank, 2 threads": lambda: _unsharded(args, 2),
+    }
+    dmp_name = "DMP DATA_PARALLEL, 2 ranks x 1 thread"
+    # interleave the setups round by round, so that load from other jobs on the machine hits
+    # all of them alike; the spread between rounds shows how much that load moves the numbers
+    rows: Dict[str, List[float]] = {name: [] for name in setups}
+    round_p50: Dict[str, List[float]] = {name: [] for name in setups}
+    loads: List[float] = []
+    for _ in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name, run in setups.items():
+            times = run()
+            rows[name] += times
+            round_p50[name].append(1e3 * _quantile(times, 0.5))
+        torch.set_num_threads(1)
     summary = {name: {"p50_ms": 1e3 * _quantile(ts, 0.5), "p90_ms": 1e3 * _quantile(ts, 0.9)}
                for name, ts in rows.items()}
-    dmp50 = summary["DMP DATA_PARALLEL, 2 ranks x 1 thread"]["p50_ms"]
+    dmp50 = summary[dmp_name]["p50_ms"]
     ratios = {f"DMP 2 ranks / {name}": dmp50 / s["p50_ms"]
               for name, s in summary.items() if name.startswith("unsharded")}
+    round_ratios = {f"DMP 2 ranks / {name}": [d / u for d, u in zip(round_p50[dmp_name], p50s)]
+                    for name, p50s in round_p50.items() if name.startswith("unsharded")}
     result = {"args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "summary": summary, "ratios_p50": ratios,
+              "torch": torch.__version__, "load_average_1min_per_round": loads,
+              "summary": summary, "ratios_p50": ratios, "round_p50_ms": round_p50,
+              "round_ratios_p50": round_ratios,
               "target": "DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50",
               "steps_ms": {k: [1e3 * t for t in v] for k, v in rows.items()}}
     lines = ["# 2-rank DMP step vs 1-rank unsharded step (CPU, gloo)", "",
+             f"`python -m robe_torchrec.benchmarks.distributed_step --rounds {args.rounds}`", "",
              f"DLRM, {args.tables} tables x {args.rows:,} rows x dim {args.dim}, ROBE-Z 1000x "
              f"(shared array, Z=32), pooling {args.pooling}, global batch {args.batch}, fused "
-             f"Adagrad; {args.iters} timed steps after {args.warmup} warm-up; "
-             f"{os.cpu_count()} CPUs (shared with other jobs: expect noise).", "",
-             "| setup | P50 ms | P90 ms |", "|---|---:|---:|"]
-    lines += [f"| {n} | {s['p50_ms']:.1f} | {s['p90_ms']:.1f} |" for n, s in summary.items()]
-    lines += ["", "| ratio (P50) | value | target <= 1.3 |", "|---|---:|---|"]
-    lines += [f"| {n} | {r:.2f} | {'met' if r <= 1.3 else 'missed'} |" for n, r in ratios.items()]
+             f"Adagrad; per round and setup {args.iters} timed steps after {args.warmup} "
+             f"warm-up; {args.rounds} rounds, setups interleaved; {os.cpu_count()} CPUs "
+             f"({platform.node()}, shared with other jobs: 1-min load average at the start of "
+             f"each round {', '.join(f'{x:.1f}' for x in loads)}).", "",
+             "| setup | P50 ms (all rounds) | P90 ms | P50 by round, ms |", "|---|---:|---:|---|"]
+    lines += [f"| {n} | {s['p50_ms']:.1f} | {s['p90_ms']:.1f} | "
+              f"{' / '.join(f'{x:.1f}' for x in round_p50[n])} |" for n, s in summary.items()]
+    lines += ["", "| ratio (P50) | all rounds | by round | target <= 1.3 |", "|---|---:|---|---|"]
+    lines += [f"| {n} | {r:.2f} | {' / '.join(f'{x:.2f}' for x in round_ratios[n])} | "
+              f"{'met' if r <= 1.3 else 'missed'} |" for n, r in ratios.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
