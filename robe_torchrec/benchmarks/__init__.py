@@ -3,4 +3,12 @@
 * :mod:`robe_torchrec.benchmarks.cpu_ops`: one CPU training step of a pair model (the setup
   of the seed benchmarks): full table, FBGEMM's CPU TBE, pure-PyTorch ROBE-Z and the C++ ops.
   Run ``python -m robe_torchrec.benchmarks.cpu_ops --help``.
+* :mod:`robe_torchrec.benchmarks.hash_choice`: reference against mix hash (AUC and speed).
+* :mod:`robe_torchrec.benchmarks.distributed_step`: a 2-rank DMP step against the unsharded
+  model (CPU, gloo).
+* :mod:`robe_torchrec.benchmarks.train_throughput`: the training app with full tables against
+  ROBE-Z.
+* :mod:`robe_torchrec.benchmarks.quality_study`: AUC against compression, Z and hash.
+
+Each writes its numbers with the command and the machine to ``results/`` (``--out``).
 """

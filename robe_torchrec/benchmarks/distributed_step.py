@@ -28,7 +28,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -39,6 +38,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from robe_torchrec.benchmarks.report import write_report
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -211,11 +212,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "distributed_step.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "distributed_step.md"), "w") as f:
-            f.write(text)
+        write_report(args.out, "distributed_step", result, text)
 
 
 if __name__ == "__main__":

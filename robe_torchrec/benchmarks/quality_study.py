@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -31,6 +30,7 @@ from typing import Dict, List, Sequence
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
+from robe_torchrec.benchmarks.report import write_report
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
 # where the training app's test stream starts (robe_torchrec.train.data)
@@ -167,11 +167,7 @@ def main() -> None:
     text = _markdown(result)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "quality_study.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "quality_study.md"), "w") as f:
-            f.write(text)
+        write_report(args.out, "quality_study", result, text)
         _plot(result, os.path.join(args.out, "quality_study.png"))
 
 
