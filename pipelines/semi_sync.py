@@ -62,6 +62,15 @@ class SemiSyncPipeline(TrainPipelineSemiSync):
         super().__init__(model, optimizer, device, start_batch=start_batch,
                          stash_gradients=stash_gradients, **kwargs)
 
+    def set_next_batch_index(self, index: int) -> None:
+        """Number the next batch ``index``. A run resumed from a checkpoint at step ``index``
+        calls this, so that ``start_batch`` falls on the same step as in the run it continues
+        (batches are numbered from 0 when the pipeline is built). Only between batches."""
+        if self.batches:
+            raise RuntimeError("set_next_batch_index: batches are in flight; call it before "
+                               "the first progress() or after the data ran out")
+        self._next_index = index
+
     def start_embedding_lookup(self, batch, context: EmbeddingTrainPipelineContext) -> None:
         if batch is None:
             return

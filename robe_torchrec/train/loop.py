@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from pipelines import SemiSyncPipeline
 from robe_torchrec.train.checkpoint import Checkpointer
 from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.data import build_data
@@ -121,11 +122,19 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     say("model: %s, %d rank(s) on %s, pipeline %s, global batch %d, run dir %s",
         cfg.model.name, world, device, cfg.pipeline.name, run.batch_size * world, run_dir)
 
+    if isinstance(pipeline, SemiSyncPipeline) and (cfg.pipeline.options or {}).get(
+            "stash_gradients") and run.checkpoint_every:
+        log.warning("pipeline=semi_sync with stash_gradients: a checkpoint does not hold the "
+                    "stashed dense gradient, so a resumed run skips that one dense update "
+                    "(resume is not bitwise exact)")
     ckpt = Checkpointer(run_dir / "checkpoints", keep=run.keep_checkpoints)
     step = 0
     resume_from = _resume_path(ckpt, run.resume)
     if resume_from is not None:
         step = ckpt.load(resume_from, dmp, optimizer)
+        if isinstance(pipeline, SemiSyncPipeline):
+            # its start_batch counts batches: continue the count of the run we resume
+            pipeline.set_next_batch_index(step)
         say("resumed from checkpoint %s at step %d", resume_from, step)
     csv = MetricsCsv(run_dir / "metrics.csv", enabled=main)
 

@@ -25,7 +25,10 @@ N = 4
     ["embedding=full"],                                      # FBGEMM TBE, fused Adagrad
     ["model=dcn", "optimizer=adam", "embedding.shared=false", "pipeline=plain"],
     ["pipeline=fused_sparse_dist", "embedding.hash=mix"],
-], ids=["robe-adagrad", "full-adagrad", "robe-pertable-dcn-adam-plain", "robe-mix-fused-sparse-dist"])
+    # semi-sync from batch 2: a resumed run must count its batches from the resume step
+    ["pipeline=semi_sync", "pipeline.options.start_batch=2"],
+], ids=["robe-adagrad", "full-adagrad", "robe-pertable-dcn-adam-plain", "robe-mix-fused-sparse-dist",
+        "robe-semi-sync"])
 def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, caplog, overrides):
     every = [f"run.checkpoint_every={N}", *overrides]
     with one_rank_group():
