@@ -23,16 +23,13 @@ import json
 import math
 import os
 import platform
-import socket
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import hydra
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # it must be chosen before triton is imported, and the spawned ranks inherit it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
 
 
 # ---------------------------------------------------------------- statistics
@@ -166,55 +165,6 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
         "state": {k: v.cpu().numpy() for k, v in state.items()},
         "init": {k: v.cpu().numpy() for k, v in init.items()} if init is not None else None,
     }
-
-
-# ---------------------------------------------------------------- spawning
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args, queue) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
-        queue.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable, world: int, backend: str, *args, timeout: float = 600.0) -> Any:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result, error = None, None
-    try:
-        for _ in range(world):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                error = f"rank {rank}:\n{value}"
-                break
-            if rank == 0:
-                result = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error else timeout)
-            if p.is_alive():
-                p.kill()
-    if error:
-        raise RuntimeError(error)
-    return result
 
 
 # ---------------------------------------------------------------- the report
@@ -419,8 +369,10 @@ def main(cfg: DictConfig) -> None:
             options = _options(p)
             loads.append(os.getloadavg()[0])
             t0 = time.time()
-            res = spawn(_rank_run, int(cfg.world_size), backend, plain_cfg, p.name, options,
-                        label == cfg.reference and rnd == 0)
+            # the rank function sets its own thread count (threads_per_rank)
+            res = run_ranks(_rank_run, int(cfg.world_size), plain_cfg, p.name, options,
+                            label == cfg.reference and rnd == 0, backend=backend,
+                            threads=None, timeout=600.0)[0]
             res["load_before"] = loads[-1]
             runs[label].append(res)
             steps = kept(res["step_s"])

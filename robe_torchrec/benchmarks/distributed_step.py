@@ -31,15 +31,14 @@ import argparse
 import math
 import os
 import platform
-import socket
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from robe_torchrec.benchmarks.report import write_report
+from robe_torchrec.distributed.spawn import run_ranks
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -106,48 +105,31 @@ def _unsharded(args, threads: int) -> List[float]:
     return _time_steps(model, dense_opt, _batches(args, args.batch, 0, 1), args)
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
-        from torchrec.distributed.types import ShardingEnv, ShardingPlan
-        from torchrec.optim.keyed import KeyedOptimizerWrapper
-        from torchrec.optim.optimizers import in_backward_optimizer_filter
+def _rank(rank: int, world: int, args) -> List[float]:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-        from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
+    from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
 
-        model = _build(args)
-        sharder = RobeEmbeddingBagCollectionSharder()
-        ebc = model.sparse_arch.embedding_bag_collection
-        plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
-            ebc, per_param_sharding={t.name: data_parallel() for t in ebc.embedding_bag_configs()},
-            sharder=sharder, local_size=world, world_size=world, device_type="cpu")})
-        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
-        dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                          lambda ps: torch.optim.SGD(ps, lr=0.01))
-        times = _time_steps(dmp, dense_opt, _batches(args, args.batch, rank, world), args)
-        queue.put((rank, times))
-    finally:
-        dist.destroy_process_group()
+    model = _build(args)
+    sharder = RobeEmbeddingBagCollectionSharder()
+    ebc = model.sparse_arch.embedding_bag_collection
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding={t.name: data_parallel() for t in ebc.embedding_bag_configs()},
+        sharder=sharder, local_size=world, world_size=world, device_type="cpu")})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda ps: torch.optim.SGD(ps, lr=0.01))
+    return _time_steps(dmp, dense_opt, _batches(args, args.batch, rank, world), args)
 
 
 def _dmp(args, world: int) -> List[float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1200) for _ in range(world))
-    for p in procs:
-        p.join()
-    return results[0]
+    """Rank 0's step times (the ranks synchronise in every step's all-reduces)."""
+    return run_ranks(_rank, world, args, threads=1, timeout=1200.0)[0]
 
 
 def main() -> None:

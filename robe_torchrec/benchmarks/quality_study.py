@@ -34,7 +34,7 @@ from robe_torchrec.benchmarks.report import write_report
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
 # where the training app's test stream starts (robe_torchrec.train.data)
-from robe_torchrec.train.data import _TEST_START
+from robe_torchrec.train.data import TEST_STREAM_START
 
 
 def _run(overrides: Sequence[str]) -> Dict[str, float]:
@@ -52,7 +52,7 @@ def _run(overrides: Sequence[str]) -> Dict[str, float]:
 def _oracle_aucs(args) -> Dict[str, float]:
     data = SyntheticCriteo(batch_size=args.batch_size, cardinality_scale=args.cardinality_scale,
                            seed=args.seed)
-    batches = [data.batch(_TEST_START + i) for i in range(args.test_batches)]
+    batches = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
     labels = torch.cat([b.labels for b in batches]).long()
     return {sparse_name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in batches]),
                                       labels).item()

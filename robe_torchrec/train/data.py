@@ -22,7 +22,7 @@ from robe_torchrec.data.synthetic import SyntheticCriteo
 from robe_torchrec.train.config import ConfigError
 
 # the validation and test streams start far past any training step, so they never overlap it
-_VAL_START, _TEST_START = 10**9, 2 * 10**9
+VAL_STREAM_START, TEST_STREAM_START = 10**9, 2 * 10**9
 
 
 class DataSource(Protocol):
@@ -63,7 +63,7 @@ class SyntheticSource:
         return self._stream(start, count)
 
     def eval_batches(self, split: str, count: int) -> Iterator[Batch]:
-        return self._stream(_VAL_START if split == "val" else _TEST_START, count)
+        return self._stream(VAL_STREAM_START if split == "val" else TEST_STREAM_START, count)
 
 
 class FileSource:
