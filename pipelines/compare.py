@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from robe_torchrec.benchmarks.report import machine  # noqa: E402
 from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
 
 
@@ -172,29 +172,6 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
 def _options(pipeline_cfg: DictConfig) -> Dict[str, Any]:
     options = pipeline_cfg.get("options")
     return OmegaConf.to_container(options, resolve=True) if options else {}
-
-
-def machine() -> Dict[str, Any]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gib = float("nan")
-    try:
-        with open("/proc/meminfo") as f:
-            mem_gib = int(next(l for l in f if l.startswith("MemTotal")).split()[1]) / 2**20
-    except (OSError, StopIteration):
-        pass
-    import fbgemm_gpu  # noqa: F401
-    import torchrec
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"platform": platform.platform(), "cpu": cpu, "logical_cpus": os.cpu_count(),
-            "memory_gib": round(mem_gib, 1), "gpu": gpu, "python": platform.python_version(),
-            "torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
-            "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
 
 
 def _parity(state, ref, init) -> str:

@@ -76,3 +76,15 @@ def test_distributed_step_benchmark_runs(tmp_path):
         assert len(result["steps_ms"][name]) == 2 * 3
     assert set(result["round_ratios_p50"]) == set(result["ratios_p50"])
     assert "| ratio (P50) | all rounds | by round |" in (tmp_path / "distributed_step.md").read_text()
+
+
+@pytest.mark.slow
+def test_train_throughput_benchmark_runs(tmp_path):
+    out_md = tmp_path / "train_throughput.md"
+    run_example("-m", "robe_torchrec.benchmarks.train_throughput", "--steps", "12",
+                "--batch-size", "64", "--log-every", "4", "--cardinality-scale", "0.001",
+                "--cycle", "2", "--rounds", "1", "--out", str(out_md))
+    text = out_md.read_text()
+    assert "Machine: " in text and "| full |" in text and "| robe |" in text
+    ratio = float(text.split("**ROBE-Z / full = ")[1].split("x**")[0])
+    assert ratio > 0

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from robe_torchrec.benchmarks.report import write_report
+from robe_torchrec.benchmarks.report import machine, machine_line, write_report
 from robe_torchrec.distributed.spawn import run_ranks
 
 
@@ -171,8 +170,7 @@ def main() -> None:
               for name, s in summary.items() if name.startswith("unsharded")}
     round_ratios = {f"DMP 2 ranks / {name}": [d / u for d, u in zip(round_p50[dmp_name], p50s)]
                     for name, p50s in round_p50.items() if name.startswith("unsharded")}
-    result = {"args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "load_average_1min_per_round": loads,
+    result = {"args": vars(args), "machine": machine(), "load_average_1min_per_round": loads,
               "summary": summary, "ratios_p50": ratios, "round_p50_ms": round_p50,
               "round_ratios_p50": round_ratios,
               "target": "DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50",
@@ -182,9 +180,9 @@ def main() -> None:
              f"DLRM, {args.tables} tables x {args.rows:,} rows x dim {args.dim}, ROBE-Z 1000x "
              f"(shared array, Z=32), pooling {args.pooling}, global batch {args.batch}, fused "
              f"Adagrad; per round and setup {args.iters} timed steps after {args.warmup} "
-             f"warm-up; {args.rounds} rounds, setups interleaved; {os.cpu_count()} CPUs "
-             f"({platform.node()}, shared with other jobs: 1-min load average at the start of "
-             f"each round {', '.join(f'{x:.1f}' for x in loads)}).", "",
+             f"warm-up; {args.rounds} rounds, setups interleaved. Machine: {machine_line()} "
+             f"(shared with other jobs: 1-min load average at the start of each round "
+             f"{', '.join(f'{x:.1f}' for x in loads)}).", "",
              "| setup | P50 ms (all rounds) | P90 ms | P50 by round, ms |", "|---|---:|---:|---|"]
     lines += [f"| {n} | {s['p50_ms']:.1f} | {s['p90_ms']:.1f} | "
               f"{' / '.join(f'{x:.1f}' for x in round_p50[n])} |" for n, s in summary.items()]

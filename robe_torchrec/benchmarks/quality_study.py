@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from typing import Dict, List, Sequence
@@ -30,7 +29,7 @@ from typing import Dict, List, Sequence
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from robe_torchrec.benchmarks.report import write_report
+from robe_torchrec.benchmarks.report import machine_line, write_report
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
 # where the training app's test stream starts (robe_torchrec.train.data)
@@ -162,7 +161,7 @@ def main() -> None:
               f"({row['seconds']:.0f} s)", flush=True)
     result = {"command": "python -m robe_torchrec.benchmarks.quality_study " +
                          " ".join(os.sys.argv[1:]),
-              "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, torch {torch.__version__}",
+              "machine": machine_line(),
               "args": vars(args), "rows": rows, "oracle": _oracle_aucs(args)}
     text = _markdown(result)
     print(text)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,17 +32,9 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from robe_torchrec.benchmarks.report import machine_line
+
 TARGET = 1.5
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _command(args, embedding: str, run_dir: Path) -> List[str]:
@@ -124,8 +115,7 @@ def main() -> None:
         "",
         f"Command: `python -m robe_torchrec.benchmarks.train_throughput {shown}`",
         "",
-        f"Machine: {_cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {_version('torch')}, torchrec {_version('torchrec')}; load average (1 min) "
+        f"Machine: {machine_line()}; load average (1 min) "
         f"during the runs {min(load):.1f}-{max(load):.1f} (the machine is shared).",
         "",
         f"Setup: DLRM (TorchRec), 26 Criteo-like tables at cardinality scale "
@@ -149,13 +139,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report))
     print(f"wrote {args.out}")
-
-
-def _version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001 - report only
-        return "?"
 
 
 if __name__ == "__main__":
