@@ -374,23 +374,21 @@ inline void prefetch_block(const scalar_t* p, int64_t len) {
 // Copies a finished output row out of the thread's row buffer. Large outputs use
 // non-temporal stores: they do not fit in cache anyway, and streaming them skips the read
 // for ownership that a plain store of a cold line costs (half of the output traffic).
+#ifdef __AVX__
+inline void stream_vector(float* dst, const float* src) { _mm256_stream_ps(dst, _mm256_loadu_ps(src)); }
+inline void stream_vector(double* dst, const double* src) { _mm256_stream_pd(dst, _mm256_loadu_pd(src)); }
+#endif
+
 template <typename scalar_t, typename acc_t>
 inline void store_row(scalar_t* __restrict__ dst, const acc_t* __restrict__ src, int64_t n, bool stream) {
 #ifdef __AVX__
-  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, acc_t> &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
     if (stream) {
+      constexpr int64_t kWidth = 32 / sizeof(scalar_t);  // one 256-bit vector
       int64_t j = 0;
       for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
-      for (; j + 8 <= n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
-      for (; j < n; ++j) dst[j] = src[j];
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<scalar_t, double> && std::is_same_v<acc_t, double>) {
-    if (stream) {
-      int64_t j = 0;
-      for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
-      for (; j + 4 <= n; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(src + j));
+      for (; j + kWidth <= n; j += kWidth) stream_vector(dst + j, src + j);
       for (; j < n; ++j) dst[j] = src[j];
       return;
     }
