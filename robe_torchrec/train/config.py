@@ -83,6 +83,12 @@ def validate(cfg: DictConfig) -> None:
     over = list(cfg.model.over_arch_layer_sizes)
     if not over or over[-1] != 1:
         raise ConfigError(f"model.over_arch_layer_sizes must end at 1 (one logit), got {over}")
+    fast = cfg.model.get("fast_interaction", False)
+    if not isinstance(fast, bool):
+        raise ConfigError(f"model.fast_interaction must be true or false, got {fast!r}")
+    if fast and cfg.model.name != "dlrm":
+        raise ConfigError(f"model.fast_interaction=true needs model=dlrm (the dot interaction); "
+                          f"model={cfg.model.name} has no such interaction")
 
     run = cfg.run
     for key in ("steps", "log_every", "eval_every", "checkpoint_every", "eval_batches",

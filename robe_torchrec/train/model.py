@@ -29,6 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import NUM_DENSE
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
+from robe_torchrec.interaction import use_fast_interaction
 from robe_torchrec.train.config import ConfigError
 
 _OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
@@ -105,6 +106,8 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
                          **common)
     else:
         model = DLRM(**common)
+        if m.get("fast_interaction", False):
+            use_fast_interaction(model)
     return DLRMTrain(model), summary
 
 

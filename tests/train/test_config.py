@@ -6,6 +6,9 @@ import pytest
 import torch
 from hydra.errors import HydraException
 
+from torchrec.models.dlrm import InteractionArch
+
+from robe_torchrec.interaction import FastInteractionArch
 from robe_torchrec.train.config import ConfigError, config_dir, validate
 from robe_torchrec.train.pipeline import make_pipeline
 from tests.train.helpers import compose
@@ -43,10 +46,24 @@ def test_every_group_option_is_valid(overrides):
     (["fault.kill_rank=1"], "set both fault.kill_rank and fault.kill_at_step"),
     (["embedding=full", "optimizer=adam"], "embedding=full with optimizer=adam is not supported"),
     (["sharding.types=[diagonal]"], "sharding.types: unknown value 'diagonal'"),
+    (["model.fast_interaction=maybe"], "model.fast_interaction must be true or false"),
+    (["model=dcn", "+model.fast_interaction=true"], "fast_interaction=true needs model=dlrm"),
 ])
 def test_bad_config_is_refused_with_the_key_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(*overrides))
+
+
+@pytest.mark.parametrize("fast, arch", [("true", FastInteractionArch),
+                                        ("false", InteractionArch)])
+def test_model_interaction_follows_the_config(fast, arch):
+    from robe_torchrec.data.synthetic import SyntheticCriteo
+    from robe_torchrec.train.model import build_model
+
+    cfg = compose(f"model.fast_interaction={fast}")
+    data = SyntheticCriteo(cardinality_scale=cfg.data.cardinality_scale)
+    model, _ = build_model(cfg, data.keys, data.cardinalities, torch.device("cpu"))
+    assert type(model.model.inter_arch) is arch
 
 
 def test_unknown_group_option_is_a_hydra_error():
