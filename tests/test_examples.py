@@ -30,16 +30,24 @@ def test_quickstart_dlrm_trains():
 @pytest.mark.slow
 def test_quality_study_runs(tmp_path):
     out = run_example("-m", "robe_torchrec.benchmarks.quality_study", "--steps", "4",
-                      "--compressions", "100", "--block-sizes", "8", "--hashes", "reference",
-                      "--test-batches", "4", "--batch-size", "256", "--out", str(tmp_path))
-    assert "| full |" in out and "| robe | 8 | reference | 100x |" in out
-    result = json.loads((tmp_path / "quality_study.json").read_text())
-    assert [r["embedding"] for r in result["rows"]] == ["full", "robe"]
-    for row in result["rows"]:
+                      "--dims", "16", "8", "--compressions", "100", "--block-sizes", "8",
+                      "--hashes", "reference", "--test-batches", "4", "--batch-size", "256",
+                      "--name", "q", "--out", str(tmp_path))
+    assert "## Embedding dim 16" in out and "## Embedding dim 8" in out
+    assert "| robe | 8 | reference | 100x |" in out and "100x within 0.002 AUC" in out
+    result = json.loads((tmp_path / "q.json").read_text())
+    rows = result["rows"]
+    assert [(r["dim"], r["embedding"]) for r in rows] == [
+        (16, "full"), (16, "robe"), (8, "full"), (8, "robe")]
+    for row in rows:
         assert 0.5 < row["test_auc"] <= 1.0
+    # each gap is against the full tables of its own dim
+    assert rows[1]["auc_gap"] == pytest.approx(rows[1]["test_auc"] - rows[0]["test_auc"])
+    assert rows[3]["auc_gap"] == pytest.approx(rows[3]["test_auc"] - rows[2]["test_auc"])
+    assert rows[1]["stored_floats"] > rows[3]["stored_floats"]  # same ratio, more floats at dim 16
     oracle = result["oracle"]
     assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
-    assert (tmp_path / "quality_study.png").stat().st_size > 10_000
+    assert (tmp_path / "q.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
