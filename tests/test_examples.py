@@ -96,3 +96,14 @@ def test_train_throughput_benchmark_runs(tmp_path):
     assert "Machine: " in text and "| full |" in text and "| robe |" in text
     ratio = float(text.split("**ROBE-Z / full = ")[1].split("x**")[0])
     assert ratio > 0
+
+
+def test_interaction_benchmark_runs(tmp_path):
+    run_example("-m", "robe_torchrec.benchmarks.interaction", "--shapes", "32x3x4", "64x5x8",
+                "--rounds", "1", "--iters", "2", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "interaction.json").read_text())["rows"]
+    assert [(r["batch"], r["features"], r["dim"]) for r in rows] == [(32, 3, 4), (64, 5, 8)]
+    for r in rows:
+        assert r["torchrec_ms"] > 0 and r["fast_ms"] > 0
+        assert r["speedup"] == r["torchrec_ms"] / r["fast_ms"]
+    assert "| 64 | 5 | 8 |" in (tmp_path / "interaction.md").read_text()
