@@ -157,3 +157,44 @@ def torchrec_originals_on_cpu(rank: int, world: int) -> Dict[str, str]:
         except Exception as e:  # noqa: BLE001 - the error is the result
             out[cls.__name__] = f"{type(e).__name__}: {e}"
     return out
+
+
+def guards_on_sharded_fp_ebc(rank: int, world: int) -> Dict[str, str]:
+    """What each pipeline says about a DMP-sharded FeatureProcessedEmbeddingBagCollection
+    (position weights) whose tables are trained by a fused optimizer; also the sharded
+    module's type name, which the guard recognises."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.optim import apply_optimizer_in_backward
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from pipelines import PipelineModelError
+
+    class Model(torch.nn.Module):
+        def __init__(self, sparse: torch.nn.Module) -> None:
+            super().__init__()
+            self.sparse = sparse
+            self.dense = torch.nn.Linear(4, 1)
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
+                                 feature_names=["f0"])]
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, device=torch.device("meta"))
+    fp_ebc = FeatureProcessedEmbeddingBagCollection(
+        ebc, PositionWeightedModuleCollection({"f0": 4}))
+    apply_optimizer_in_backward(torch.optim.SGD, list(ebc.parameters()), {"lr": 0.1})
+    dmp = DistributedModelParallel(Model(fp_ebc), env=ShardingEnv.from_process_group(
+        dist.group.WORLD), device=CPU, sharders=get_default_sharders())
+    dense = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
+                            lr=0.1)
+    verdicts = {"sharded type": type(dmp.module.sparse).__name__}
+    for name in ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync"):
+        try:
+            make_pipeline(name, dmp, dense, CPU)
+            verdicts[name] = "accepted"
+        except PipelineModelError as e:
+            verdicts[name] = str(e)
+    return verdicts

@@ -105,3 +105,15 @@ def test_sharded_data_parallel_tables_in_dense_optimizer():
     # without the guard: a crash in backward or different weights, never the same training
     for name in GUARDED:
         assert unguarded[name] != "identical", unguarded
+
+
+@pytest.mark.slow
+def test_sharded_feature_processed_ebc_refused():
+    """The guard also refuses TorchRec's sharded FP-EBC behind DMP (the unsharded one is
+    tested above); SparseDist and plain still take it."""
+    verdicts = run_ranks(ranks.guards_on_sharded_fp_ebc, 1)[0]
+    assert "FeatureProcessed" in verdicts["sharded type"], verdicts
+    assert "Sharded" in verdicts["sharded type"], verdicts
+    assert verdicts["plain"] == "accepted" and verdicts["sparse_dist"] == "accepted"
+    for name in GUARDED:
+        assert "feature processor" in verdicts[name], verdicts[name]
