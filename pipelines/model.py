@@ -30,19 +30,17 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from robe_torchrec import RobeConfig
 from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+from robe_torchrec.train.model import OPTIMIZERS, dense_optimizer, embedding_tables
 
 EBC_FQN = "model.sparse_arch.embedding_bag_collection"
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 
 
 @dataclass
@@ -66,16 +64,10 @@ class ModelSpec:
     seed: int = 0
 
 
-def _tables(spec: ModelSpec, data: SyntheticCriteo) -> List[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name=f"t_{key}", embedding_dim=spec.embedding_dim,
-                               num_embeddings=rows, feature_names=[key])
-            for key, rows in zip(data.keys, data.cardinalities)]
-
-
 def build_unsharded(spec: ModelSpec, data: SyntheticCriteo) -> DLRMTrain:
     """The model before sharding, with the in-backward optimizer applied to its embeddings."""
     torch.manual_seed(spec.seed)
-    tables = _tables(spec, data)
+    tables = embedding_tables(data.keys, data.cardinalities, spec.embedding_dim)
     if spec.kind == "robe":
         ebc: nn.Module = RobeEmbeddingBagCollection(
             tables, RobeConfig(compression=spec.compression, block_size=spec.block_size,
@@ -84,7 +76,7 @@ def build_unsharded(spec: ModelSpec, data: SyntheticCriteo) -> DLRMTrain:
         ebc = EmbeddingBagCollection(tables, device=torch.device("cpu"))
     else:
         raise ValueError(f"ModelSpec.kind must be 'robe' or 'stock', got {spec.kind!r}")
-    apply_optimizer_in_backward(_OPTIMIZERS[spec.emb_optimizer], list(ebc.parameters()),
+    apply_optimizer_in_backward(OPTIMIZERS[spec.emb_optimizer], list(ebc.parameters()),
                                 {"lr": spec.emb_lr})
     dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
                 dense_arch_layer_sizes=[*spec.dense_arch, spec.embedding_dim],
@@ -120,10 +112,7 @@ def build_dlrm(spec: ModelSpec, data: SyntheticCriteo,
     plan = ShardingPlan({EBC_FQN: _plan(ebc, spec, world, sharder, device.type)})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=device, plan=plan, sharders=[sharder])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: _OPTIMIZERS[spec.dense_optimizer](
-                                      params, lr=spec.dense_lr))
-    return dmp, dense
+    return dmp, dense_optimizer(dmp, OPTIMIZERS[spec.dense_optimizer], {"lr": spec.dense_lr})
 
 
 def gather_state(dmp: nn.Module) -> Dict[str, torch.Tensor]:

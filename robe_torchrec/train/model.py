@@ -32,7 +32,8 @@ from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sh
 from robe_torchrec.interaction import use_fast_interaction
 from robe_torchrec.train.config import ConfigError
 
-_OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
+#: the ``optimizer.name`` values and their torch.optim classes (fused or dense)
+OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 
 
@@ -65,8 +66,9 @@ def optimizer_kwargs(opt: DictConfig, lr: float) -> Dict[str, Any]:
     return kwargs
 
 
-def _tables(keys: Sequence[str], cardinalities: Sequence[int], dim: int
-            ) -> List[EmbeddingBagConfig]:
+def embedding_tables(keys: Sequence[str], cardinalities: Sequence[int], dim: int
+                     ) -> List[EmbeddingBagConfig]:
+    """One table ``t_<key>`` per feature."""
     return [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=int(n),
                                feature_names=[k]) for k, n in zip(keys, cardinalities)]
 
@@ -74,7 +76,7 @@ def _tables(keys: Sequence[str], cardinalities: Sequence[int], dim: int
 def build_embeddings(emb: DictConfig, keys: Sequence[str], cardinalities: Sequence[int]
                      ) -> Tuple[nn.Module, EmbeddingSummary]:
     """The ``embedding`` config group as a module (unsharded, on CPU)."""
-    tables = _tables(keys, cardinalities, emb.dim)
+    tables = embedding_tables(keys, cardinalities, emb.dim)
     uncompressed = sum(t.num_embeddings * t.embedding_dim for t in tables)
     if emb.kind == "full":
         return EmbeddingBagCollection(tables), EmbeddingSummary("full", uncompressed, uncompressed)
@@ -95,7 +97,7 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
     ebc, summary = build_embeddings(cfg.embedding, keys, cardinalities)
     opt = cfg.optimizer
     # fused into backward: ROBE's own kernel, or FBGEMM's TBE for the full tables
-    apply_optimizer_in_backward(_OPTIMIZERS[opt.name], list(ebc.parameters()),
+    apply_optimizer_in_backward(OPTIMIZERS[opt.name], list(ebc.parameters()),
                                 optimizer_kwargs(opt, opt.embedding_lr))
     m = cfg.model
     common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
@@ -161,7 +163,12 @@ def build_optimizer(cfg: DictConfig, dmp: DistributedModelParallel
     and it combined with ``dmp.fused_optimizer`` (whose update runs inside backward): one
     KeyedOptimizer holding every optimizer state, for the checkpoints."""
     opt = cfg.optimizer
-    cls, kwargs = _OPTIMIZERS[opt.name], optimizer_kwargs(opt, opt.dense_lr)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: cls(params, **kwargs))
+    dense = dense_optimizer(dmp, OPTIMIZERS[opt.name], optimizer_kwargs(opt, opt.dense_lr))
     return dense, CombinedOptimizer([("dense", dense), ("embedding", dmp.fused_optimizer)])
+
+
+def dense_optimizer(dmp: nn.Module, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any]
+                    ) -> KeyedOptimizerWrapper:
+    """``cls(**kwargs)`` over every parameter not updated by an optimizer fused into backward."""
+    return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                 lambda params: cls(params, **kwargs))
