@@ -6,9 +6,10 @@ which is serial on CPU, and autograd runs two batched matmuls for the Gram matri
 gradient. On the app's step (batch 2048, 26 features, dim 16, 1 thread) that interaction was
 about 20 ms of a 50-60 ms step, more than the embeddings.
 
-:class:`FastInteractionArch` computes the same output with the same buffer, and a backward that
-gathers the gradient into a symmetric matrix (no accumulation) and runs one batched matmul. The output equals TorchRec's exactly (the same
-products, gathered); the gradient differs only by summation order (tested in float64).
+:class:`FastInteractionArch` computes the same output with the same buffer, and a backward
+that gathers the gradient into a symmetric matrix (no accumulation) and runs one batched
+matmul. The output equals TorchRec's exactly (the same products, gathered); the gradient
+differs only by summation order (tested in float64).
 
 Example::
 
@@ -88,7 +89,8 @@ class FastInteractionArch(InteractionArch):
 def use_fast_interaction(model: DLRM) -> DLRM:
     """Replace ``model.inter_arch`` (TorchRec's ``InteractionArch``) by
     :class:`FastInteractionArch` on the same device; returns ``model``. Other interactions
-    (``DLRM_DCN``'s cross network, ``DLRM_Projection``'s projections) are not dot products and are refused."""
+    (``DLRM_DCN``'s cross network, ``DLRM_Projection``'s projections) are not dot products
+    and are refused with a ``TypeError``."""
     arch = model.inter_arch
     if type(arch) is not InteractionArch:
         raise TypeError(f"use_fast_interaction: model.inter_arch is {type(arch).__name__}, "
