@@ -16,7 +16,7 @@ Example::
     >>> loss, logits, labels = pipeline.progress(it)  # DLRMTrain output
 """
 
-from pipelines.factory import PIPELINES, make_pipeline
+from pipelines.factory import PIPELINES, make_pipeline, run_to_end
 from pipelines.fused_sparse_dist import FusedSparseDistPipeline
 from pipelines.guards import PipelineModelError, check_pipeline_model
 from pipelines.plain import PlainPipeline
@@ -32,4 +32,5 @@ __all__ = [
     "SparseDistPipeline",
     "check_pipeline_model",
     "make_pipeline",
+    "run_to_end",
 ]

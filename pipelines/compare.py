@@ -7,7 +7,7 @@ loss, and parity against SparseDist (bit-identical or how far). Printed as a tab
 as ``<out_dir>/compare_<tag>.{md,json,png}`` with the machine's description.
 
 Every pipeline runs in fresh rank processes (so the peak RSS is its own) and, with
-``rounds: 2``, twice in alternating order, so a load change on a shared machine hits every
+``rounds: N``, N times in alternating order, so a load change on a shared machine hits every
 pipeline alike; the step times of all rounds are pooled.
 
 Example::
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from robe_torchrec.benchmarks.report import machine  # noqa: E402
+from robe_torchrec.benchmarks.report import machine, process_memory_mib  # noqa: E402
 from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
 
 
@@ -60,22 +60,6 @@ def kept(step_times: Sequence[float]) -> List[float]:
 
 
 # ---------------------------------------------------------------- one rank
-
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
 
 def _time_segment(pipeline, device: torch.device) -> Optional[List[float]]:
     """FusedSparseDist only: time its "dense optimizer step + next batch's lookup" segment,
@@ -102,7 +86,6 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
     from pipelines.model import ModelSpec, build_dlrm, gather_state
     from robe_torchrec.data.synthetic import SyntheticCriteo
 
-    torch.set_num_threads(int(cfg["threads_per_rank"]))
     device = torch.device(cfg["device"])
     if device.type == "cuda":
         device = torch.device("cuda", rank)
@@ -112,7 +95,7 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
                            num_sparse=int(cfg["num_sparse"]))
     # generated up front so that the step time is the pipeline's, not the generator's
     batches = [data.batch(i) for i in range(int(cfg["steps"]))]
-    rss_before = _rss_mib()
+    rss_before = process_memory_mib("VmRSS")
     spec = ModelSpec(**cfg["model"])
     dmp, dense = build_dlrm(spec, data, device)
     init = gather_state(dmp) if want_init else None
@@ -139,7 +122,7 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
     t = torch.tensor(times, dtype=torch.float64)
     lo = torch.tensor(losses, dtype=torch.float64)
     cuda = device.type == "cuda"
-    mem = torch.tensor([_peak_rss_mib(), rss_before,
+    mem = torch.tensor([process_memory_mib("VmHWM"), rss_before,
                         torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
                         torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0],
                        dtype=torch.float64)
@@ -174,14 +157,16 @@ def _options(pipeline_cfg: DictConfig) -> Dict[str, Any]:
     return OmegaConf.to_container(options, resolve=True) if options else {}
 
 
+def _identical(state, ref) -> bool:
+    return all(state[k].shape == ref[k].shape and (state[k] == ref[k]).all() for k in ref)
+
+
 def _parity(state, ref, init) -> str:
-    keys = [k for k in ref if ref[k].dtype.kind == "f"]
-    if all(state[k].shape == ref[k].shape and (state[k] == ref[k]).all() for k in ref):
+    if _identical(state, ref):
         return "bit-identical"
-    num = sum(float(((state[k].astype("float64") - ref[k]) ** 2).sum()) for k in keys)
-    den = sum(float(((ref[k].astype("float64") - init[k]) ** 2).sum()) for k in keys)
-    worst = max(float(abs(state[k].astype("float64") - ref[k]).max()) for k in keys)
-    return f"differs: {math.sqrt(num / den):.2g} of travel, max abs {worst:.2g}"
+    worst = max(float(abs(state[k].astype("float64") - ref[k]).max())
+                for k in ref if ref[k].dtype.kind == "f")
+    return f"differs: {travel_diff(state, ref, init):.2g} of travel, max abs {worst:.2g}"
 
 
 def summarize(runs: Dict[str, List[Dict[str, Any]]], cfg: DictConfig) -> List[Dict[str, Any]]:
@@ -198,7 +183,7 @@ def summarize(runs: Dict[str, List[Dict[str, Any]]], cfg: DictConfig) -> List[Di
         if label == ref_label:
             base_p90 = p90
         # identical in every round (deterministic), else the run is not reproducible
-        repeat_ok = all(_parity(r["state"], rs[0]["state"], init) == "bit-identical" for r in rs)
+        repeat_ok = all(_identical(r["state"], rs[0]["state"]) for r in rs[1:])
         tail = max(1, min(10, len(rs[0]["loss"]) // 5))
         rows.append({
             "pipeline": label, "name": cfg.pipelines[label].name,
@@ -346,10 +331,9 @@ def main(cfg: DictConfig) -> None:
             options = _options(p)
             loads.append(os.getloadavg()[0])
             t0 = time.time()
-            # the rank function sets its own thread count (threads_per_rank)
             res = run_ranks(_rank_run, int(cfg.world_size), plain_cfg, p.name, options,
                             label == cfg.reference and rnd == 0, backend=backend,
-                            threads=None, timeout=600.0)[0]
+                            threads=int(cfg.threads_per_rank), timeout=600.0)[0]
             res["load_before"] = loads[-1]
             runs[label].append(res)
             steps = kept(res["step_s"])

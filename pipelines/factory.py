@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Any, Callable, Dict, Iterator, Optional, Type
 
 import torch
 from torch import nn
@@ -52,3 +52,19 @@ def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
         return cls(model, optimizer, device, **options)
     except TypeError as e:  # an option the constructor does not know
         raise ValueError(f"pipeline {name!r}: {e}") from e
+
+
+def run_to_end(pipeline: TrainPipeline, batches: Iterator,
+               on_output: Optional[Callable[[Any], None]] = None) -> int:
+    """``pipeline.progress(batches)`` until the iterator is exhausted (a pipeline signals
+    that with StopIteration once its queued batches are done); each step's output goes to
+    ``on_output``. Returns the number of steps."""
+    steps = 0
+    while True:
+        try:
+            output = pipeline.progress(batches)
+        except StopIteration:
+            return steps
+        steps += 1
+        if on_output is not None:
+            on_output(output)

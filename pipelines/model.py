@@ -15,7 +15,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Mapping, Tuple
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -134,3 +136,15 @@ def gather_state(dmp: nn.Module) -> Dict[str, torch.Tensor]:
         elif isinstance(t, torch.Tensor):
             out[name] = t.detach().cpu().clone()
     return out
+
+
+def travel_diff(state: Mapping, ref: Mapping, init: Mapping) -> float:
+    """How far ``state`` ended from ``ref``, as a fraction of the distance ``ref`` travelled
+    from ``init``: ||state - ref|| / ||ref - init|| over the float entries (tensors or numpy
+    arrays, e.g. from :func:`gather_state`)."""
+    keys = [k for k in ref if np.asarray(ref[k]).dtype.kind == "f"]
+    num = sum(float(((np.asarray(state[k], np.float64) - np.asarray(ref[k])) ** 2).sum())
+              for k in keys)
+    den = sum(float(((np.asarray(ref[k], np.float64) - np.asarray(init[k])) ** 2).sum())
+              for k in keys)
+    return (num / den) ** 0.5

@@ -1,6 +1,7 @@
 """What every benchmark records with its numbers: the machine (:func:`machine`,
-:func:`machine_line`), and its results side by side (:func:`write_report`: ``<stem>.json``
-with every number, ``<stem>.md`` with the table the README quotes).
+:func:`machine_line`), a process's memory (:func:`process_memory_mib`), and its results side
+by side (:func:`write_report`: ``<stem>.json`` with every number, ``<stem>.md`` with the
+table the README quotes).
 
 Example::
 
@@ -32,6 +33,13 @@ def _version(module: str) -> str:
         return getattr(__import__(module), "__version__", "?")
     except Exception:  # noqa: BLE001 - reported, not needed
         return "?"
+
+
+def process_memory_mib(field: str = "VmHWM") -> float:
+    """This process's ``/proc/self/status`` memory field in MiB: ``VmHWM`` (peak resident
+    set) or ``VmRSS`` (resident now); NaN where there is no such file."""
+    value = _first_field("/proc/self/status", f"{field}:")
+    return int(value.split()[0]) / 1024.0 if value else float("nan")
 
 
 def machine() -> Dict[str, Any]:

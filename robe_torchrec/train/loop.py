@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipelines import SemiSyncPipeline
+from pipelines import SemiSyncPipeline, run_to_end
 from robe_torchrec.train.checkpoint import Checkpointer
 from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.data import build_data
@@ -70,24 +70,12 @@ def _maybe_fail(cfg: DictConfig, step: int, rank: int) -> None:
         os._exit(1)
 
 
-def _run_dry(pipeline, batches: Iterator, on_output) -> int:
-    """Progress the pipeline until its iterator is exhausted; returns the number of steps."""
-    n = 0
-    while True:
-        try:
-            output = pipeline.progress(batches)
-        except StopIteration:
-            return n
-        n += 1
-        on_output(output)
-
-
 def evaluate(pipeline, dmp, batches: Iterator) -> Dict[str, float]:
     """AUC and log loss over ``batches`` (all ranks together)."""
     metrics = PhaseMetrics()
     dmp.eval()
     with torch.no_grad():
-        _run_dry(pipeline, batches, lambda out: metrics.update(out[1], out[2]))
+        run_to_end(pipeline, batches, lambda out: metrics.update(out[1], out[2]))
     dmp.train()
     return metrics.compute()
 
@@ -177,7 +165,7 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
                 if every:
                     ends.append((step // every + 1) * every)
             end = min(ends)
-            _run_dry(pipeline, data.train_batches(step, end - step), on_step)
+            run_to_end(pipeline, data.train_batches(step, end - step), on_step)
             if step != end:
                 raise RuntimeError(f"the data ran out at step {step} (expected {end})")
             if run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps):

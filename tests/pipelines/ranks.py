@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from pipelines import make_pipeline
+from pipelines import make_pipeline, run_to_end
 from pipelines.model import ModelSpec, build_dlrm, gather_state
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
@@ -31,12 +31,7 @@ def train(spec: ModelSpec, name: str, options: Dict) -> Tuple[Dict[str, torch.Te
     pipeline = make_pipeline(name, dmp, dense, CPU, **options)
     it = iter([d.batch(i % DISTINCT) for i in range(STEPS)])
     losses: List[float] = []
-    while True:
-        try:
-            loss, _logits, _labels = pipeline.progress(it)  # DLRMTrain output
-        except StopIteration:
-            break
-        losses.append(float(loss.detach()))
+    run_to_end(pipeline, it, lambda out: losses.append(float(out[0].detach())))  # DLRMTrain
     return gather_state(dmp), losses, len(losses)
 
 
@@ -107,12 +102,7 @@ def guards_on_dp_dense_tables(rank: int, world: int):
     def run(name, options):
         dmp, dense, d = _dp_dense_trained_model()
         pipeline = make_pipeline(name, dmp, dense, CPU, **options)
-        it = iter([d.batch(i) for i in range(4)])
-        while True:
-            try:
-                pipeline.progress(it)
-            except StopIteration:
-                break
+        run_to_end(pipeline, iter([d.batch(i) for i in range(4)]))
         return gather_state(dmp)
 
     reference = run("sparse_dist", {})

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from pipelines.model import ModelSpec
+from pipelines.model import ModelSpec, travel_diff
 from tests.distributed.multiprocess import run_ranks
 from tests.pipelines import ranks
 
@@ -55,15 +55,6 @@ def _run(spec: ModelSpec, variants=None
     out = run_ranks(ranks.run_variants, 2, spec, variants or VARIANTS)[0]
     return {label: ({k: torch.from_numpy(v) for k, v in state.items()}, losses, steps)
             for label, (state, losses, steps) in out.items()}
-
-
-def travel_diff(state: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor],
-                init: Dict[str, torch.Tensor]) -> float:
-    """||state - ref|| / ||ref - init|| over all float tensors."""
-    keys = [k for k in ref if ref[k].is_floating_point()]
-    num = sum(float((state[k].double() - ref[k].double()).pow(2).sum()) for k in keys)
-    den = sum(float((ref[k].double() - init[k].double()).pow(2).sum()) for k in keys)
-    return (num / den) ** 0.5
 
 
 def check_semi_sync(results, label: str, bound: float) -> float:
