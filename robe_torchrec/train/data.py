@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Iterator, List, Optional, Protocol
 
@@ -72,15 +73,19 @@ class FileSource:
     Training steps are counted, not epochs: the training stream repeats the data set, so
     every rank runs the same number of steps even where its share of an epoch is a batch
     shorter (which would leave the other ranks waiting in a collective). Validation and test
-    read ``count`` batches per rank, repeating a split smaller than that. A resumed run
-    re-reads and drops the batches it already trained on, so it sees the same stream."""
+    read ``count`` batches per rank, repeating a split smaller than that. Consecutive training
+    segments continue one stream; only a resumed run re-reads and drops the batches it
+    already trained on, so it sees the same stream."""
 
-    def __init__(self, make, splits, keys: List[str], cardinalities: List[int]) -> None:
+    def __init__(self, make, splits, train_loader) -> None:
         self._make, self._splits = make, splits
-        self.keys, self.cardinalities = list(keys), list(cardinalities)
+        self._train_loader = train_loader
+        self.keys, self.cardinalities = list(train_loader.keys), list(train_loader.table_sizes())
+        self._train: Optional[Iterator[Batch]] = None
+        self._train_position = 0  # batches of self._train handed out so far
 
     def _repeat(self, split: str) -> Iterator[Batch]:
-        loader = self._make(split)
+        loader = self._train_loader if split == "train" else self._make(split)
         while True:
             empty = True
             for batch in loader:
@@ -90,7 +95,17 @@ class FileSource:
                 raise ConfigError(f"data.{split}: no batches for this rank")
 
     def train_batches(self, start: int, count: int) -> Iterator[Batch]:
-        return itertools.islice(self._repeat("train"), start, start + count)
+        if self._train is None or start != self._train_position:
+            # the first segment, or a resume: read from the beginning up to ``start``
+            self._train = self._repeat("train")
+            collections.deque(itertools.islice(self._train, start), maxlen=0)
+            self._train_position = start
+        return self._segment(count)
+
+    def _segment(self, count: int) -> Iterator[Batch]:
+        for batch in itertools.islice(self._train, count):
+            self._train_position += 1
+            yield batch
 
     def eval_batches(self, split: str, count: int) -> Optional[Iterator[Batch]]:
         if not self._splits.get(split):
@@ -132,8 +147,7 @@ def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
             stage = split if split != "train" and d.get("split_eval_prefix", True) else "train"
             return CriteoNpy(prefixes, batch, sizes, rank, world_size, drop_last=True,
                              stage=stage, mmap_mode=d.mmap_mode)
-    first = make("train")
-    return FileSource(make, splits, first.keys, first.table_sizes())
+    return FileSource(make, splits, make("train"))
 
 
 def build_data(cfg: DictConfig, rank: int, world_size: int) -> DataSource:

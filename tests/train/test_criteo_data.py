@@ -44,3 +44,33 @@ def test_train_on_criteo_tsv_and_npy(tmp_path):
 def test_criteo_without_train_files_is_refused(tmp_path):
     with one_rank_group(), pytest.raises(ConfigError, match="data.train is required"):
         train(compose("data=criteo_tsv", "run.steps=1"), tmp_path)
+
+
+class _CountingLoader:
+    """A re-iterable loader of 5 batches (ints) that counts the batches it produces."""
+
+    keys = ["cat_0"]
+
+    def __init__(self) -> None:
+        self.produced = 0
+
+    def table_sizes(self):
+        return [10]
+
+    def __iter__(self):
+        for i in range(5):
+            self.produced += 1
+            yield i
+
+
+def test_file_source_continues_segments_and_rereads_only_on_resume():
+    from robe_torchrec.train.data import FileSource
+
+    loader = _CountingLoader()
+    source = FileSource(make=None, splits={"train": ["x"]}, train_loader=loader)
+    assert list(source.train_batches(0, 3)) == [0, 1, 2]
+    assert list(source.train_batches(3, 4)) == [3, 4, 0, 1]  # the stream repeats the data
+    assert loader.produced == 7  # nothing read twice
+    # a resume at step 2: read from the start again, drop two batches
+    assert list(source.train_batches(2, 2)) == [2, 3]
+    assert loader.produced == 7 + 4
