@@ -82,7 +82,8 @@ def test_distributed_step_benchmark_runs(tmp_path):
     for name, p50s in result["round_p50_ms"].items():
         assert len(p50s) == 2 and all(p > 0 for p in p50s), name
         assert len(result["steps_ms"][name]) == 2 * 3
-    assert set(result["round_ratios_p50"]) == set(result["ratios_p50"])
+    for name, by_round in result["round_ratios_p50"].items():
+        assert len(by_round) == 2 and all(r > 0 for r in by_round), name
     assert "| ratio (P50) | all rounds | by round |" in (tmp_path / "distributed_step.md").read_text()
 
 
@@ -95,7 +96,11 @@ def test_train_throughput_benchmark_runs(tmp_path):
     text = out_md.read_text()
     assert "Machine: " in text and "| full |" in text and "| robe |" in text
     ratio = float(text.split("**ROBE-Z / full = ")[1].split("x**")[0])
-    assert ratio > 0
+    # the stated ratio is the robe median over the full median of the table's last column
+    median = {line.split("|")[1].strip(): float(line.split("|")[-2].replace(",", ""))
+              for line in text.splitlines() if line.startswith(("| full |", "| robe |"))}
+    assert median["full"] > 0 and median["robe"] > 0
+    assert ratio == pytest.approx(median["robe"] / median["full"], abs=0.01)
 
 
 def test_interaction_benchmark_runs(tmp_path):
@@ -105,5 +110,7 @@ def test_interaction_benchmark_runs(tmp_path):
     assert [(r["batch"], r["features"], r["dim"]) for r in rows] == [(32, 3, 4), (64, 5, 8)]
     for r in rows:
         assert r["torchrec_ms"] > 0 and r["fast_ms"] > 0
-        assert r["speedup"] == r["torchrec_ms"] / r["fast_ms"]
-    assert "| 64 | 5 | 8 |" in (tmp_path / "interaction.md").read_text()
+    text = (tmp_path / "interaction.md").read_text()
+    for r in rows:  # the table states each row's numbers
+        assert (f"| {r['batch']} | {r['features']} | {r['dim']} | {r['torchrec_ms']:.2f} | "
+                f"{r['fast_ms']:.2f} | {r['speedup']:.2f}x |") in text
