@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from robe_torchrec.train.config import ConfigError
 from robe_torchrec.train.loop import train
+from tests.data.fixtures import random_rows, write_tsv
 from tests.train.helpers import compose, one_rank_group
-
-
-def _write_tsv(path, rows: int, seed: int) -> None:
-    rnd = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(rows):
-            dense = [str(rnd.randint(0, 50)) if rnd.random() > 0.1 else "" for _ in range(13)]
-            cats = [f"{rnd.getrandbits(32):08x}" if rnd.random() > 0.1 else "" for _ in range(26)]
-            f.write("\t".join([str(rnd.randint(0, 1)), *dense, *cats]) + "\n")
 
 
 @pytest.mark.slow
 def test_train_on_criteo_tsv_and_npy(tmp_path):
     from robe_torchrec.data.criteo_npy import tsv_to_npy
 
-    _write_tsv(tmp_path / "day_0.tsv", 200, 0)
-    _write_tsv(tmp_path / "day_1.tsv", 100, 1)
+    write_tsv(tmp_path / "day_0.tsv", random_rows(200, seed=0))
+    write_tsv(tmp_path / "day_1.tsv", random_rows(100, seed=1))
     tsv_to_npy(tmp_path / "day_0.tsv", tmp_path / "day_0")
     tsv_to_npy(tmp_path / "day_1.tsv", tmp_path / "day_1")
     sizes = "data.num_embeddings_per_feature=1000"
