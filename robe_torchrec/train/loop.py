@@ -171,8 +171,10 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
             if run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps):
                 path = ckpt.save(step, dmp, optimizer)
                 say("checkpoint %s", path)
-            val = data.eval_batches("val", run.eval_batches) if run.eval_batches else None
-            if run.eval_every and step % run.eval_every == 0 and step < run.steps and val:
+            val = (data.eval_batches("val", run.eval_batches)
+                   if run.eval_batches and run.eval_every and step % run.eval_every == 0
+                   and step < run.steps else None)
+            if val is not None:  # a file source without a val split gives None
                 t = time.perf_counter()
                 m = evaluate(pipeline, dmp, val)
                 say("step %d  validation log loss %.4f  AUC %.4f", step, m["log_loss"], m["auc"])

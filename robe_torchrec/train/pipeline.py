@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from robe_torchrec.train.config import PIPELINES, ConfigError
+from pipelines import make_pipeline as factory
+from robe_torchrec.train.config import ConfigError
 
 
 def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -23,11 +24,6 @@ def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     """A TrainPipeline by name. ``optimizer`` is the dense optimizer only: embeddings are
     updated inside backward, and FusedSparseDist / SemiSync refuse a model whose embedding
     parameters the optimizer they step would also update."""
-    if name not in PIPELINES:
-        raise ConfigError(f"pipeline.name: unknown pipeline {name!r}; choose one of "
-                          f"{', '.join(PIPELINES)}")
-    from pipelines import make_pipeline as factory
-
     try:
         return factory(name, model, optimizer, device, **options)
     except ValueError as e:  # e.g. an option the pipeline does not take
