@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -38,21 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from robe_torchrec.benchmarks.report import machine, process_memory_mib  # noqa: E402
+from robe_torchrec.benchmarks.report import (  # noqa: E402
+    machine, nearest_rank, process_memory_mib)
 from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
 
 
 # ---------------------------------------------------------------- statistics
-
-def nearest_rank(values: Sequence[float], pct: float) -> float:
-    """The nearest-rank percentile: the smallest value with at least ``pct``% of the values
-    at or below it."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
-    return ordered[rank - 1]
-
 
 def kept(step_times: Sequence[float]) -> List[float]:
     """Drop the first iteration (pipeline fill, first-touch allocations) and the last (drain)."""

@@ -101,6 +101,9 @@ def test_train_throughput_benchmark_runs(tmp_path):
               for line in text.splitlines() if line.startswith(("| full |", "| robe |"))}
     assert median["full"] > 0 and median["robe"] > 0
     assert ratio == pytest.approx(median["robe"] / median["full"], abs=0.01)
+    result = json.loads((tmp_path / "train_throughput.json").read_text())
+    assert result["ratio"] == pytest.approx(ratio, abs=0.005)
+    assert len(result["samples_per_s"]["full"]) == len(result["samples_per_s"]["robe"]) == 1
 
 
 def test_interaction_benchmark_runs(tmp_path):

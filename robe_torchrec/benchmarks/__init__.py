@@ -8,6 +8,8 @@
   model (CPU, gloo).
 * :mod:`robe_torchrec.benchmarks.train_throughput`: the training app with full tables against
   ROBE-Z.
+* :mod:`robe_torchrec.benchmarks.interaction`: TorchRec's DLRM dot interaction against
+  :class:`robe_torchrec.interaction.FastInteractionArch`.
 * :mod:`robe_torchrec.benchmarks.quality_study`: AUC against compression, Z and hash.
 
 Each writes its numbers with the command and the machine to ``results/`` (``--out``).

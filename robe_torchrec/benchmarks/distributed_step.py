@@ -28,21 +28,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import sys
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from robe_torchrec.benchmarks.report import machine, machine_line, write_report
+from robe_torchrec.benchmarks.report import machine, machine_line, nearest_rank, write_report
 from robe_torchrec.distributed.spawn import run_ranks
-
-
-def _quantile(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def _build(args):
@@ -161,9 +156,8 @@ def main() -> None:
         for name, run in setups.items():
             times = run()
             rows[name] += times
-            round_p50[name].append(1e3 * _quantile(times, 0.5))
-        torch.set_num_threads(1)
-    summary = {name: {"p50_ms": 1e3 * _quantile(ts, 0.5), "p90_ms": 1e3 * _quantile(ts, 0.9)}
+            round_p50[name].append(1e3 * nearest_rank(times, 50))
+    summary = {name: {"p50_ms": 1e3 * nearest_rank(ts, 50), "p90_ms": 1e3 * nearest_rank(ts, 90)}
                for name, ts in rows.items()}
     dmp50 = summary[dmp_name]["p50_ms"]
     ratios = {f"DMP 2 ranks / {name}": dmp50 / s["p50_ms"]
@@ -176,7 +170,7 @@ def main() -> None:
               "target": "DMP 2 ranks P50 <= 1.3 x unsharded 1 rank P50",
               "steps_ms": {k: [1e3 * t for t in v] for k, v in rows.items()}}
     lines = ["# 2-rank DMP step vs 1-rank unsharded step (CPU, gloo)", "",
-             f"`python -m robe_torchrec.benchmarks.distributed_step --rounds {args.rounds}`", "",
+             f"`python -m robe_torchrec.benchmarks.distributed_step {' '.join(sys.argv[1:])}`", "",
              f"DLRM, {args.tables} tables x {args.rows:,} rows x dim {args.dim}, ROBE-Z 1000x "
              f"(shared array, Z=32), pooling {args.pooling}, global batch {args.batch}, fused "
              f"Adagrad; per round and setup {args.iters} timed steps after {args.warmup} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -66,7 +67,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     lines = ["# DLRM dot interaction: TorchRec's InteractionArch vs FastInteractionArch", "",
              f"Command: `python -m robe_torchrec.benchmarks.interaction "
-             f"{' '.join(os.sys.argv[1:])}`", "",
+             f"{' '.join(sys.argv[1:])}`", "",
              f"Machine: {machine_line()}; {args.threads} thread(s); load average (1 min) "
              f"at the end {load:.2f}. Forward + backward (random upstream gradient), median of "
              f"{args.rounds * args.iters} alternating iterations, ms.", "",

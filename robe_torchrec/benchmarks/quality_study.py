@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from typing import Dict, List, Sequence
@@ -222,7 +223,7 @@ def main() -> None:
               f"{row['hash']} {row['compression']:,.0f}x: test AUC {row['test_auc']:.4f} "
               f"({row['seconds']:.0f} s)", flush=True)
     result = {"command": "python -m robe_torchrec.benchmarks.quality_study " +
-                         " ".join(os.sys.argv[1:]),
+                         " ".join(sys.argv[1:]),
               "machine": machine_line(),
               "args": vars(args), "rows": _with_gaps(rows), "oracle": _oracle_aucs(args)}
     text = _markdown(result)

@@ -1,6 +1,6 @@
 """What every benchmark records with its numbers: the machine (:func:`machine`,
-:func:`machine_line`), a process's memory (:func:`process_memory_mib`), and its results side
-by side (:func:`write_report`: ``<stem>.json`` with every number, ``<stem>.md`` with the
+:func:`machine_line`), a process's memory (:func:`process_memory_mib`), step-time
+percentiles (:func:`nearest_rank`), and its results side by side (:func:`write_report`: ``<stem>.json`` with every number, ``<stem>.md`` with the
 table the README quotes).
 
 Example::
@@ -12,9 +12,10 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 
@@ -33,6 +34,16 @@ def _version(module: str) -> str:
         return getattr(__import__(module), "__version__", "?")
     except Exception:  # noqa: BLE001 - reported, not needed
         return "?"
+
+
+def nearest_rank(values: Sequence[float], pct: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least ``pct``% of the values
+    at or below it."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
+    return ordered[rank - 1]
 
 
 def process_memory_mib(field: str = "VmHWM") -> float:

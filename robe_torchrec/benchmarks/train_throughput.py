@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from robe_torchrec.benchmarks.report import machine_line
+from robe_torchrec.benchmarks.report import machine, machine_line, write_report
 
 TARGET = 1.5
 
@@ -109,9 +109,9 @@ def main() -> None:
           f"ratio {ratio:.2f}x (target >= {TARGET}x: {verdict})")
     if args.out is None:
         return
-    shown = " ".join(a for a in sys.argv[1:])
+    shown = " ".join(sys.argv[1:])
     report = [
-        "# Training throughput: ROBE-Z 1000x vs full embeddings (Hydra app)",
+        f"# Training throughput: ROBE-Z {args.compression:g}x vs full embeddings (Hydra app)",
         "",
         f"Command: `python -m robe_torchrec.benchmarks.train_throughput {shown}`",
         "",
@@ -136,9 +136,12 @@ def main() -> None:
         report.append(f"| {emb} | " + " | ".join(f"{x:,.0f}" for x in rates[emb])
                       + f" | {med[emb]:,.0f} |")
     report += ["", f"**ROBE-Z / full = {ratio:.2f}x** (target >= {TARGET}x: **{verdict}**)", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(report))
-    print(f"wrote {args.out}")
+    result = {"machine": machine(), "command": shown, "args": {k: str(v) for k, v in
+                                                               vars(args).items()},
+              "samples_per_s": rates, "median_samples_per_s": med, "ratio": ratio,
+              "load_average": load}
+    write_report(args.out.parent, args.out.stem, result, "\n".join(report))
+    print(f"wrote {args.out} and {args.out.with_suffix('.json').name}")
 
 
 if __name__ == "__main__":
