@@ -70,9 +70,10 @@ class SyntheticCriteo:
         self._dense_weights = torch.randn(NUM_DENSE, generator=g) * self.dense_signal
         self._hash_params = hash_params(HashMode.MIX, 7919 + self.seed)
 
-    def id_effects(self, feature: int, ids: torch.Tensor) -> torch.Tensor:
-        """The hidden model's effect of each id of ``feature``: roughly N(0, 1), from a hash."""
-        keys = ids.to(torch.int64) * 64 + feature
+    def id_effects(self, feature: "int | torch.Tensor", ids: torch.Tensor) -> torch.Tensor:
+        """The hidden model's effect of each id of ``feature`` (or of a feature index tensor
+        broadcast against ``ids``), flattened: roughly N(0, 1), from a hash."""
+        keys = (ids.to(torch.int64) * 64 + feature).reshape(-1)
         u = block_starts(keys, 2, _EFFECT_RESOLUTION, 1, HashMode.MIX, self._hash_params)
         u = (u.to(torch.float64) + 0.5) / _EFFECT_RESOLUTION
         # Box-Muller from two independent uniforms
@@ -87,8 +88,18 @@ class SyntheticCriteo:
             batch.dense_features @ self._dense_weights
         if sparse:
             sparse_scale = self.sparse_signal / math.sqrt(len(self.cardinalities))
-            for f, key in enumerate(self.keys):
-                logit += sparse_scale * self.id_effects(f, batch.sparse_features[key].values())
+            # one id per bag, features in key order: the values are a [features, batch] grid,
+            # hashed in one call (the per-feature sums keep their order, so the labels too)
+            values = batch.sparse_features.values()
+            if values.numel() != len(self.keys) * batch.labels.numel():
+                raise ValueError(f"hidden_logit takes this stream's batches (one id per bag and "
+                                 f"feature): got {values.numel()} ids for "
+                                 f"{batch.labels.numel()} samples x {len(self.keys)} features")
+            ids = values.view(len(self.keys), -1)
+            features = torch.arange(len(self.keys)).unsqueeze(1)
+            effects = self.id_effects(features, ids).view_as(ids)
+            for row in effects:
+                logit += sparse_scale * row
         return logit
 
     def batch(self, index: int) -> Batch:

@@ -1,8 +1,13 @@
 """SyntheticCriteo: deterministic batches whose labels follow the documented hidden model, and
 whose sparse features carry signal that the dense ones do not."""
 
+import math
+
+import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
 
@@ -32,3 +37,22 @@ def test_labels_follow_the_hidden_logit():
                               labels.long()).item()
     # the sparse features carry most of the signal (the quality study reports the numbers)
     assert full > dense_only + 0.1, (full, dense_only)
+
+
+def test_hidden_logit_is_the_per_feature_sum_and_refuses_other_batches():
+    data = SyntheticCriteo(batch_size=64, cardinality_scale=1e-3, seed=3)
+    batch = data.batch(5)
+    # the hidden model written out feature by feature, in key order
+    expected = torch.full((64,), data.bias) + batch.dense_features @ data._dense_weights
+    scale = data.sparse_signal / math.sqrt(len(data.keys))
+    for f, key in enumerate(data.keys):
+        expected += scale * data.id_effects(f, batch.sparse_features[key].values())
+    assert torch.equal(data.hidden_logit(batch), expected)
+    # a batch with two ids in one bag is not this stream's: refused, not misread
+    kjt = batch.sparse_features
+    lengths = kjt.lengths().clone()
+    lengths[0] = 2
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat([kjt.values(), kjt.values()[:1]]),
+                            lengths=lengths)
+    with pytest.raises(ValueError, match="one id per bag"):
+        data.hidden_logit(Batch(batch.dense_features, bad, batch.labels))
