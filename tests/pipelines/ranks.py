@@ -17,6 +17,15 @@ DISTINCT = 4    # distinct batches, cycled, so that the loss visibly falls in 8 
 CPU = torch.device("cpu")
 
 
+class GuardModel(torch.nn.Module):
+    """The guard tests' model: an embedding module (``sparse``) and a dense layer."""
+
+    def __init__(self, sparse: torch.nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.dense = torch.nn.Linear(4, 1)
+
+
 def data() -> SyntheticCriteo:
     return SyntheticCriteo(batch_size=B, cardinality_scale=1e-3, seed=dist.get_rank(),
                            num_sparse=4)
@@ -164,19 +173,13 @@ def guards_on_sharded_fp_ebc(rank: int, world: int) -> Dict[str, str]:
 
     from pipelines import PipelineModelError
 
-    class Model(torch.nn.Module):
-        def __init__(self, sparse: torch.nn.Module) -> None:
-            super().__init__()
-            self.sparse = sparse
-            self.dense = torch.nn.Linear(4, 1)
-
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
                                  feature_names=["f0"])]
     ebc = EmbeddingBagCollection(tables, is_weighted=True, device=torch.device("meta"))
     fp_ebc = FeatureProcessedEmbeddingBagCollection(
         ebc, PositionWeightedModuleCollection({"f0": 4}))
     apply_optimizer_in_backward(torch.optim.SGD, list(ebc.parameters()), {"lr": 0.1})
-    dmp = DistributedModelParallel(Model(fp_ebc), env=ShardingEnv.from_process_group(
+    dmp = DistributedModelParallel(GuardModel(fp_ebc), env=ShardingEnv.from_process_group(
         dist.group.WORLD), device=CPU, sharders=get_default_sharders())
     dense = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
                             lr=0.1)

@@ -18,18 +18,12 @@ from robe_torchrec import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from tests.distributed.multiprocess import run_ranks
 from tests.pipelines import ranks
+from tests.pipelines.ranks import GuardModel
 
 CPU = torch.device("cpu")
 GUARDED = ["fused_sparse_dist", "semi_sync"]
 TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
                              feature_names=["f0"])]
-
-
-class _Model(nn.Module):
-    def __init__(self, sparse: nn.Module) -> None:
-        super().__init__()
-        self.sparse = sparse
-        self.dense = nn.Linear(4, 1)
 
 
 def _dense_opt(model: nn.Module) -> torch.optim.Optimizer:
@@ -40,7 +34,7 @@ def _dense_opt(model: nn.Module) -> torch.optim.Optimizer:
 def _fp_model() -> nn.Module:
     ebc = EmbeddingBagCollection(TABLES, is_weighted=True, device=CPU)
     apply_optimizer_in_backward(torch.optim.SGD, list(ebc.parameters()), {"lr": 0.1})
-    return _Model(FeatureProcessedEmbeddingBagCollection(
+    return GuardModel(FeatureProcessedEmbeddingBagCollection(
         ebc, PositionWeightedModuleCollection({"f0": 4})))
 
 
@@ -53,7 +47,7 @@ def test_feature_processor_refused(name):
 
 @pytest.mark.parametrize("name", GUARDED)
 def test_embedding_in_dense_optimizer_refused(name):
-    model = _Model(RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4)))
+    model = GuardModel(RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4)))
     dense = torch.optim.SGD(model.parameters(), lr=0.1)  # the ROBE array among them
     with pytest.raises(PipelineModelError, match="'sparse.weight' is updated by the dense"):
         make_pipeline(name, model, dense, CPU)
@@ -61,7 +55,7 @@ def test_embedding_in_dense_optimizer_refused(name):
 
 @pytest.mark.parametrize("name", GUARDED)
 def test_embedding_without_fused_optimizer_refused(name):
-    model = _Model(EmbeddingBagCollection(TABLES, device=CPU))
+    model = GuardModel(EmbeddingBagCollection(TABLES, device=CPU))
     dense = torch.optim.SGD(model.dense.parameters(), lr=0.1)
     with pytest.raises(PipelineModelError, match="no optimizer fused into backward"):
         make_pipeline(name, model, dense, CPU)
@@ -71,18 +65,18 @@ def test_embedding_without_fused_optimizer_refused(name):
 def test_fused_model_accepted(name):
     ebc = RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4))
     apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
-    model = _Model(ebc)
+    model = GuardModel(ebc)
     make_pipeline(name, model, _dense_opt(model), CPU)  # must not raise
 
 
 def test_unknown_name_and_option():
-    model = _Model(nn.Linear(1, 1))
+    model = GuardModel(nn.Linear(1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="unknown pipeline"):
         make_pipeline("fastest", model, opt, CPU)
     with pytest.raises(ValueError, match="takes no options"):
         make_pipeline("plain", model, opt, CPU, start_batch=3)
-    fused = _Model(RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4)))
+    fused = GuardModel(RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4)))
     apply_optimizer_in_backward(torch.optim.SGD, [fused.sparse.weight], {"lr": 0.1})
     # measured slower and removed (pipelines/results/compare_cpu_overlap.md)
     with pytest.raises(ValueError, match="cpu_overlap"):
