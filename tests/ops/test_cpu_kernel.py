@@ -68,6 +68,14 @@ CASES = case_matrix() + EXTRA
 CASE_IDS = [f"seed{c['seed']}" for c in CASES]
 
 
+@pytest.fixture(params=["direct", "plan"])
+def backward_path(request):
+    """The backward's two ways to scatter: straight into the gradient (one thread and an array
+    of at most 4 MiB, as here) and through the bucketed plan (more threads, larger arrays)."""
+    with num_threads(1 if request.param == "direct" else 2):
+        yield request.param
+
+
 def grad_output_for(case: OpCase, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(case.batch, case.output_dim, generator=g, dtype=case.weights.dtype)
@@ -87,7 +95,7 @@ def test_forward_matches_reference(kw):
 
 
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
-def test_backward_dense_matches_reference(kw):
+def test_backward_dense_matches_reference(kw, backward_path):
     case = random_case(**kw)
     grad_output = grad_output_for(case)
     expected = reference.backward_dense(*case.backward_args(grad_output))
@@ -199,7 +207,7 @@ OPTIMIZERS = [
 @pytest.mark.parametrize("name,weight_decay", OPTIMIZERS)
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_optimizer_matches_torch_optim(name, weight_decay, mode, dtype):
+def test_fused_optimizer_matches_torch_optim(name, weight_decay, mode, dtype, backward_path):
     case = random_case(31, batch=40, hash_mode=int(mode), weighted=True, dtype=dtype,
                        memory_size=40000)
     lr, eps, beta1, beta2 = 0.05, 1e-8, 0.9, 0.999
@@ -274,7 +282,10 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
 def test_same_result_at_1_and_2_threads(mode):
-    case = random_case(41, dims=[32, 16, 8], batch=3000, max_bag=5, block_size=8,
+    # One thread scatters the backward straight into the gradient (the array is small), two
+    # threads go through the bucketed plan: the sums must still be bitwise the same. Dim 12
+    # gives partial blocks, and blocks straddle the plan's 16384-float ranges.
+    case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,
                        hash_mode=int(mode), weighted=True, memory_size=100_000)
     grad_output = grad_output_for(case)
     results = []
@@ -446,7 +457,7 @@ def test_mean_pooling_of_empty_bags_is_zero():
     assert_close(out, reference.forward(*case.forward_args()))
 
 
-def test_large_memory_and_block_spanning_ranges():
+def test_large_memory_and_block_spanning_ranges(backward_path):
     """A memory large enough for many destination ranges, a block size that is no divisor."""
     case = random_case(71, dims=[40, 24], batch=200, block_size=12, memory_size=300_000,
                        weighted=True, shared=False)

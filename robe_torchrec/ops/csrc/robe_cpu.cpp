@@ -728,7 +728,7 @@ struct Scratch {
     }
   }
 };
-thread_local Scratch t_records, t_sorted;
+thread_local Scratch t_records, t_sorted, t_direct;  // t_direct: the direct scatter's gradient
 
 template <typename acc_t>
 struct Plan {
@@ -930,6 +930,51 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
   });
 }
 
+// The scatter without a plan: one thread, an array whose gradient fits in cache. Every
+// (value, block) is hashed and added straight into buf (the gradient of the whole flat
+// weights), in value order and block order, the order in which the plan's buckets add them,
+// so each sum is bitwise the plan's (a test compares 1 thread with 2). It skips writing,
+// counting and sorting the records, about half of a small array's backward.
+constexpr int64_t kDirectMaxBytes = int64_t(4) << 20;
+
+bool use_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
+  return weights_numel * acc_bytes <= kDirectMaxBytes &&
+         (at::get_num_threads() == 1 || at::in_parallel_region());
+}
+
+template <typename acc_t>
+void direct_scatter(const BackwardInputs& in, int64_t hash_mode, const std::vector<int64_t>& hash_params,
+                    acc_t* __restrict__ buf) {
+  const Layout& L = in.L;
+  const int64_t B = L.B, Z = L.Z, ldg = in.grad_output.size(1);
+  const acc_t* go = in.grad_output.data_ptr<acc_t>();
+  const acc_t* psw = in.psw.defined() ? in.psw.data_ptr<acc_t>() : nullptr;
+  AT_DISPATCH_INDEX_TYPES(in.values.scalar_type(), "robe_direct_scatter", [&] {
+    const index_t* offs = in.offsets.data_ptr<index_t>();
+    const index_t* vals = in.values.data_ptr<index_t>();
+    dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
+      for (int64_t t = 0; t < L.T; ++t) {
+        const Feature& f = L.feats[t];
+        acc_t* __restrict__ wbuf = buf + f.w_offset;
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t bag = t * B + b;
+          const int64_t s = offs[bag], e = offs[bag + 1];
+          const acc_t* __restrict__ grow = go + b * ldg + f.out_offset;
+          const acc_t len = static_cast<acc_t>(e - s);
+          for (int64_t p = s; p < e; ++p) {
+            acc_t scale = psw != nullptr ? psw[p] : acc_t(1);
+            if (f.mean) scale = scale / len;
+            const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f.row_offset);
+            hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
+              add_scaled(wbuf + start, grow + blk * Z, std::min(Z, f.dim - blk * Z), scale);
+            });
+          }
+        }
+      }
+    });
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 // backward_dense
 // ---------------------------------------------------------------------------------------
@@ -949,8 +994,13 @@ at::Tensor backward_dense(const at::Tensor& grad_output, const at::Tensor& weigh
   at::Tensor grad = at::empty({M}, weights.options().dtype(acc_st));
   AT_DISPATCH_FLOATING_TYPES(acc_st, "robe_backward_dense", [&] {
     using acc_t = scalar_t;
+    acc_t* gw = grad.data_ptr<acc_t>();
+    if (use_direct_scatter(M, sizeof(acc_t))) {
+      std::fill(gw, gw + M, acc_t(0));
+      direct_scatter<acc_t>(in, hash_mode, hash_params, gw);
+      return;
+    }
     with_plan<acc_t>(in, M, hash_mode, hash_params, [&](const Plan<acc_t>& plan) {
-      acc_t* gw = grad.data_ptr<acc_t>();
       const acc_t* go = in.grad_output.data_ptr<acc_t>();
       parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
@@ -1042,13 +1092,34 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
                                        hash_mode, hash_params, wst);
   AT_DISPATCH_FLOATING_TYPES(wst, "robe_backward_fused", [&] {
     using T = scalar_t;
+    T* w = weights.data_ptr<T>();
+    T* s1 = optimizer != OPT_SGD ? state1.data_ptr<T>() : nullptr;
+    T* s2 = optimizer == OPT_ADAM ? state2.data_ptr<T>() : nullptr;
+    const double bias1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
+    const double bias2_sqrt = std::sqrt(1.0 - std::pow(hp.beta2, static_cast<double>(step)));
+    // the optimizer step of weights [lo, lo + n), whose gradient is in grad
+    auto step_range = [&](int64_t lo, int64_t n, const T* grad) {
+      if (optimizer == OPT_SGD) {
+        sgd_range<T>(w + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
+      } else if (optimizer == OPT_ADAGRAD) {
+        adagrad_range<T>(w + lo, s1 + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
+                         static_cast<T>(hp.wd));
+      } else {
+        adam_range<T>(w + lo, s1 + lo, s2 + lo, grad, n, static_cast<T>(hp.wd),
+                      static_cast<T>(1.0 - hp.beta1), static_cast<T>(hp.beta2),
+                      static_cast<T>(1.0 - hp.beta2), static_cast<T>(1.0 / bias2_sqrt),
+                      static_cast<T>(hp.eps), static_cast<T>(-hp.lr / bias1));
+      }
+    };
+    if (use_direct_scatter(M, sizeof(T))) {
+      T* grad = t_direct.get<T>(static_cast<size_t>(M));
+      std::fill(grad, grad + M, T(0));
+      direct_scatter<T>(in, hash_mode, hash_params, grad);
+      step_range(0, M, grad);
+      return;
+    }
     with_plan<T>(in, M, hash_mode, hash_params, [&](const Plan<T>& plan) {
-      T* w = weights.data_ptr<T>();
-      T* s1 = optimizer != OPT_SGD ? state1.data_ptr<T>() : nullptr;
-      T* s2 = optimizer == OPT_ADAM ? state2.data_ptr<T>() : nullptr;
       const T* go = in.grad_output.data_ptr<T>();
-      const double bias1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
-      const double bias2_sqrt = std::sqrt(1.0 - std::pow(hp.beta2, static_cast<double>(step)));
       parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
         std::unique_ptr<T[]> buf_mem(new T[static_cast<size_t>(plan.rs)]);
         T* buf = buf_mem.get();
@@ -1056,17 +1127,7 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
           const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M), n = hi - lo;
           std::fill(buf, buf + n, T(0));
           accumulate_bucket(plan, r, lo, hi, go, buf);
-          if (optimizer == OPT_SGD) {
-            sgd_range<T>(w + lo, buf, n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
-          } else if (optimizer == OPT_ADAGRAD) {
-            adagrad_range<T>(w + lo, s1 + lo, buf, n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
-                             static_cast<T>(hp.wd));
-          } else {
-            adam_range<T>(w + lo, s1 + lo, s2 + lo, buf, n, static_cast<T>(hp.wd),
-                          static_cast<T>(1.0 - hp.beta1), static_cast<T>(hp.beta2),
-                          static_cast<T>(1.0 - hp.beta2), static_cast<T>(1.0 / bias2_sqrt),
-                          static_cast<T>(hp.eps), static_cast<T>(-hp.lr / bias1));
-          }
+          step_range(lo, n, buf);
         }
       });
     });
