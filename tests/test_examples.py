@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,3 +118,34 @@ def test_interaction_benchmark_runs(tmp_path):
     for r in rows:  # the table states each row's numbers
         assert (f"| {r['batch']} | {r['features']} | {r['dim']} | {r['torchrec_ms']:.2f} | "
                 f"{r['fast_ms']:.2f} | {r['speedup']:.2f}x |") in text
+
+
+@pytest.mark.slow
+def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
+    """The A/B benchmark builds a baseline kernel and says whether its outputs differ: here a
+    baseline that doubles every full block of 8 (a second C++ build, about 20 s)."""
+    with open(os.path.join(ROOT, "robe_torchrec", "ops", "csrc", "robe_cpu.cpp")) as f:
+        source = f.read()
+    full_block = "case 8: return add_scaled_fixed<8>(dst, src, scale);"
+    assert full_block in source
+    mutated = tmp_path / "robe_cpu.cpp"
+    mutated.write_text(source.replace(full_block, full_block.replace("scale)", "scale + scale)")))
+    run_example("-m", "robe_torchrec.benchmarks.kernel_ab", "--baseline-source", str(mutated),
+                "--small", "--iters", "2", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["forward_outputs"].startswith("max |difference|")
+        assert row["dense_gradients"].startswith("max |difference|")
+        assert set(row["ops"]) == {"forward", "fused Adagrad", "dense gradient"}
+        assert all(t["baseline_ms"] > 0 and t["current_ms"] > 0 for t in row["ops"].values())
+    text = (tmp_path / "kernel_ab.md").read_text()
+    assert text.count("| max |difference|") == 6  # each op's row states it
+
+
+def test_kernel_ab_difference():
+    from robe_torchrec.benchmarks.kernel_ab import _difference
+
+    a = torch.arange(4.0)
+    assert _difference(a, a.clone()) == "bitwise equal"
+    assert _difference(a, a + torch.tensor([0.0, 0.0, 0.5, 0.0])) == "max |difference| 0.5"

@@ -3,6 +3,8 @@
 * :mod:`robe_torchrec.benchmarks.cpu_ops`: one CPU training step of a pair model (the setup
   of the seed benchmarks): full table, FBGEMM's CPU TBE, pure-PyTorch ROBE-Z and the C++ ops.
   Run ``python -m robe_torchrec.benchmarks.cpu_ops --help``.
+* :mod:`robe_torchrec.benchmarks.kernel_ab`: the C++ kernels of the working tree against
+  another git revision's, side by side in one process (how a kernel change is judged).
 * :mod:`robe_torchrec.benchmarks.hash_choice`: reference against mix hash (AUC and speed).
 * :mod:`robe_torchrec.benchmarks.distributed_step`: a 2-rank DMP step against the unsharded
   model (CPU, gloo).

@@ -71,7 +71,7 @@ CASE_IDS = [f"seed{c['seed']}" for c in CASES]
 @pytest.fixture(params=["direct", "plan"])
 def backward_path(request):
     """The backward's two ways to scatter: straight into the gradient (one thread and an array
-    of at most 4 MiB, as here) and through the bucketed plan (more threads, larger arrays)."""
+    of at most 512 KiB, as here) and through the bucketed plan (more threads, larger arrays)."""
     with num_threads(1 if request.param == "direct" else 2):
         yield request.param
 
@@ -457,7 +457,7 @@ def test_mean_pooling_of_empty_bags_is_zero():
     assert_close(out, reference.forward(*case.forward_args()))
 
 
-def test_large_memory_and_block_spanning_ranges(backward_path):
+def test_large_memory_and_block_spanning_ranges():
     """A memory large enough for many destination ranges, a block size that is no divisor."""
     case = random_case(71, dims=[40, 24], batch=200, block_size=12, memory_size=300_000,
                        weighted=True, shared=False)
