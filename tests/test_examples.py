@@ -93,7 +93,7 @@ def test_train_throughput_benchmark_runs(tmp_path):
     out_md = tmp_path / "train_throughput.md"
     run_example("-m", "robe_torchrec.benchmarks.train_throughput", "--steps", "12",
                 "--batch-size", "64", "--log-every", "4", "--cardinality-scale", "0.001",
-                "--cycle", "2", "--rounds", "1", "--out", str(out_md))
+                "--cycle", "2", "--rounds", "1", "--ceiling-scale", "0.0001", "--out", str(out_md))
     text = out_md.read_text()
     assert "Machine: " in text and "| full |" in text and "| robe |" in text
     ratio = float(text.split("**ROBE-Z / full = ")[1].split("x**")[0])
@@ -105,6 +105,10 @@ def test_train_throughput_benchmark_runs(tmp_path):
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     assert result["ratio"] == pytest.approx(ratio, abs=0.005)
     assert len(result["samples_per_s"]["full"]) == len(result["samples_per_s"]["robe"]) == 1
+    ceiling = float(text.split("/ full = **")[1].split("x**")[0])
+    assert "| ceiling |" in text and ceiling == pytest.approx(result["ceiling_ratio"], abs=0.005)
+    assert result["ceiling_ratio"] == pytest.approx(
+        result["median_samples_per_s"]["ceiling"] / result["median_samples_per_s"]["full"])
 
 
 def test_interaction_benchmark_runs(tmp_path):
