@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from robe_torchrec.benchmarks.report import machine_line, write_report
+from robe_torchrec.benchmarks.report import machine, machine_line, write_report
 from robe_torchrec.interaction import FastInteractionArch
 
 
@@ -78,7 +78,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        write_report(args.out, "interaction", {"machine": machine_line(), "args": vars(args),
+        write_report(args.out, "interaction", {"machine": machine(), "args": vars(args),
                                                "rows": rows, "load_average": load}, text)
 
 

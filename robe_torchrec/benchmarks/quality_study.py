@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from robe_torchrec.benchmarks.report import machine_line, write_report
+from robe_torchrec.benchmarks.report import machine, machine_line, write_report
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
 # where the training app's test stream starts (robe_torchrec.train.data)
@@ -160,7 +160,7 @@ def _markdown(result: Dict) -> str:
     lines = [
         "# Quality study: AUC against compression, Z and hash (synthetic data)", "",
         f"`{result['command']}`", "",
-        f"Machine: {result['machine']}. DLRM (configs/model/dlrm.yaml), Adagrad (embeddings "
+        f"Machine: {machine_line(result['machine'])}. DLRM (configs/model/dlrm.yaml), Adagrad (embeddings "
         f"fused into backward), {a['steps']} steps of batch {a['batch_size']} on one rank "
         f"(1 thread), synthetic data at cardinality scale {a['cardinality_scale']}, seed "
         f"{a['seed']} for the data and the model (hash seed: the config default); test AUC "
@@ -224,7 +224,7 @@ def main() -> None:
               f"({row['seconds']:.0f} s)", flush=True)
     result = {"command": "python -m robe_torchrec.benchmarks.quality_study " +
                          " ".join(sys.argv[1:]),
-              "machine": machine_line(),
+              "machine": machine(),
               "args": vars(args), "rows": _with_gaps(rows), "oracle": _oracle_aucs(args)}
     text = _markdown(result)
     print(text)
