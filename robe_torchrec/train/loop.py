@@ -110,8 +110,8 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     say("model: %s, %d rank(s) on %s, pipeline %s, global batch %d, run dir %s",
         cfg.model.name, world, device, cfg.pipeline.name, run.batch_size * world, run_dir)
 
-    if isinstance(pipeline, SemiSyncPipeline) and (cfg.pipeline.options or {}).get(
-            "stash_gradients") and run.checkpoint_every:
+    if isinstance(pipeline, SemiSyncPipeline) and options.get("stash_gradients") and \
+            run.checkpoint_every:
         log.warning("pipeline=semi_sync with stash_gradients: a checkpoint does not hold the "
                     "stashed dense gradient, so a resumed run skips that one dense update "
                     "(resume is not bitwise exact)")

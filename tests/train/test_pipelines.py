@@ -29,3 +29,11 @@ def test_every_pipeline_trains(tmp_path, pipeline, embedding):
 def test_unknown_pipeline_option_is_a_config_error(tmp_path):
     with one_rank_group(), pytest.raises(ConfigError, match="pipeline=plain"):
         train(compose("pipeline=plain", "+pipeline.options.turbo=true", "run.steps=1"), tmp_path)
+
+
+def test_semi_sync_with_stash_and_checkpoints_warns_resume_is_not_exact(tmp_path, caplog):
+    with one_rank_group(), caplog.at_level("WARNING"):
+        train(compose("pipeline=semi_sync", "pipeline.options.stash_gradients=true",
+                      "run.steps=2", "run.checkpoint_every=2", "run.test_batches=1",
+                      "run.eval_batches=1"), tmp_path)
+    assert "stash_gradients: a checkpoint does not hold the stashed dense gradient" in caplog.text
