@@ -139,12 +139,20 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
     rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]
     assert len(rows) == 2
     for row in rows:
-        assert row["forward_outputs"].startswith("max |difference|")
-        assert row["dense_gradients"].startswith("max |difference|")
-        assert set(row["ops"]) == {"forward", "fused Adagrad", "dense gradient"}
+        assert set(row["ops"]) == set(row["outputs"]) == {"forward", "fused Adagrad", "dense gradient"}
+        assert all(v.startswith("max abs difference") for v in row["outputs"].values())
         assert all(t["baseline_ms"] > 0 and t["current_ms"] > 0 for t in row["ops"].values())
     text = (tmp_path / "kernel_ab.md").read_text()
-    assert text.count("| max |difference|") == 6  # each op's row states it
+    assert text.count("| max abs difference") == 6  # each op's row states it
+
+
+def test_kernel_ab_names_a_bad_baseline(tmp_path):
+    from robe_torchrec.benchmarks.kernel_ab import baseline_source
+
+    with pytest.raises(SystemExit, match="revision 'no-such-revision'"):
+        baseline_source("no-such-revision", None)
+    with pytest.raises(SystemExit, match="cannot read the baseline source"):
+        baseline_source(None, str(tmp_path / "missing.cpp"))
 
 
 def test_kernel_ab_difference():
@@ -152,4 +160,4 @@ def test_kernel_ab_difference():
 
     a = torch.arange(4.0)
     assert _difference(a, a.clone()) == "bitwise equal"
-    assert _difference(a, a + torch.tensor([0.0, 0.0, 0.5, 0.0])) == "max |difference| 0.5"
+    assert _difference(a, a + torch.tensor([0.0, 0.0, 0.5, 0.0])) == "max abs difference 0.5"

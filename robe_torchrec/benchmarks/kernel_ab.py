@@ -4,8 +4,9 @@ A kernel change is judged on this machine by timing both builds in one process, 
 call by call, so that the load other processes put on the shared cores hits both alike.
 The baseline's ``robe_cpu.cpp`` is taken from git (or a file), built as a second extension
 with the same flags, and first checked against the working tree's: the report says, per
-case, whether the two builds give bitwise the same forward and dense gradient (else the
-largest difference).
+case and op, whether the two builds give bitwise the same result (the forward's output, the
+dense gradient, the weights and Adagrad state after one fused step) or else the largest
+difference.
 
 Example::
 
@@ -13,8 +14,9 @@ Example::
         --out robe_torchrec/benchmarks/results
 
 Cases are the shapes the kernels meet: the app's DLRM (26 features, one id per bag, batch
-2048) at dims 16 and 128 and arrays of 5K to 5.4M floats, the CPU benchmark's pair model,
-pooled bags, and partial blocks. ``--small`` runs tiny shapes (the test suite's check).
+2048) at dims 12, 16 and 128 and arrays of 43K to 5.4M floats, the CPU benchmark's pair model
+and bags of 20 ids. ``--dlrm-memory M ...`` runs the app's DLRM shape (dim 16, Z 8) at the
+given array sizes instead; ``--small`` runs tiny shapes (the test suite's check).
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ SMALL_CASES = [
 def baseline_source(revision: Optional[str], path: Optional[str]) -> "tuple[str, str]":
     """The baseline kernel's text and a label for it: from ``path`` or from git ``revision``."""
     if path is not None:
-        with open(path) as f:
-            return f.read(), path
+        try:
+            with open(path) as f:
+                return f.read(), path
+        except OSError as err:
+            raise SystemExit(f"kernel_ab: cannot read the baseline source {path}: {err}") from None
     try:
         text = subprocess.run(["git", "-C", _REPO_ROOT, "show", f"{revision}:{_SOURCE_IN_REPO}"],
                               check=True, capture_output=True, text=True).stdout
@@ -91,11 +96,14 @@ def build_baseline(text: str):
     directory = os.path.join(cpu.build_directory(), "kernel_ab", digest)
     os.makedirs(directory, exist_ok=True)
     source = os.path.join(directory, "robe_cpu_baseline.cpp")
-    if not os.path.exists(source):
-        with open(source, "w") as f:
+    if not os.path.exists(source):  # written whole or not at all: the name is the content's
+        partial = f"{source}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
             f.write(text)
-    return load(f"robe_cpu_baseline_{digest}", [source], extra_cflags=cpu.CFLAGS,
-                extra_ldflags=cpu.LDFLAGS, build_directory=directory, verbose=False)
+        os.replace(partial, source)
+    with cpu._interpreter_bin_first_on_path():  # the ninja that cpu.extension() builds with
+        return load(f"robe_cpu_baseline_{digest}", [source], extra_cflags=cpu.CFLAGS,
+                    extra_ldflags=cpu.LDFLAGS, build_directory=directory, verbose=False)
 
 
 def _inputs(case: Case, seed: int = 0) -> Dict[str, Any]:
@@ -113,17 +121,29 @@ def _inputs(case: Case, seed: int = 0) -> Dict[str, Any]:
     return dict(meta=meta, values=values, offsets=offsets, weights=weights, grad=grad_output)
 
 
+_ADAGRAD = [0.01, 1e-8, 0.9, 0.999, 0.0]  # lr, eps, beta1, beta2, weight decay
+
+
+def _fused_step(ext, case: Case, x: Dict[str, Any], params: List[int], weights: torch.Tensor,
+                state: torch.Tensor) -> None:
+    ext.backward_fused_(x["grad"], weights, state, state, x["values"], x["offsets"], None,
+                        x["meta"], case.block_size, 0, params, int(Optimizer.ADAGRAD), _ADAGRAD, 1)
+
+
+def _fused_result(ext, case: Case, x: Dict[str, Any], params: List[int]) -> torch.Tensor:
+    """Weights and Adagrad state after one fused step from the case's weights, zero state."""
+    weights, state = x["weights"].clone(), torch.zeros_like(x["weights"])
+    _fused_step(ext, case, x, params, weights, state)
+    return torch.cat([weights, state])
+
+
 def _ops(ext, case: Case, x: Dict[str, Any], params: List[int]) -> Dict[str, Callable[[], Any]]:
     z = case.block_size
-    state = torch.zeros_like(x["weights"])
-    updated = x["weights"].clone()
-    adagrad = [0.01, 1e-8, 0.9, 0.999, 0.0]
+    updated, state = x["weights"].clone(), torch.zeros_like(x["weights"])
     return {
         "forward": lambda: ext.forward(x["weights"], x["values"], x["offsets"], None, x["meta"],
                                        case.features * case.dim, z, 0, params, 0),
-        "fused Adagrad": lambda: ext.backward_fused_(
-            x["grad"], updated, state, state, x["values"], x["offsets"], None, x["meta"], z, 0,
-            params, int(Optimizer.ADAGRAD), adagrad, 1),
+        "fused Adagrad": lambda: _fused_step(ext, case, x, params, updated, state),
         "dense gradient": lambda: ext.backward_dense(x["grad"], x["weights"], x["values"],
                                                      x["offsets"], None, x["meta"], z, 0, params),
     }
@@ -132,19 +152,17 @@ def _ops(ext, case: Case, x: Dict[str, Any], params: List[int]) -> Dict[str, Cal
 def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
     if torch.equal(a, b):
         return "bitwise equal"
-    return f"max |difference| {float((a - b).abs().max()):.3g}"
+    return f"max abs difference {float((a - b).abs().max()):.3g}"
 
 
 def time_case(baseline, current, case: Case, iters: int) -> Dict[str, Any]:
     params = hash_params(HashMode.REFERENCE, 1024)
     x = _inputs(case)
     base_ops, cur_ops = _ops(baseline, case, x, params), _ops(current, case, x, params)
-    row: Dict[str, Any] = {
-        "case": dataclasses.asdict(case),
-        "forward_outputs": _difference(base_ops["forward"](), cur_ops["forward"]()),
-        "dense_gradients": _difference(base_ops["dense gradient"](), cur_ops["dense gradient"]()),
-        "ops": {},
-    }
+    outputs = {op: _difference(base_ops[op](), cur_ops[op]()) for op in ("forward", "dense gradient")}
+    outputs["fused Adagrad"] = _difference(_fused_result(baseline, case, x, params),
+                                           _fused_result(current, case, x, params))
+    row: Dict[str, Any] = {"case": dataclasses.asdict(case), "outputs": outputs, "ops": {}}
     for op in base_ops:
         times: Dict[str, List[float]] = {"baseline": [], "current": []}
         for _ in range(3):
@@ -180,9 +198,8 @@ def render(result: Dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         for op, t in row["ops"].items():
-            same = row["forward_outputs"] if op == "forward" else row["dense_gradients"]
             lines.append(f"| {row['case']['name']} | {op} | {t['baseline_ms']:.3f} | "
-                         f"{t['current_ms']:.3f} | {t['ratio']:.2f} | {same} |")
+                         f"{t['current_ms']:.3f} | {t['ratio']:.2f} | {row['outputs'][op]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test)")
+    parser.add_argument("--dlrm-memory", type=int, nargs="+", metavar="FLOATS",
+                        help="instead of the default cases: the app's DLRM shape (dim 16, Z 8) "
+                             "with arrays of these sizes")
     parser.add_argument("--name", default="kernel_ab", help="stem of the result files")
     parser.add_argument("--out", help="folder for <name>.{md,json}; printed only if not given")
     args = parser.parse_args(argv)
@@ -203,7 +223,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     baseline, current = build_baseline(text), cpu.extension()
     load_start = os.getloadavg()[0]
     rows = []
-    for case in SMALL_CASES if args.small else CASES:
+    if args.dlrm_memory:
+        cases = [Case(f"DLRM dim 16, Z 8, {m:,} floats", 26, 2048, 16, 8, m) for m in args.dlrm_memory]
+    else:
+        cases = SMALL_CASES if args.small else CASES
+    for case in cases:
         rows.append(time_case(baseline, current, case, args.iters))
         ops = ", ".join(f"{op} {t['ratio']:.2f}" for op, t in rows[-1]["ops"].items())
         print(f"{case.name}: current / baseline: {ops}", flush=True)

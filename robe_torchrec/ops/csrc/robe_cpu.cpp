@@ -934,9 +934,8 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // (value, block) is hashed and added straight into buf (the gradient of the whole flat
 // weights), in value order and block order, the order in which the plan's buckets add them,
 // so each sum is bitwise the plan's (a test compares 1 thread with 2). It skips writing,
-// counting and sorting the records: 0.56-0.74x of the plan's time at 54K-131K floats (the
-// app's DLRM shape, kernel_ab), but 1.2-1.8x at 262K-1M floats, where its random
-// read-modify-writes miss L2 and the plan's cache-sized ranges do not.
+// counting and sorting the records; beyond L2 its random read-modify-writes miss while the
+// plan's cache-sized ranges do not (results/kernel_ab_direct_vs_plan.md measures both).
 constexpr int64_t kDirectMaxBytes = int64_t(512) << 10;
 
 bool use_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
@@ -1216,6 +1215,12 @@ at::Tensor per_sample_weights_grad(const at::Tensor& grad_output, const at::Tens
   return wst == acc_st ? out : out.to(wst);
 }
 
+// Whether backward_dense / backward_fused_ would take the direct scatter for an array of
+// weights_numel elements of acc_bytes bytes each, at the current thread count (for tests).
+bool uses_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
+  return use_direct_scatter(weights_numel, acc_bytes);
+}
+
 bool openmp_enabled() {
 #ifdef _OPENMP
   return true;
@@ -1236,4 +1241,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_fused_", &robe::backward_fused_, release());
   m.def("forward_hash_only", &robe::forward_hash_only, release());
   m.def("openmp_enabled", &robe::openmp_enabled);
+  m.def("uses_direct_scatter", &robe::uses_direct_scatter);
 }
