@@ -93,7 +93,7 @@ def test_train_throughput_benchmark_runs(tmp_path):
     out_md = tmp_path / "train_throughput.md"
     run_example("-m", "robe_torchrec.benchmarks.train_throughput", "--steps", "12",
                 "--batch-size", "64", "--log-every", "4", "--cardinality-scale", "0.001",
-                "--cycle", "2", "--rounds", "1", "--ceiling-scale", "0.0001", "--out", str(out_md))
+                "--cycle", "2", "--rounds", "1", "--cache-sized-scale", "0.0001", "--out", str(out_md))
     text = out_md.read_text()
     assert "Machine: " in text and "| full |" in text and "| robe |" in text
     ratio = float(text.split("**ROBE-Z / full = ")[1].split("x**")[0])
@@ -105,10 +105,15 @@ def test_train_throughput_benchmark_runs(tmp_path):
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     assert result["ratio"] == pytest.approx(ratio, abs=0.005)
     assert len(result["samples_per_s"]["full"]) == len(result["samples_per_s"]["robe"]) == 1
-    ceiling = float(text.split("/ full = **")[1].split("x**")[0])
-    assert "| ceiling |" in text and ceiling == pytest.approx(result["ceiling_ratio"], abs=0.005)
-    assert result["ceiling_ratio"] == pytest.approx(
-        result["median_samples_per_s"]["ceiling"] / result["median_samples_per_s"]["full"])
+    cache_sized = float(text.split("/ full = **")[1].split("x**")[0])
+    assert "| cache_sized |" in text
+    assert cache_sized == pytest.approx(result["cache_sized_ratio"], abs=0.005)
+    assert result["cache_sized_ratio"] == pytest.approx(
+        result["median_samples_per_s"]["cache_sized"] / result["median_samples_per_s"]["full"])
+    # the cache-sized run really has smaller tables than the full run
+    stored = {line.split(":")[0][2:]: int(line.split(" stored")[0].split(", ")[-1].replace(",", ""))
+              for line in text.splitlines() if line.startswith(("- full:", "- cache_sized:"))}
+    assert stored["cache_sized"] < stored["full"] / 5, stored  # scale 0.0001 against 0.001
 
 
 def test_interaction_benchmark_runs(tmp_path):
