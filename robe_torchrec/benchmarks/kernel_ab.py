@@ -90,8 +90,6 @@ def baseline_source(revision: Optional[str], path: Optional[str]) -> "tuple[str,
 
 def build_baseline(text: str):
     """Build ``text`` as an extension of its own name (cached by content)."""
-    from torch.utils.cpp_extension import load
-
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     directory = os.path.join(cpu.build_directory(), "kernel_ab", digest)
     os.makedirs(directory, exist_ok=True)
@@ -101,9 +99,7 @@ def build_baseline(text: str):
         with open(partial, "w") as f:
             f.write(text)
         os.replace(partial, source)
-    with cpu._interpreter_bin_first_on_path():  # the ninja that cpu.extension() builds with
-        return load(f"robe_cpu_baseline_{digest}", [source], extra_cflags=cpu.CFLAGS,
-                    extra_ldflags=cpu.LDFLAGS, build_directory=directory, verbose=False)
+    return cpu.build(f"robe_cpu_baseline_{digest}", source, directory)
 
 
 def _inputs(case: Case, seed: int = 0) -> Dict[str, Any]:

@@ -101,6 +101,26 @@ def _find_compiler() -> Optional[str]:
     return None
 
 
+def build(name: str, source: str, directory: Optional[str] = None):
+    """Build (or load, if up to date) the C++ file ``source`` as extension module ``name`` in
+    ``directory`` (default: :func:`build_directory`), with this package's flags and toolchain. :func:`extension` builds the
+    kernels with it; the kernel A/B benchmark builds another revision's kernels with it."""
+    if _find_compiler() is None:
+        raise RuntimeError(
+            "robe: the C++ CPU kernels need a C++ compiler to build, and none was found "
+            "(looked for $CXX, c++ and g++). Install g++ (e.g. `apt-get install g++`) or "
+            "set ROBE_CPU_BACKEND=reference to use the pure-PyTorch ops instead."
+        )
+    from torch.utils.cpp_extension import load
+
+    directory = directory or build_directory()
+    os.makedirs(directory, exist_ok=True)
+    with _interpreter_bin_first_on_path():
+        return load(name=name, sources=[source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                    build_directory=directory,
+                    verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+
+
 def extension():
     """The compiled extension module (built or loaded on first call; thread-safe)."""
     global _module
@@ -108,25 +128,7 @@ def extension():
         return _module
     with _lock:
         if _module is None:
-            if _find_compiler() is None:
-                raise RuntimeError(
-                    "robe: the C++ CPU kernels need a C++ compiler to build, and none was found "
-                    "(looked for $CXX, c++ and g++). Install g++ (e.g. `apt-get install g++`) or "
-                    "set ROBE_CPU_BACKEND=reference to use the pure-PyTorch ops instead."
-                )
-            from torch.utils.cpp_extension import load
-
-            directory = build_directory()
-            os.makedirs(directory, exist_ok=True)
-            with _interpreter_bin_first_on_path():
-                _module = load(
-                    name=_NAME,
-                    sources=[_SOURCE],
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=LDFLAGS,
-                    build_directory=directory,
-                    verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")),
-                )
+            _module = build(_NAME, _SOURCE)
     return _module
 
 
@@ -236,6 +238,7 @@ def forward_hash_only(*forward_args) -> int:
 
 __all__ = [
     "backward_dense",
+    "build",
     "backward_fused_",
     "build_directory",
     "extension",

@@ -75,17 +75,17 @@ def backward_path(request):
     arrays)."""
     with num_threads(1 if request.param == "direct" else 2):
         # the tests' arrays are at most 40,000 float64s: the kernel must take the path named
-        assert cpu.extension().uses_direct_scatter(40_000, 8) == (request.param == "direct")
+        assert cpu.extension().use_direct_scatter(40_000, 8) == (request.param == "direct")
         yield request.param
 
 
 def test_direct_scatter_limit():
     ext = cpu.extension()
     with num_threads(1):
-        assert ext.uses_direct_scatter(131_072, 4) and not ext.uses_direct_scatter(131_073, 4)
-        assert ext.uses_direct_scatter(65_536, 8) and not ext.uses_direct_scatter(65_537, 8)
+        assert ext.use_direct_scatter(131_072, 4) and not ext.use_direct_scatter(131_073, 4)
+        assert ext.use_direct_scatter(65_536, 8) and not ext.use_direct_scatter(65_537, 8)
     with num_threads(2):
-        assert not ext.uses_direct_scatter(1_000, 4)
+        assert not ext.use_direct_scatter(1_000, 4)
 
 
 def grad_output_for(case: OpCase, seed: int = 0) -> torch.Tensor:

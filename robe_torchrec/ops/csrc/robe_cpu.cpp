@@ -139,7 +139,17 @@ struct Feature {
   uint64_t ref_d;   // min(span, P): h mod span == h mod ref_d for every h < P (< 2**32)
   uint64_t ref_magic;  // Lemire fastmod multiplier of ref_d
   bool mean;
+  // the hash key of an id of this feature (wrapping, as torch's int64 arithmetic)
+  uint64_t key(int64_t id) const { return static_cast<uint64_t>(id) + static_cast<uint64_t>(row_offset); }
 };
+
+// The weight of value p in its bag's sum: its per-sample weight (1 without), divided by the
+// bag's length for MEAN pooling. (The forward computes it with its checks in between.)
+template <typename acc_t>
+inline acc_t value_scale(const acc_t* psw, int64_t p, const Feature& f, acc_t len) {
+  const acc_t scale = psw != nullptr ? psw[p] : acc_t(1);
+  return f.mean ? scale / len : scale;
+}
 
 // h_b = (key*A + b*B + C) mod P, start = h_b mod span. h_0 costs one constant-divisor mod,
 // each next block one add and a conditional subtract; the mod span is Lemire's fastmod
@@ -511,7 +521,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
             const scalar_t* wf = w + f.w_offset;
             for (int64_t p = s; p < e; ++p) {
               const int64_t id = static_cast<int64_t>(vals[p]);
-              const uint64_t key = static_cast<uint64_t>(id) + static_cast<uint64_t>(f.row_offset);
+              const uint64_t key = f.key(id);
               if (id_check == CHECK_RANGE) {
                 if (id < 0 || id >= f.num_rows) {
                   err.ids.record(p);
@@ -804,9 +814,8 @@ Plan<acc_t> build_plan(const index_t* offs, const index_t* vals, const acc_t* ps
           } while (bag_end <= p);
           set_bag();
         }
-        acc_t scale = psw != nullptr ? psw[p] : acc_t(1);
-        if (f->mean) scale = scale / len;
-        const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f->row_offset);
+        const acc_t scale = value_scale(psw, p, *f, len);
+        const uint64_t key = f->key(static_cast<int64_t>(vals[p]));
         const int64_t src0 = sample * ldg + f->out_offset;
         const int64_t D = f->dim, w0 = f->w_offset;
         hash.blocks(key, *f, [&](int64_t blk, uint64_t start) {
@@ -938,6 +947,8 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // plan's cache-sized ranges do not (results/kernel_ab_direct_vs_plan.md measures both).
 constexpr int64_t kDirectMaxBytes = int64_t(512) << 10;
 
+// Whether the backward ops take the direct scatter for an array of weights_numel elements of
+// acc_bytes bytes each, at the current thread count (also exported, for the tests).
 bool use_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
   return weights_numel * acc_bytes <= kDirectMaxBytes &&
          (at::get_num_threads() == 1 || at::in_parallel_region());
@@ -963,10 +974,8 @@ void direct_scatter(const BackwardInputs& in, int64_t hash_mode, const std::vect
           const acc_t* __restrict__ grow = go + b * ldg + f.out_offset;
           const acc_t len = static_cast<acc_t>(e - s);
           for (int64_t p = s; p < e; ++p) {
-            acc_t scale = psw != nullptr ? psw[p] : acc_t(1);
-            if (f.mean) scale = scale / len;
-            const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f.row_offset);
-            hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
+            const acc_t scale = value_scale(psw, p, f, len);
+            hash.blocks(f.key(static_cast<int64_t>(vals[p])), f, [&](int64_t blk, uint64_t start) {
               add_scaled(wbuf + start, grow + blk * Z, std::min(Z, f.dim - blk * Z), scale);
             });
           }
@@ -1158,7 +1167,7 @@ void psw_grad_kernel(const T* __restrict__ go, const T* __restrict__ w, const in
         const Feature& f = L.feats[bag / B];
         const T* wf = w + f.w_offset;
         for (int64_t p = offs[bag], e = offs[bag + 1]; p < e; ++p) {
-          const uint64_t key = static_cast<uint64_t>(static_cast<int64_t>(vals[p])) + static_cast<uint64_t>(f.row_offset);
+          const uint64_t key = f.key(static_cast<int64_t>(vals[p]));
           hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
             prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
             starts.push_back(f.w_offset + static_cast<int64_t>(start));
@@ -1215,12 +1224,6 @@ at::Tensor per_sample_weights_grad(const at::Tensor& grad_output, const at::Tens
   return wst == acc_st ? out : out.to(wst);
 }
 
-// Whether backward_dense / backward_fused_ would take the direct scatter for an array of
-// weights_numel elements of acc_bytes bytes each, at the current thread count (for tests).
-bool uses_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
-  return use_direct_scatter(weights_numel, acc_bytes);
-}
-
 bool openmp_enabled() {
 #ifdef _OPENMP
   return true;
@@ -1241,5 +1244,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_fused_", &robe::backward_fused_, release());
   m.def("forward_hash_only", &robe::forward_hash_only, release());
   m.def("openmp_enabled", &robe::openmp_enabled);
-  m.def("uses_direct_scatter", &robe::uses_direct_scatter);
+  m.def("use_direct_scatter", &robe::use_direct_scatter);
 }
