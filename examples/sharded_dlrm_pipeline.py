@@ -29,7 +29,7 @@ from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from pipelines import make_pipeline
+from pipelines import make_pipeline, run_to_end
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
@@ -89,12 +89,7 @@ def main() -> None:
     dmp.eval()  # the pipeline then runs forward only
     held_out = (data.batch(10**6 + i * world + rank) for i in range(8))
     with torch.no_grad():
-        while True:
-            try:
-                _loss, logits, labels = pipeline.progress(held_out)
-            except StopIteration:
-                break
-            auc.update(logits, labels.long())
+        run_to_end(pipeline, held_out, lambda out: auc.update(out[1], out[2].long()))
     value = auc.compute().item()  # torchmetrics syncs the states of all ranks
     if rank == 0:
         print(f"{args.pipeline} on {world} rank(s): held-out AUC {value:.4f}")

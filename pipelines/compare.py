@@ -151,6 +151,8 @@ def _identical(state, ref) -> bool:
 
 
 def _parity(state, ref, init) -> str:
+    from pipelines.model import travel_diff  # as _rank_run, imported where used
+
     if _identical(state, ref):
         return "bit-identical"
     worst = max(float(abs(state[k].astype("float64") - ref[k]).max())

@@ -103,10 +103,8 @@ def _rank(rank: int, world: int, args) -> List[float]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
     from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
+    from robe_torchrec.train.model import dense_optimizer
 
     model = _build(args)
     sharder = RobeEmbeddingBagCollectionSharder()
@@ -116,8 +114,7 @@ def _rank(rank: int, world: int, args) -> List[float]:
         sharder=sharder, local_size=world, world_size=world, device_type="cpu")})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                      lambda ps: torch.optim.SGD(ps, lr=0.01))
+    dense_opt = dense_optimizer(dmp, torch.optim.SGD, {"lr": 0.01})
     return _time_steps(dmp, dense_opt, _batches(args, args.batch, rank, world), args)
 
 

@@ -90,11 +90,12 @@ class SyntheticCriteo:
             sparse_scale = self.sparse_signal / math.sqrt(len(self.cardinalities))
             # one id per bag, features in key order: the values are a [features, batch] grid,
             # hashed in one call (the per-feature sums keep their order, so the labels too)
-            values = batch.sparse_features.values()
-            if values.numel() != len(self.keys) * batch.labels.numel():
+            values, lengths = batch.sparse_features.values(), batch.sparse_features.lengths()
+            if lengths.numel() != len(self.keys) * batch.labels.numel() or \
+                    not bool((lengths == 1).all()):
                 raise ValueError(f"hidden_logit takes this stream's batches (one id per bag and "
-                                 f"feature): got {values.numel()} ids for "
-                                 f"{batch.labels.numel()} samples x {len(self.keys)} features")
+                                 f"feature): got {values.numel()} ids in {lengths.numel()} bags "
+                                 f"for {batch.labels.numel()} samples x {len(self.keys)} features")
             ids = values.view(len(self.keys), -1)
             features = torch.arange(len(self.keys)).unsqueeze(1)
             effects = self.id_effects(features, ids).view_as(ids)

@@ -84,8 +84,8 @@ class FileSource:
         self._train: Optional[Iterator[Batch]] = None
         self._train_position = 0  # batches of self._train handed out so far
 
-    def _repeat(self, split: str) -> Iterator[Batch]:
-        loader = self._train_loader if split == "train" else self._make(split)
+    @staticmethod
+    def _repeat(split: str, loader) -> Iterator[Batch]:
         while True:
             empty = True
             for batch in loader:
@@ -97,7 +97,7 @@ class FileSource:
     def train_batches(self, start: int, count: int) -> Iterator[Batch]:
         if self._train is None or start != self._train_position:
             # the first segment, or a resume: read from the beginning up to ``start``
-            self._train = self._repeat("train")
+            self._train = self._repeat("train", self._train_loader)
             collections.deque(itertools.islice(self._train, start), maxlen=0)
             self._train_position = start
         return self._segment(count)
@@ -110,7 +110,7 @@ class FileSource:
     def eval_batches(self, split: str, count: int) -> Optional[Iterator[Batch]]:
         if not self._splits.get(split):
             return None
-        return itertools.islice(self._repeat(split), count)
+        return itertools.islice(self._repeat(split, self._make(split)), count)
 
 
 def _paths(value, key: str) -> List[str]:

@@ -56,3 +56,9 @@ def test_hidden_logit_is_the_per_feature_sum_and_refuses_other_batches():
                             lengths=lengths)
     with pytest.raises(ValueError, match="one id per bag"):
         data.hidden_logit(Batch(batch.dense_features, bad, batch.labels))
+    # as many ids as bags, but two in one bag and none in the next: refused too
+    lengths = kjt.lengths().clone()
+    lengths[0], lengths[1] = 2, 0
+    shifted = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths)
+    with pytest.raises(ValueError, match="one id per bag"):
+        data.hidden_logit(Batch(batch.dense_features, shifted, batch.labels))

@@ -17,6 +17,14 @@ DISTINCT = 4    # distinct batches, cycled, so that the loss visibly falls in 8 
 CPU = torch.device("cpu")
 
 
+def dense_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD (lr 0.1) over the parameters no optimizer in backward updates."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    return torch.optim.SGD([p for _, p in in_backward_optimizer_filter(model.named_parameters())],
+                           lr=0.1)
+
+
 class GuardModel(torch.nn.Module):
     """The guard tests' model: an embedding module (``sparse``) and a dense layer."""
 
@@ -169,8 +177,6 @@ def guards_on_sharded_fp_ebc(rank: int, world: int) -> Dict[str, str]:
     from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from torchrec.optim import apply_optimizer_in_backward
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
     from pipelines import PipelineModelError
 
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
@@ -181,8 +187,7 @@ def guards_on_sharded_fp_ebc(rank: int, world: int) -> Dict[str, str]:
     apply_optimizer_in_backward(torch.optim.SGD, list(ebc.parameters()), {"lr": 0.1})
     dmp = DistributedModelParallel(GuardModel(fp_ebc), env=ShardingEnv.from_process_group(
         dist.group.WORLD), device=CPU, sharders=get_default_sharders())
-    dense = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
-                            lr=0.1)
+    dense = dense_sgd(dmp)
     verdicts = {"sharded type": type(dmp.module.sparse).__name__}
     for name in ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync"):
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.compare import kept, nearest_rank
+from pipelines.compare import _parity, kept, nearest_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +45,14 @@ def test_runner_end_to_end(tmp_path):
     assert rows["sparse_dist"]["kept_steps"] == 2 and rows["sparse_dist"]["p90_vs_ref"] == 1.0
     assert (tmp_path / "compare_t.png").stat().st_size > 0
     assert "| fused_sparse_dist |" in (tmp_path / "compare_t.md").read_text()
+
+
+def test_parity_states_identical_or_how_far():
+    import numpy as np
+
+    init = {"w": np.zeros(4, np.float32), "step": np.array([3])}
+    ref = {"w": np.full(4, 2.0, np.float32), "step": np.array([3])}
+    assert _parity({k: v.copy() for k, v in ref.items()}, ref, init) == "bit-identical"
+    drifted = {"w": np.array([2.0, 2.0, 2.0, 3.0], np.float32), "step": np.array([3])}
+    # off by 1 in one of four entries that each travelled 2: 1 / 4 of the travel
+    assert _parity(drifted, ref, init) == "differs: 0.25 of travel, max abs 1"

@@ -11,24 +11,18 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim import apply_optimizer_in_backward
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from pipelines import PipelineModelError, make_pipeline
 from robe_torchrec import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from tests.distributed.multiprocess import run_ranks
 from tests.pipelines import ranks
-from tests.pipelines.ranks import GuardModel
+from tests.pipelines.ranks import GuardModel, dense_sgd
 
 CPU = torch.device("cpu")
 GUARDED = ["fused_sparse_dist", "semi_sync"]
 TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
                              feature_names=["f0"])]
-
-
-def _dense_opt(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD([p for _, p in in_backward_optimizer_filter(model.named_parameters())],
-                           lr=0.1)
 
 
 def _fp_model() -> nn.Module:
@@ -42,7 +36,7 @@ def _fp_model() -> nn.Module:
 def test_feature_processor_refused(name):
     model = _fp_model()
     with pytest.raises(PipelineModelError, match="feature processor"):
-        make_pipeline(name, model, _dense_opt(model), CPU)
+        make_pipeline(name, model, dense_sgd(model), CPU)
 
 
 @pytest.mark.parametrize("name", GUARDED)
@@ -66,7 +60,7 @@ def test_fused_model_accepted(name):
     ebc = RobeEmbeddingBagCollection(TABLES, RobeConfig(memory_size=64, block_size=4))
     apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
     model = GuardModel(ebc)
-    make_pipeline(name, model, _dense_opt(model), CPU)  # must not raise
+    make_pipeline(name, model, dense_sgd(model), CPU)  # must not raise
 
 
 def test_unknown_name_and_option():
@@ -80,9 +74,9 @@ def test_unknown_name_and_option():
     apply_optimizer_in_backward(torch.optim.SGD, [fused.sparse.weight], {"lr": 0.1})
     # measured slower and removed (pipelines/results/compare_cpu_overlap.md)
     with pytest.raises(ValueError, match="cpu_overlap"):
-        make_pipeline("fused_sparse_dist", fused, _dense_opt(fused), CPU, cpu_overlap=True)
+        make_pipeline("fused_sparse_dist", fused, dense_sgd(fused), CPU, cpu_overlap=True)
     with pytest.raises(ValueError, match="emb_lookup_stream"):
-        make_pipeline("fused_sparse_dist", fused, _dense_opt(fused), CPU,
+        make_pipeline("fused_sparse_dist", fused, dense_sgd(fused), CPU,
                       emb_lookup_stream="side")
 
 
@@ -111,3 +105,5 @@ def test_sharded_feature_processed_ebc_refused():
     assert verdicts["plain"] == "accepted" and verdicts["sparse_dist"] == "accepted"
     for name in GUARDED:
         assert "feature processor" in verdicts[name], verdicts[name]
+        # refused for the sharded module itself (named first), not its unsharded child
+        assert "(ShardedFeatureProcessedEmbeddingBagCollection)" in verdicts[name], verdicts[name]
