@@ -122,7 +122,7 @@ _ADAGRAD = [0.01, 1e-8, 0.9, 0.999, 0.0]  # lr, eps, beta1, beta2, weight decay
 
 def _fused_step(ext, case: Case, x: Dict[str, Any], params: List[int], weights: torch.Tensor,
                 state: torch.Tensor) -> None:
-    ext.backward_fused_(x["grad"], weights, state, state, x["values"], x["offsets"], None,
+    ext.backward_fused_(x["grad"], weights, state, state.new_empty(0), x["values"], x["offsets"], None,
                         x["meta"], case.block_size, 0, params, int(Optimizer.ADAGRAD), _ADAGRAD, 1)
 
 

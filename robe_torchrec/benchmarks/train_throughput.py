@@ -159,8 +159,7 @@ def main() -> None:
                    f"/ full = **{cache_sized:.2f}x**: what this step gains when the tables' "
                    "memory traffic goes away. Their lookups still cost something, so embeddings "
                    "that cost nothing would gain a little more.", ""]
-    result = {"machine": machine(), "command": shown, "args": {k: str(v) for k, v in
-                                                               vars(args).items()},
+    result = {"machine": machine(), "command": shown, "args": {**vars(args), "out": str(args.out)},
               "samples_per_s": rates, "median_samples_per_s": med, "ratio": ratio,
               "cache_sized_ratio": cache_sized,
               "load_average": load}
