@@ -31,13 +31,13 @@ test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow"
 
 bench: setup
-	$(PY) -m robe_torchrec.benchmarks.cpu_ops --out robe_torchrec/benchmarks/results/cpu_ops.md
+	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
 
 compare: setup
 	$(PY) -m pipelines.compare
 
 quality: setup
-	$(PY) -m robe_torchrec.benchmarks.quality_study --out robe_torchrec/benchmarks/results
+	$(PY) -m benchmarks.quality_study --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from robe_torchrec.benchmarks.report import (  # noqa: E402
+from pipelines.report import (  # noqa: E402
     machine, machine_line, nearest_rank, process_memory_mib, write_report)
 from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
 

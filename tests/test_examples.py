@@ -30,7 +30,7 @@ def test_quickstart_dlrm_trains():
 
 @pytest.mark.slow
 def test_quality_study_runs(tmp_path):
-    out = run_example("-m", "robe_torchrec.benchmarks.quality_study", "--steps", "4",
+    out = run_example("-m", "benchmarks.quality_study", "--steps", "4",
                       "--dims", "16", "8", "--compressions", "100", "--block-sizes", "8",
                       "--hashes", "reference", "--test-batches", "4", "--batch-size", "256",
                       "--name", "q", "--out", str(tmp_path))
@@ -76,7 +76,7 @@ def test_sharded_pipeline_example_on_two_ranks():
 
 @pytest.mark.slow
 def test_distributed_step_benchmark_runs(tmp_path):
-    run_example("-m", "robe_torchrec.benchmarks.distributed_step", "--tables", "2", "--rows",
+    run_example("-m", "benchmarks.distributed_step", "--tables", "2", "--rows",
                 "1000", "--dim", "8", "--batch", "64", "--warmup", "1", "--iters", "3",
                 "--rounds", "2", "--out", str(tmp_path))
     result = json.loads((tmp_path / "distributed_step.json").read_text())
@@ -91,7 +91,7 @@ def test_distributed_step_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_train_throughput_benchmark_runs(tmp_path):
     out_md = tmp_path / "train_throughput.md"
-    run_example("-m", "robe_torchrec.benchmarks.train_throughput", "--steps", "12",
+    run_example("-m", "benchmarks.train_throughput", "--steps", "12",
                 "--batch-size", "64", "--log-every", "4", "--cardinality-scale", "0.001",
                 "--cycle", "2", "--rounds", "1", "--cache-sized-scale", "0.0001", "--out", str(out_md))
     text = out_md.read_text()
@@ -117,7 +117,7 @@ def test_train_throughput_benchmark_runs(tmp_path):
 
 
 def test_interaction_benchmark_runs(tmp_path):
-    run_example("-m", "robe_torchrec.benchmarks.interaction", "--shapes", "32x3x4", "64x5x8",
+    run_example("-m", "benchmarks.interaction", "--shapes", "32x3x4", "64x5x8",
                 "--rounds", "1", "--iters", "2", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "interaction.json").read_text())["rows"]
     assert [(r["batch"], r["features"], r["dim"]) for r in rows] == [(32, 3, 4), (64, 5, 8)]
@@ -139,7 +139,7 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
     assert full_block in source
     mutated = tmp_path / "robe_cpu.cpp"
     mutated.write_text(source.replace(full_block, full_block.replace("scale)", "scale + scale)")))
-    run_example("-m", "robe_torchrec.benchmarks.kernel_ab", "--baseline-source", str(mutated),
+    run_example("-m", "benchmarks.kernel_ab", "--baseline-source", str(mutated),
                 "--small", "--iters", "2", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]
     assert len(rows) == 2
@@ -152,7 +152,7 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
 
 
 def test_kernel_ab_names_a_bad_baseline(tmp_path):
-    from robe_torchrec.benchmarks.kernel_ab import baseline_source
+    from benchmarks.kernel_ab import baseline_source
 
     with pytest.raises(SystemExit, match="revision 'no-such-revision'"):
         baseline_source("no-such-revision", None)
@@ -161,7 +161,7 @@ def test_kernel_ab_names_a_bad_baseline(tmp_path):
 
 
 def test_kernel_ab_difference():
-    from robe_torchrec.benchmarks.kernel_ab import _difference
+    from benchmarks.kernel_ab import _difference
 
     a = torch.arange(4.0)
     assert _difference(a, a.clone()) == "bitwise equal"

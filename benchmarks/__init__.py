@@ -1,0 +1,18 @@
+"""Benchmarks of the ROBE-Z ops and modules.
+
+* :mod:`benchmarks.cpu_ops`: one CPU training step of a pair model (the setup
+  of the seed benchmarks): full table, FBGEMM's CPU TBE, pure-PyTorch ROBE-Z and the C++ ops.
+  Run ``python -m benchmarks.cpu_ops --help``.
+* :mod:`benchmarks.kernel_ab`: the C++ kernels of the working tree against
+  another git revision's, side by side in one process (how a kernel change is judged).
+* :mod:`benchmarks.hash_choice`: reference against mix hash (AUC and speed).
+* :mod:`benchmarks.distributed_step`: a 2-rank DMP step against the unsharded
+  model (CPU, gloo).
+* :mod:`benchmarks.train_throughput`: the training app with full tables against
+  ROBE-Z.
+* :mod:`benchmarks.interaction`: TorchRec's DLRM dot interaction against
+  :class:`robe_torchrec.interaction.FastInteractionArch`.
+* :mod:`benchmarks.quality_study`: AUC against compression, Z and hash.
+
+Each writes its numbers with the command and the machine to ``results/`` (``--out``).
+"""

@@ -1,0 +1,838 @@
+"""CPU benchmark of one training step: full table, FBGEMM TBE, pure-PyTorch ROBE-Z, our C++ ops.
+
+The setup of the seed benchmarks (seeds 000/001): batch 32768, a *pair model* (two lookups of
+one id per sample into one table / ROBE array, SUM pooling, dim 64; every row does them as one
+call over 2B bags, so all rows compute the same loss on the same [2B, D] layout), ids uniform in
+``[0, 1_562_500)``, loss ``sum(e1 * e2)`` over the two pooled embeddings. Rows, for each of
+SGD, Adagrad and Adam:
+
+* ``full table``: ``nn.EmbeddingBag(1_562_500, 64)`` (100M floats, 381.5 MB), sparse gradients
+  (``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam``) and dense gradients (``SGD`` / ``Adagrad``
+  / ``Adam``);
+* ``fbgemm TBE``: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU (``HOST`` / ``CPU``)
+  with its fused optimizer (whatever FBGEMM supports on CPU; the others are ``n/a`` with
+  FBGEMM's own error message);
+* ``pytorch ROBE-Z``: :mod:`robe_torchrec.ops.reference` (the vectorised pure-PyTorch ROBE-Z),
+  dense gradient + ``torch.optim``, arrays of 262,144 and 2,621,440 floats, Z = 32;
+* ``ours``: the C++ ops (``cpu_backend("cpp")``), dense gradient + ``torch.optim`` and fused
+  (``robe::backward_fused_`` applies the optimizer inside backward), same arrays, Z = 32, plus
+  Z = 8 rows at 2,621,440 floats.
+
+Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
+
+* ``forward``: the embedding call alone (one call covers both features);
+* ``hashing`` / ``lookup`` / ``other``: the split of the forward. Pure-PyTorch ROBE-Z: timed
+  exactly, hashing = ``reference.element_indices`` of both features, lookup = the reference's
+  gather + pool with those indices, other = forward - hashing - lookup (input validation,
+  slicing). Ours with the C++ kernel: hashing = ``cpu.forward_hash_only`` (the kernel's own
+  loops, id checks and hashing without the gathers and writes), lookup = forward - hashing
+  (marked ``~``). Ours with another backend (testing only; marked ``~``): lookup = the same
+  pooled lookup from precomputed block starts (``F.embedding`` over a stride-1 ``as_strided``
+  view of the array, which copies whole Z-float blocks: exact for one id per bag), hashing =
+  forward - lookup (clipped at 0);
+* ``backward``: loss + ``loss.backward()`` (gradient computation; includes the update for fused
+  rows);
+* ``optimizer``: ``optimizer.step()`` + ``zero_grad(set_to_none=True)`` (0 when fused);
+* ``total``: the median of the per-iteration sum forward + backward + optimizer;
+* ``model MB``: the learned weights (optimizer state not counted).
+
+Every row uses the same pre-generated batches; each model is built just before it is timed and
+freed after. All thread counts of a row run back to back in one process, so every ratio in the
+"targets" section comes from one run.
+
+Run::
+
+    python -m benchmarks.cpu_ops                      # threads 1 and 2
+    python -m benchmarks.cpu_ops --quick              # tiny sizes (smoke test)
+    python -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+from robe_torchrec.hashing import HashMode, block_starts, hash_params
+from robe_torchrec.ops import cpu_backend
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops import reference
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+LR = 1e-3
+ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+HASH_SEED = 1024
+
+# targets checked in the "targets" section
+FWD_SPEEDUP_VS_PYTORCH = 40.0
+STEP_SPEEDUP_VS_PYTORCH = 20.0
+FWD_RATIO_VS_FULL = 0.5
+STEP_RATIO_VS_FULL = 0.2
+HASHING_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch: int
+    num_embeddings: int
+    dim: int
+    robe_sizes: Tuple[int, ...]
+    block_size: int
+    small_block_size: int
+    small_block_array: int
+
+
+FULL_SIZES = Sizes(32768, 1_562_500, 64, (262_144, 2_621_440), 32, 8, 2_621_440)
+QUICK_SIZES = Sizes(256, 20_000, 64, (4_096, 16_384), 32, 8, 16_384)
+
+
+class Unavailable(Exception):
+    """A row that cannot run here (the reason goes to the table)."""
+
+
+@dataclass
+class Batch:
+    values: Tensor   # [2B] int64: feature 0's ids, then feature 1's
+    offsets: Tensor  # [2B + 1] int64: one id per bag
+
+
+def make_batches(sizes: Sizes, count: int, seed: int = 0) -> List[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        values = torch.randint(0, sizes.num_embeddings, (2 * sizes.batch,), generator=gen)
+        offsets = torch.arange(2 * sizes.batch + 1, dtype=torch.int64)
+        batches.append(Batch(values, offsets))
+    return batches
+
+
+def pair_loss(first: Tensor, second: Tensor) -> Tensor:
+    return (first * second).sum()
+
+
+def mb(floats: int) -> float:
+    return floats * 4 / 2**20
+
+
+# ---------------------------------------------------------------------------------------
+# the rows
+# ---------------------------------------------------------------------------------------
+
+class Runner:
+    """One model + optimizer; the timing loop calls forward, backward, step, extra."""
+
+    size_floats: int = 0
+    split: str = ""  # "exact" | "estimate" | "" (no hashing/lookup split)
+
+    def prepare(self, batches: Sequence[Batch]) -> None:
+        pass
+
+    def forward(self, batch: Batch) -> Tensor:
+        raise NotImplementedError
+
+    def backward(self, out: Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        pass
+
+    def extra(self, index: int, batch: Batch) -> Dict[str, float]:
+        """Split timings (seconds) of the forward, measured outside the train step."""
+        return {}
+
+    def finite(self) -> bool:
+        return True
+
+
+def torch_optimizer(name: str, params, sparse: bool) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=LR, eps=ADAGRAD_EPS)
+    if name == "adam":
+        if sparse:
+            return torch.optim.SparseAdam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+        return torch.optim.Adam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+    raise ValueError(name)
+
+
+class FullTable(Runner):
+    def __init__(self, sizes: Sizes, optimizer: str, sparse: bool):
+        self.emb = nn.EmbeddingBag(sizes.num_embeddings, sizes.dim, mode="sum", sparse=sparse,
+                                   include_last_offset=True)
+        self.opt = torch_optimizer(optimizer, self.emb.parameters(), sparse)
+        self.size_floats = sizes.num_embeddings * sizes.dim
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.emb(batch.values, batch.offsets)  # [2B, D], feature-major
+
+    def backward(self, out: Tensor) -> None:
+        half = out.shape[0] // 2
+        pair_loss(out[:half], out[half:]).backward()
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.emb.weight).all())
+
+
+def fbgemm_optim(name: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return getattr(EmbOptimType, name)
+
+
+def build_tbe(num_embeddings: int, dim: int, optim_name: str):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    eps = ADAGRAD_EPS if "ADAGRAD" in optim_name else ADAM_EPS
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(num_embeddings, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        feature_table_map=[0, 0],
+        optimizer=fbgemm_optim(optim_name),
+        learning_rate=LR,
+        eps=eps,
+        beta1=ADAM_BETAS[0],
+        beta2=ADAM_BETAS[1],
+        pooling_mode=PoolingMode.SUM,
+    )
+
+
+def fbgemm_support(optim_name: str) -> Optional[str]:
+    """None if FBGEMM's CPU TBE trains with this optimizer, else FBGEMM's reason."""
+    try:
+        tbe = build_tbe(16, 8, optim_name)
+        values = torch.tensor([1, 2, 3, 4])
+        tbe(values, torch.arange(5)).sum().backward()
+    except ImportError as exc:
+        return f"fbgemm_gpu not importable: {exc}"
+    except Exception as exc:  # FBGEMM asserts on unsupported optimizers
+        text = str(exc).strip().splitlines()
+        return text[0] if text else type(exc).__name__
+    return None
+
+
+class Fbgemm(Runner):
+    def __init__(self, sizes: Sizes, optim_name: str):
+        reason = fbgemm_support(optim_name)
+        if reason is not None:
+            raise Unavailable(reason)
+        self.tbe = build_tbe(sizes.num_embeddings, sizes.dim, optim_name)
+        self.dim = sizes.dim
+        self.size_floats = sizes.num_embeddings * sizes.dim
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.tbe(batch.values, batch.offsets)  # [B, 2D]
+
+    def backward(self, out: Tensor) -> None:
+        pair_loss(out[:, : self.dim], out[:, self.dim :]).backward()  # fused update
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(w).all()) for w in self.tbe.split_embedding_weights())
+
+
+class _FusedLookup(torch.autograd.Function):
+    """ROBE forward whose backward applies the optimizer in place (robe::backward_fused_)."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, runner: "Robe", values: Tensor, offsets: Tensor) -> Tensor:
+        ctx.runner = runner
+        ctx.batch = (values, offsets)
+        return runner.lookup(values, offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        r = ctx.runner
+        values, offsets = ctx.batch
+        r.step_count += 1
+        torch.ops.robe.backward_fused_(
+            grad_output.contiguous(), r.weights, r.state1, r.state2, values, offsets, None,
+            r.meta, r.block_size, int(r.hash_mode), r.params, int(r.fused_opt), r.hparams,
+            r.step_count,
+        )
+        return None, None, None, None
+
+
+def _cpp_hash_only() -> bool:
+    """Whether the C++ kernel exposes its hashing alone (cpu.forward_hash_only)."""
+    try:
+        from robe_torchrec.ops import cpu
+    except Exception:  # noqa: BLE001
+        return False
+    return hasattr(cpu, "forward_hash_only")
+
+
+class Robe(Runner):
+    """ROBE-Z through torch.ops.robe.* (the backend is picked by the caller's cpu_backend)."""
+
+    def __init__(self, sizes: Sizes, optimizer: str, memory: int, block_size: int,
+                 mode: str, hash_mode: HashMode, split: str, backend: str = "reference"):
+        self.sizes, self.memory, self.block_size, self.mode = sizes, memory, block_size, mode
+        self.hash_mode = hash_mode
+        self.params = hash_params(hash_mode, HASH_SEED)
+        self.split = split
+        if split == "estimate" and backend == "cpp" and _cpp_hash_only():
+            self.split = "kernel"
+        d, n = sizes.dim, sizes.num_embeddings
+        # The two lookups of a sample read the same array with the same keys, so they are one
+        # feature of 2B bags (as the full-table row's single EmbeddingBag call over 2B bags):
+        # output [2B, D], and every row computes the same loss on the same layout.
+        self.meta = m.build_table_meta(dims=[d], weight_offsets=[0], weight_sizes=[memory],
+                                       row_offsets=[0], num_rows=[n], poolings=[m.Pooling.SUM])
+        bound = math.sqrt(1.0 / n)  # the reference DLRM's init
+        weights = torch.empty(memory).uniform_(-bound, bound)
+        self.size_floats = memory
+        if mode == "dense":
+            self.weights = nn.Parameter(weights)
+            self.opt = torch_optimizer(optimizer, [self.weights], sparse=False)
+        else:
+            self.weights = weights
+            self.anchor = torch.zeros((), requires_grad=True)
+            self.step_count = 0
+            self.fused_opt = {"sgd": m.Optimizer.SGD, "adagrad": m.Optimizer.ADAGRAD,
+                              "adam": m.Optimizer.ADAM}[optimizer]
+            eps = ADAGRAD_EPS if optimizer == "adagrad" else ADAM_EPS
+            self.hparams = [LR, eps, ADAM_BETAS[0], ADAM_BETAS[1], 0.0]
+            self.state1 = torch.zeros(memory) if optimizer != "sgd" else torch.empty(0)
+            self.state2 = torch.zeros(memory) if optimizer == "adam" else torch.empty(0)
+        self._split_inputs: List[object] = []
+
+    def lookup(self, values: Tensor, offsets: Tensor) -> Tensor:
+        return torch.ops.robe.forward(self.weights, values, offsets, None, self.meta,
+                                      self.sizes.dim, self.block_size, int(self.hash_mode),
+                                      self.params, int(m.BoundsCheck.ERROR))
+
+    def forward(self, batch: Batch) -> Tensor:
+        if self.mode == "dense":
+            return self.lookup(batch.values, batch.offsets)
+        return _FusedLookup.apply(self.anchor, self, batch.values, batch.offsets)
+
+    def backward(self, out: Tensor) -> None:
+        b = self.sizes.batch
+        pair_loss(out[:b], out[b:]).backward()
+
+    def step(self) -> None:
+        if self.mode == "dense":
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.weights).all())
+
+    # --- the forward split -------------------------------------------------------------
+
+    def _columns(self) -> List[List[int]]:
+        return [[int(v) for v in self.meta[:, t].tolist()] for t in range(self.meta.shape[1])]
+
+    def prepare(self, batches: Sequence[Batch]) -> None:
+        b = self.sizes.batch
+        if self.split == "estimate":
+            # block starts of both features, laid out [B, 2 * blocks] like the output
+            blocks = math.ceil(self.sizes.dim / self.block_size)
+            for batch in batches:
+                starts = block_starts(batch.values, blocks, self.memory, self.block_size,
+                                      self.hash_mode, self.params)
+                self._split_inputs.append(starts.contiguous())
+        elif self.split == "exact":
+            self._samples = torch.arange(2 * b)
+            self._scale = torch.ones(2 * b)
+
+    def extra(self, index: int, batch: Batch) -> Dict[str, float]:
+        with torch.no_grad():
+            if self.split == "kernel":
+                return {"hashing": self._hash_only(batch)}
+            if self.split == "estimate":
+                return {"lookup": self._block_gather(self._split_inputs[index])}
+            if self.split == "exact":
+                return self._reference_split(batch)
+        return {}
+
+    def _hash_only(self, batch: Batch) -> float:
+        """The C++ forward's loops and hashing without gathers and writes (cpu.forward_hash_only)."""
+        from robe_torchrec.ops import cpu
+
+        args = (self.weights.detach(), batch.values, batch.offsets, None, self.meta,
+                self.sizes.dim, self.block_size, int(self.hash_mode), self.params,
+                int(m.BoundsCheck.ERROR))
+        t0 = time.perf_counter()
+        cpu.forward_hash_only(*args)
+        return time.perf_counter() - t0
+
+    def _block_gather(self, starts: Tensor) -> float:
+        """The pooled lookup from precomputed block starts (one id per bag: no pooling)."""
+        z, w = self.block_size, self.weights.detach()
+        t0 = time.perf_counter()
+        blocks = w.as_strided((self.memory - z + 1, z), (1, 1))
+        out = F.embedding(starts, blocks).reshape(2 * self.sizes.batch, self.sizes.dim)
+        t1 = time.perf_counter()
+        del out
+        return t1 - t0
+
+    def _reference_split(self, batch: Batch) -> Dict[str, float]:
+        """Hashing and gather + pool of reference.forward, timed apart (same operations)."""
+        b, d, w = self.sizes.batch, self.sizes.dim, self.weights.detach()
+        col = self._columns()[0]
+        t0 = time.perf_counter()
+        idx = reference.element_indices(batch.values, col, self.block_size, int(self.hash_mode),
+                                        self.params)
+        t1 = time.perf_counter()
+        out = w.new_zeros(2 * b, d)
+        out.index_add_(0, self._samples, w[idx] * self._scale[:, None])
+        t2 = time.perf_counter()
+        return {"hashing": t1 - t0, "lookup": t2 - t1}
+
+
+# ---------------------------------------------------------------------------------------
+# row specs
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class RowSpec:
+    key: str           # stable id used by the targets, e.g. "ours-fused-2621440-z32"
+    model: str         # the table's "model" column
+    optimizer: str
+    gradient: str      # sparse | dense | fused
+    floats: int
+    block_size: Optional[int]
+    build: Callable[[], Runner]
+    backend: Optional[str] = None  # cpu_backend for ROBE rows
+    note: str = ""
+
+
+def robe_key(kind: str, memory: int, z: int) -> str:
+    return f"{kind}-{memory}-z{z}"
+
+
+def row_specs(sizes: Sizes, optimizer: str, groups: Sequence[str], hash_mode: HashMode,
+              ours_backend: str) -> List[RowSpec]:
+    full = sizes.num_embeddings * sizes.dim
+    specs: List[RowSpec] = []
+    if "full" in groups:
+        sparse_note = "torch.optim.SparseAdam" if optimizer == "adam" else ""
+        specs.append(RowSpec("full-sparse", "full table", optimizer, "sparse", full, None,
+                             lambda: FullTable(sizes, optimizer, sparse=True), note=sparse_note))
+        specs.append(RowSpec("full-dense", "full table", optimizer, "dense", full, None,
+                             lambda: FullTable(sizes, optimizer, sparse=False)))
+    if "fbgemm" in groups:
+        names = {"sgd": ["EXACT_SGD"], "adagrad": ["EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"],
+                 "adam": ["ADAM", "PARTIAL_ROWWISE_ADAM"]}[optimizer]
+        for i, name in enumerate(names):
+            key = "fbgemm" if i == 0 else f"fbgemm-{name.lower()}"
+            specs.append(RowSpec(key, "fbgemm TBE", optimizer, "fused", full, None,
+                                 (lambda name=name: Fbgemm(sizes, name)), note=name))
+    if "pytorch" in groups:
+        for memory in sizes.robe_sizes:
+            specs.append(RowSpec(
+                robe_key("pytorch", memory, sizes.block_size), "pytorch ROBE-Z", optimizer,
+                "dense", memory, sizes.block_size,
+                (lambda memory=memory: Robe(sizes, optimizer, memory, sizes.block_size, "dense",
+                                            hash_mode, split="exact")),
+                backend="reference"))
+    if "ours" in groups:
+        configs = [(memory, sizes.block_size) for memory in sizes.robe_sizes]
+        configs.append((sizes.small_block_array, sizes.small_block_size))
+        note = "" if ours_backend == "cpp" else f"backend={ours_backend} (not the C++ kernel)"
+        for memory, z in configs:
+            for mode in ("dense", "fused"):
+                specs.append(RowSpec(
+                    robe_key(f"ours-{mode}", memory, z), "ours", optimizer, mode, memory, z,
+                    (lambda memory=memory, z=z, mode=mode: Robe(
+                        sizes, optimizer, memory, z, mode, hash_mode, split="estimate",
+                        backend=ours_backend)),
+                    backend=ours_backend, note=note))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    spec: RowSpec
+    threads: int
+    phases: Dict[str, float] = field(default_factory=dict)  # ms, medians
+    split: str = ""
+    notes: List[str] = field(default_factory=list)
+    unavailable: Optional[str] = None
+
+
+def time_runner(runner: Runner, batches: Sequence[Batch], warmup: int, iters: int
+                ) -> Dict[str, float]:
+    samples: Dict[str, List[float]] = {}
+    for it in range(warmup + iters):
+        index = it % len(batches)
+        batch = batches[index]
+        t0 = time.perf_counter()
+        out = runner.forward(batch)
+        t1 = time.perf_counter()
+        runner.backward(out)
+        t2 = time.perf_counter()
+        runner.step()
+        t3 = time.perf_counter()
+        del out
+        split = runner.extra(index, batch)
+        if it < warmup:
+            continue
+        row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0}
+        row.update(split)
+        for k, v in row.items():
+            samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+
+
+def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optional[str]:
+    """Compare the row's forward with the reference ops on a slice of the batch."""
+    if not isinstance(runner, Robe):
+        return None
+    n = min(sizes.batch, 1024)
+    b = sizes.batch
+    values = torch.cat([batch.values[:n], batch.values[b : b + n]])
+    offsets = torch.arange(2 * n + 1, dtype=torch.int64)
+    with torch.no_grad():
+        got = runner.lookup(values, offsets)
+        with cpu_backend("reference"):
+            want = runner.lookup(values, offsets)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return f"MISMATCH vs reference forward (max abs diff {float((got - want).abs().max()):.3g})"
+    return None
+
+
+def run_spec(spec: RowSpec, threads: Sequence[int], batches: Sequence[Batch], sizes: Sizes,
+             warmup: int, iters: int) -> List[Result]:
+    results = [Result(spec, k) for k in threads]
+    try:
+        backend = cpu_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+        with backend:
+            runner = spec.build()
+            try:
+                runner.prepare(batches)
+                warning = check_against_reference(runner, batches[0], sizes)
+                for res in results:
+                    torch.set_num_threads(res.threads)
+                    res.phases = time_runner(runner, batches, warmup, iters)
+                    res.split = runner.split
+                    if warning:
+                        res.notes.append(warning)
+                if not runner.finite():
+                    for res in results:
+                        res.notes.append("non-finite weights after training")
+            finally:
+                big = runner.size_floats > 10_000_000
+                del runner
+                if big:
+                    gc.collect()
+    except Unavailable as exc:
+        for res in results:
+            res.unavailable = str(exc)
+    except Exception as exc:  # a row failing must not lose the others
+        for res in results:
+            res.unavailable = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------------------
+
+COLUMNS = ("model", "optimizer", "gradient", "floats", "Z", "forward", "hashing", "lookup",
+           "other", "backward", "optimizer step", "total", "model MB", "notes")
+
+
+def fmt(value: Optional[float], prefix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{prefix}{value:.1f}"
+    if abs(value) >= 1:
+        return f"{prefix}{value:.2f}"
+    return f"{prefix}{value:.3f}"
+
+
+def result_cells(res: Result) -> List[str]:
+    s = res.spec
+    head = [s.model, s.optimizer, s.gradient, f"{s.floats:,}", str(s.block_size or "-")]
+    notes = [n for n in [s.note] + res.notes if n]
+    if res.unavailable is not None:
+        return head + ["n/a"] * 7 + [f"{mb(s.floats):.1f}", "; ".join(notes + [res.unavailable])]
+    p = res.phases
+    hashing = lookup = other = None
+    prefix = ""
+    if res.split == "exact":
+        hashing, lookup = p["hashing"], p["lookup"]
+        other = p["forward"] - hashing - lookup
+    elif res.split == "kernel":
+        hashing = p["hashing"]
+        lookup = max(p["forward"] - hashing, 0.0)
+        prefix = "~"
+    elif res.split == "estimate":
+        prefix = "~"
+        lookup = p["lookup"]
+        hashing = max(p["forward"] - lookup, 0.0)
+    optimizer = p["optimizer"] if s.gradient != "fused" else 0.0
+    if s.gradient == "fused":
+        notes.append("update fused in backward")
+    hashing_prefix = "" if res.split == "kernel" else prefix
+    return head + [fmt(p["forward"]), fmt(hashing, hashing_prefix), fmt(lookup, prefix), fmt(other),
+                   fmt(p["backward"]), fmt(optimizer), fmt(p["total"]),
+                   f"{mb(s.floats):.1f}", "; ".join(notes)]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def results_tables(results: Sequence[Result], threads: Sequence[int]) -> str:
+    parts = []
+    for k in threads:
+        rows = [result_cells(r) for r in results if r.threads == k]
+        header = [c if c in ("model", "optimizer", "gradient", "floats", "Z", "model MB", "notes")
+                  else f"{c} (ms)" for c in COLUMNS]
+        parts.append(f"### {k} thread{'s' if k > 1 else ''}\n\n" + markdown_table(header, rows))
+    return "\n\n".join(parts)
+
+
+def targets_section(results: Sequence[Result], threads: Sequence[int], sizes: Sizes) -> str:
+    index = {(r.threads, r.spec.optimizer, r.spec.key): r for r in results
+             if r.unavailable is None and r.phases}
+
+    def get(k, opt, key, phase):
+        r = index.get((k, opt, key))
+        return None if r is None else r.phases.get(phase)
+
+    rows: List[List[str]] = []
+    counts = {"PASS": 0, "MISS": 0}
+
+    def add(target: str, case: str, k: int, opt: str, value: Optional[float], goal: float,
+            higher_is_better: bool, unit: str = "x"):
+        if value is None:
+            rows.append([target, case, str(k), opt, "n/a", "", "n/a", ""])
+            return
+        margin = value / goal if higher_is_better else (goal / value if value > 0 else math.inf)
+        verdict = "PASS" if margin >= 1 else "MISS"
+        counts[verdict] += 1
+        goal_text = (">= " if higher_is_better else "<= ") + (f"{goal:g}{unit}" if unit == "x"
+                                                               else f"{goal:.0%}")
+        value_text = f"{value:.2f}x" if unit == "x" else f"{value:.1%}"
+        rows.append([target, case, str(k), opt, value_text, goal_text, verdict, f"{margin:.2f}"])
+
+    z = sizes.block_size
+    opts = [o for o in OPTIMIZERS if any(r.spec.optimizer == o for r in results)]
+    for k in threads:
+        for opt in opts:
+            for memory in sizes.robe_sizes:
+                ref = robe_key("pytorch", memory, z)
+                dense, fused = robe_key("ours-dense", memory, z), robe_key("ours-fused", memory, z)
+                case = f"M={memory:,} Z={z}"
+                f_ref, f_ours = get(k, opt, ref, "forward"), get(k, opt, dense, "forward")
+                add("forward speedup vs pytorch ROBE-Z", case, k, opt,
+                    _div(f_ref, f_ours), FWD_SPEEDUP_VS_PYTORCH, True)
+                for mode, key in (("dense", dense), ("fused", fused)):
+                    add("step speedup vs pytorch ROBE-Z", f"{case}, ours {mode}", k, opt,
+                        _div(get(k, opt, ref, "total"), get(k, opt, key, "total")),
+                        STEP_SPEEDUP_VS_PYTORCH, True)
+                f_full = get(k, opt, "full-sparse", "forward")
+                add("forward ratio vs full table (sparse)", case, k, opt,
+                    _div(f_ours, f_full), FWD_RATIO_VS_FULL, False)
+                for mode, key in (("dense", dense), ("fused", fused)):
+                    add("step ratio vs full table (sparse)", f"{case}, ours {mode}", k, opt,
+                        _div(get(k, opt, key, "total"), get(k, opt, "full-sparse", "total")),
+                        STEP_RATIO_VS_FULL, False)
+        # hashing share: the forward does not depend on the optimizer; median over the rows
+        for memory, zz in [(mm, z) for mm in sizes.robe_sizes] + [
+                (sizes.small_block_array, sizes.small_block_size)]:
+            shares = []
+            for opt in opts:
+                for mode in ("dense", "fused"):
+                    r = index.get((k, opt, robe_key(f"ours-{mode}", memory, zz)))
+                    if r is None or r.phases.get("forward", 0) <= 0:
+                        continue
+                    fwd = r.phases["forward"]
+                    if r.split == "kernel":
+                        shares.append(r.phases["hashing"] / fwd)
+                    elif r.split == "estimate":
+                        shares.append(max(fwd - r.phases["lookup"], 0.0) / fwd)
+            add("our hashing share of forward (~)", f"M={memory:,} Z={zz}", k, "all",
+                statistics.median(shares) if shares else None, HASHING_SHARE, False, unit="%")
+    header = ["target", "case", "threads", "optimizer", "value", "goal", "verdict", "margin"]
+    summary = (f"{counts['PASS']} PASS, {counts['MISS']} MISS. margin = how far past the goal "
+               "(value/goal for speedups, goal/value for ratios and shares): >= 1 passes.")
+    return summary + "\n\n" + markdown_table(header, rows)
+
+
+def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def machine_lines() -> List[str]:
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    usable = usable_cpus()
+    try:
+        import fbgemm_gpu
+
+        fbgemm = getattr(fbgemm_gpu, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        fbgemm = "not importable"
+    return [
+        f"- CPU: {model}; {os.cpu_count()} logical CPUs, {usable} usable by this process",
+        f"- torch {torch.__version__}, fbgemm_gpu {fbgemm}, Python {platform.python_version()}, "
+        f"{platform.platform()}",
+    ]
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def contention_warning(load_start: str) -> List[str]:
+    """A warning line when other processes were already busy when the run started."""
+    try:
+        load = float(load_start.split()[0])
+    except (ValueError, IndexError):
+        return []
+    if load < 0.5:
+        return []
+    return [f"- **warning**: 1-minute load average {load:.2f} at start on {usable_cpus()} usable "
+            "CPUs: other processes shared the cores, so timings are noisy (multi-thread rows "
+            "most: their threads compete with that load)"]
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_ops",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="torch.set_num_threads values (default: 1 2; --quick: 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10; quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup iterations (default 3; quick 1)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, a few seconds)")
+    p.add_argument("--hash", default="reference", choices=["reference", "mix"],
+                   help="ROBE hash for the ROBE rows (default: the paper's)")
+    p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument("--rows", nargs="+", default=["full", "fbgemm", "pytorch", "ours"],
+                   choices=["full", "fbgemm", "pytorch", "ours"], help="row groups to run")
+    p.add_argument("--ours-backend", default="cpp", choices=["cpp", "triton", "reference"],
+                   help="implementation behind the 'ours' rows (default cpp; others for testing)")
+    p.add_argument("--out", default=None, help="also write a markdown report to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    threads = args.threads or ([1] if args.quick else [1, 2])
+    iters = args.iters if args.iters is not None else (3 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    hash_mode = HashMode.parse(args.hash)
+    torch.manual_seed(0)
+    start = datetime.datetime.now(datetime.timezone.utc)
+    load_start = loadavg()
+    batches = make_batches(sizes, count=max(1, min(warmup + iters, 8)))
+
+    results: List[Result] = []
+    for opt in args.optimizers:
+        for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend):
+            t0 = time.perf_counter()
+            rs = run_spec(spec, threads, batches, sizes, warmup, iters)
+            results.extend(rs)
+            status = rs[0].unavailable or ", ".join(
+                f"{r.threads}t total {r.phases.get('total', float('nan')):.1f} ms" for r in rs)
+            print(f"[{time.perf_counter() - t0:6.1f}s] {spec.key} {opt}: {status}",
+                  file=sys.stderr, flush=True)
+
+    load_end = loadavg()
+    command = "python -m benchmarks.cpu_ops " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    setup = (f"batch {sizes.batch}, pair model (two lookups of one id per sample into one table or array, done as one call over 2B bags for every row, SUM), "
+             f"dim {sizes.dim}, ids uniform in [0, {sizes.num_embeddings:,}), loss sum(e1*e2), "
+             f"lr {LR}; ROBE hash {hash_mode.name.lower()} (seed {HASH_SEED}); "
+             f"{warmup} warmup + {iters} timed iterations, medians, {len(batches)} distinct batches")
+    report = "\n".join([
+        "# CPU op benchmark: one training step of the pair model",
+        "",
+        f"- date: {start.strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `{command}`",
+        *machine_lines(),
+        f"- load average (1/5/15 min) at start: {load_start}, at end: {load_end}",
+        *contention_warning(load_start),
+        f"- setup: {setup}",
+        "",
+        "Columns in ms. forward = the embedding call; hashing/lookup/other = its split "
+        "(pytorch ROBE-Z: hashing and gather + pool timed apart, other = the rest; ours: "
+        "hashing = the C++ kernel's forward_hash_only (its loops, id checks and hashes without "
+        "gathers and writes), `~` lookup = forward - hashing); backward = loss + autograd backward "
+        "(includes the update for fused rows); optimizer step = step + zero_grad; "
+        "total = forward + backward + optimizer step (median of per-iteration sums).",
+        "",
+        results_tables(results, threads),
+        "",
+        "## Targets (same run)",
+        "",
+        targets_section(results, threads, sizes),
+        "",
+    ])
+    print(report, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
