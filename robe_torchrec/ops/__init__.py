@@ -16,6 +16,10 @@ implementations with one signature:
   CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests it).
 * :mod:`robe_torchrec.ops.reference`: plain PyTorch, the test oracle.
 
+:mod:`robe_torchrec.ops.dense_update` applies an optimizer step from a dense gradient (the
+data-parallel path; torch.optim's functional steps), :mod:`robe_torchrec.ops.args` holds the
+arguments as one structure (:class:`LookupArgs`).
+
 For CPU tensors the implementation can be switched (tests, benchmarks) with
 :func:`cpu_backend` or the ``ROBE_CPU_BACKEND`` environment variable
 (``cpp`` | ``triton`` | ``reference``). ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
@@ -25,10 +29,15 @@ present).
 Every op has a fake (meta) implementation, so ``torch.compile`` traces through it, and
 ``forward`` is differentiable (weights and per-sample weights).
 
+Python callers pass the arguments as one :class:`~robe_torchrec.ops.args.LookupArgs`
+(``args.forward(weights)``), built from the module's layout; the registered signatures stay flat.
+
 Example::
 
     >>> out = torch.ops.robe.forward(weights, values, offsets, None, meta, 24, 4, 0, params, 0)
     >>> out.sum().backward()   # weights.grad from robe::backward_dense
+    >>> args = LookupArgs(values, offsets, None, LayoutArgs(meta, 24, 4, 0, params, 0))
+    >>> out = args.forward(weights)                     # the same call
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import torch
 from torch import Tensor
 
 from robe_torchrec.ops import meta
+from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.ops.validation import check_static
 
 _BACKENDS = ("cpp", "triton", "reference")
@@ -114,23 +124,25 @@ def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, outp
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
-    (weights, values, offsets, per_sample_weights, table_meta, _out_dim, block_size,
-     hash_mode, hash_params, _bounds) = inputs
-    ctx.save_for_backward(weights, values, offsets, per_sample_weights, table_meta)
-    ctx.hash_args = (block_size, hash_mode, list(hash_params))
+    weights, *rest = inputs
+    args = LookupArgs.from_flat(*rest)
+    ctx.save_for_backward(weights, args.values, args.offsets, args.per_sample_weights,
+                          args.layout.table_meta)
+    # the tensor travels through save_for_backward; the rest of the layout on ctx
+    ctx.layout = args.layout._replace(table_meta=None, hash_params=list(args.layout.hash_params))
 
 
 def _forward_backward(ctx, grad_output: Tensor):
     weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
+    args = LookupArgs(values, offsets, per_sample_weights,
+                      ctx.layout._replace(table_meta=table_meta))
     grad_output = grad_output.contiguous()
     grad_weights = grad_psw = None
     if ctx.needs_input_grad[0]:
-        grad_weights = backward_dense(grad_output, weights, values, offsets, per_sample_weights,
-                                      table_meta, *ctx.hash_args)
+        grad_weights = args.backward_dense(grad_output, weights)
     if per_sample_weights is not None and ctx.needs_input_grad[3]:
-        grad_psw = per_sample_weights_grad(grad_output, weights, values, offsets, table_meta,
-                                           *ctx.hash_args).to(per_sample_weights.dtype)
-    return grad_weights, None, None, grad_psw, None, None, None, None, None, None
+        grad_psw = args.per_sample_weights_grad(grad_output, weights)
+    return (grad_weights, None, None, grad_psw) + (None,) * len(LayoutArgs._fields)
 
 
 forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -243,6 +255,8 @@ def _backward_fused_fake(*args) -> None:
 
 
 __all__ = [
+    "LayoutArgs",
+    "LookupArgs",
     "backward_dense",
     "backward_fused_",
     "cpu_backend",
