@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from robe_torchrec import ops
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.fused_lookup import fused_lookup
-from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
-from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
+from robe_torchrec.layout import RobeLayout
+from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.optim import RobeFusedOptimizer
-
-_LAYOUT_VERSION = 1
-_LAYOUT_HEADER = ("format", "hash", "seed", "block_size", "shared", "num_tables")
-_LAYOUT_PER_TABLE = ("num_embeddings", "embedding_dim", "array_size")
-_POOLING = {PoolingType.SUM: Pooling.SUM, PoolingType.MEAN: Pooling.MEAN}
 
 
 class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -61,6 +54,8 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         torch.Size([2, 16])
         >>> ebc.compression_ratio
         1000.0...
+        >>> ebc.layout.array_sizes, ebc.layout.feature("f2").row_offset   # see RobeLayout
+        ((8800,), 1000000)
     """
 
     def __init__(
@@ -71,56 +66,21 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: Optional[torch.device | str] = None,
     ) -> None:
         super().__init__()
-        if not tables:
-            raise ValueError("RobeEmbeddingBagCollection needs at least one table")
-        _check_tables(tables)
+        self._layout = RobeLayout.build(tables, robe)
+        for table in tables:  # TorchRec's convention, which the layout followed
+            if not table.feature_names:
+                table.feature_names = [table.name]
         self._embedding_bag_configs = tables
-        self._robe = robe
         self._is_weighted = is_weighted
-        self._hash_mode = robe.hash_mode
-        self._hash_params = hash_params(robe.hash_mode, robe.seed)
-        self._bounds_check = int(robe.bounds_check_mode)
-
-        table_sizes = [t.num_embeddings * t.embedding_dim for t in tables]
-        array_sizes = robe.split_memory(table_sizes)
-        self._array_sizes: List[int] = array_sizes
-        self._uncompressed_size = sum(table_sizes)
-        array_offsets = [sum(array_sizes[:i]) for i in range(len(array_sizes))]
-
-        dims, w_offsets, w_sizes, row_offsets, num_rows, poolings = [], [], [], [], [], []
-        for t, table in enumerate(tables):
-            array = 0 if robe.shared else t
-            for _ in table.feature_names:
-                dims.append(table.embedding_dim)
-                w_offsets.append(array_offsets[array])
-                w_sizes.append(array_sizes[array])
-                row_offsets.append(sum(tb.num_embeddings for tb in tables[:t]) if robe.shared else 0)
-                num_rows.append(table.num_embeddings)
-                poolings.append(int(_POOLING[table.pooling]))
-        if self._hash_mode == HashMode.REFERENCE and robe.bounds_check_mode == BoundsCheck.ERROR:
-            num_blocks = max(-(-d // robe.block_size) for d in dims)
-            limit = reference_key_limit(num_blocks, self._hash_params)
-            largest_key = max(r + n - 1 for r, n in zip(row_offsets, num_rows))
-            if largest_key >= limit:
-                raise ValueError(f"RobeEmbeddingBagCollection: the reference hash computes keys "
-                                 f"below {limit} only, but these tables reach key {largest_key}; "
-                                 "use RobeConfig(hash='mix')")
-        self._feature_names: List[str] = [f for table in tables for f in table.feature_names]
         self._embedding_names: List[str] = [
             name for names in get_embedding_names_by_table(tables) for name in names
         ]
-        self._lengths_per_embedding: List[int] = dims
-        self._output_dim = sum(dims)
-        self._max_dim = max(dims)
+        self._lengths_per_embedding: List[int] = self._layout.dims
 
-        self.weight = nn.Parameter(torch.empty(sum(array_sizes), device=device))
+        self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device))
         meta_device = None if self.weight.device.type == "meta" else self.weight.device
-        self.register_buffer(
-            "table_meta",
-            build_table_meta(dims, w_offsets, w_sizes, row_offsets, num_rows, poolings, meta_device),
-            persistent=False,
-        )
-        self.register_buffer("robe_layout", self._layout_tensor(), persistent=True)
+        self.register_buffer("table_meta", self._layout.table_meta(device=meta_device), persistent=False)
+        self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
         self.reset_parameters()
 
@@ -136,13 +96,18 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def device(self) -> torch.device:
         return self.weight.device
 
+    @property
+    def layout(self) -> RobeLayout:
+        """Where every table and feature lives (immutable, built once from the tables and
+        the :class:`RobeConfig`); the sharder and the sharded lookups read it too."""
+        return self._layout
+
     def reset_parameters(self) -> None:
-        """Uniform in ``[-s, s]``, ``s = robe.init_scale or sqrt(1 / max num_embeddings)``."""
+        """Uniform in ``[-s, s]``, ``s = layout.init_scale`` (``robe.init_scale``, else
+        ``sqrt(1 / max num_embeddings)``)."""
         if self.weight.device.type == "meta":
             return
-        scale = self._robe.init_scale
-        if scale is None:
-            scale = math.sqrt(1.0 / max(t.num_embeddings for t in self._embedding_bag_configs))
+        scale = self._layout.init_scale
         with torch.no_grad():
             self.weight.uniform_(-scale, scale)
 
@@ -159,12 +124,12 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if per_sample_weights is None:
                 raise ValueError("RobeEmbeddingBagCollection(is_weighted=True) got a "
                                  "KeyedJaggedTensor without weights")
-        args = (values, offsets, per_sample_weights, self.table_meta, self._output_dim,
-                self._robe.block_size, int(self._hash_mode), self._hash_params, self._bounds_check)
+        args = LookupArgs(values, offsets, per_sample_weights,
+                          self._layout.op_args(self.table_meta))
         fused = self._sync_fused_optimizer()
         try:
             if fused is None:
-                pooled = ops.forward(self.weight, *args)
+                pooled = args.forward(self.weight)
             else:
                 pooled = fused_lookup(self.weight, fused, args)
         except (ValueError, RuntimeError) as err:
@@ -180,16 +145,24 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         :attr:`weight` (``None`` while training on dense gradients)."""
         return self._sync_fused_optimizer()
 
-    def _sync_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
+    def in_backward_optimizer(self) -> Optional[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]]:
+        """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` recorded on
+        :attr:`weight`, or ``None``; raises if more than one was applied."""
         classes = getattr(self.weight, "_optimizer_classes", None)
         if not classes:
             return None
         if len(classes) != 1:
             raise ValueError("RobeEmbeddingBagCollection: exactly one in-backward optimizer "
                              f"per ROBE array is supported, got {len(classes)}")
-        kwargs = self.weight._optimizer_kwargs[0]  # type: ignore[attr-defined]
-        if self._fused is None or self._fused.optimizer_class is not classes[0]:
-            self._fused = RobeFusedOptimizer("weight", self.weight, classes[0], dict(kwargs))
+        return classes[0], dict(self.weight._optimizer_kwargs[0])  # type: ignore[attr-defined]
+
+    def _sync_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
+        applied = self.in_backward_optimizer()
+        if applied is None:
+            return None
+        optimizer_class, kwargs = applied
+        if self._fused is None or self._fused.optimizer_class is not optimizer_class:
+            self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs)
         return self._fused
 
     # --- size and layout -----------------------------------------------------------------
@@ -202,31 +175,23 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @property
     def uncompressed_size(self) -> int:
         """Floats the tables would hold uncompressed (sum of num_embeddings * embedding_dim)."""
-        return self._uncompressed_size
+        return self._layout.uncompressed_size
 
     @property
     def compression_ratio(self) -> float:
-        return self._uncompressed_size / self.memory_size
+        return self._layout.uncompressed_size / self.memory_size
 
     def extra_repr(self) -> str:
-        return (f"tables={[t.name for t in self._embedding_bag_configs]}, "
+        layout = self._layout
+        return (f"tables={layout.table_names}, "
                 f"memory_size={self.memory_size}, compression={self.compression_ratio:.1f}x, "
-                f"block_size={self._robe.block_size}, hash={self._hash_mode.name.lower()}, "
-                f"shared={self._robe.shared}")
-
-    def _layout_tensor(self) -> torch.Tensor:
-        header = [_LAYOUT_VERSION, int(self._hash_mode), self._robe.seed, self._robe.block_size,
-                  int(self._robe.shared), len(self._embedding_bag_configs)]
-        per_table = []
-        for t, table in enumerate(self._embedding_bag_configs):
-            array = 0 if self._robe.shared else t
-            per_table += [table.num_embeddings, table.embedding_dim, self._array_sizes[array]]
-        return torch.tensor(header + per_table, dtype=torch.int64)
+                f"block_size={layout.block_size}, hash={layout.hash_mode.name.lower()}, "
+                f"shared={layout.shared}")
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
-            _check_layout(saved.cpu(), self._layout_tensor(), [t.name for t in self._embedding_bag_configs])
+            self._layout.check_saved(saved)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # --- input handling ------------------------------------------------------------------
@@ -235,16 +200,14 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"RobeEmbeddingBagCollection expects a KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
-        keys = features.keys()
-        if keys == self._feature_names:
-            pass
-        else:
-            missing = [f for f in self._feature_names if f not in keys]
-            unknown = [k for k in keys if k not in self._feature_names]
+        keys, expected = features.keys(), self._layout.feature_names
+        if keys != expected:
+            missing = [f for f in expected if f not in keys]
+            unknown = [k for k in keys if k not in expected]
             if missing or unknown:
                 raise ValueError(f"RobeEmbeddingBagCollection: features do not match the tables: "
-                                 f"missing {missing}, unknown {unknown} (expected {self._feature_names})")
-            features = features.permute([keys.index(f) for f in self._feature_names])
+                                 f"missing {missing}, unknown {unknown} (expected {expected})")
+            features = features.permute([keys.index(f) for f in expected])
         if features.variable_stride_per_key():
             raise ValueError("RobeEmbeddingBagCollection does not support variable batch size "
                              "per feature")
@@ -259,49 +222,9 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Turn an op error's feature index into the feature's name."""
         message = str(err)
         found = re.search(r"of feature (\d+)", message)
-        if found and int(found.group(1)) < len(self._feature_names):
-            name = self._feature_names[int(found.group(1))]
+        names = self._layout.feature_names
+        if found and int(found.group(1)) < len(names):
+            name = names[int(found.group(1))]
             message = message.replace(found.group(0), f"of feature {found.group(1)} ('{name}')")
         return type(err)(message)
 
-
-def _check_tables(tables: List[EmbeddingBagConfig]) -> None:
-    names = set()
-    for table in tables:
-        if table.name in names:
-            raise ValueError(f"duplicate table name {table.name!r}")
-        names.add(table.name)
-        if not table.feature_names:
-            table.feature_names = [table.name]
-        if table.pooling not in _POOLING:
-            raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported "
-                             "(SUM or MEAN)")
-        if table.data_type != DataType.FP32:
-            raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported "
-                             "(ROBE arrays are FP32)")
-        if table.num_embeddings < 1 or table.embedding_dim < 1:
-            raise ValueError(f"table {table.name!r}: num_embeddings and embedding_dim must be positive")
-
-
-def _decode_layout(layout: torch.Tensor) -> Dict[str, Any]:
-    values = [int(v) for v in layout.tolist()]
-    decoded: Dict[str, Any] = dict(zip(_LAYOUT_HEADER, values[: len(_LAYOUT_HEADER)]))
-    decoded["hash"] = HashMode(decoded["hash"]).name.lower() if decoded.get("hash") in (0, 1) else decoded.get("hash")
-    rest = values[len(_LAYOUT_HEADER):]
-    decoded["tables"] = [tuple(rest[i: i + 3]) for i in range(0, len(rest), 3)]
-    return decoded
-
-
-def _check_layout(saved: torch.Tensor, own: torch.Tensor, table_names: List[str]) -> None:
-    if saved.shape == own.shape and bool(torch.equal(saved, own)):
-        return
-    ckpt, mine = _decode_layout(saved), _decode_layout(own)
-    diffs = [f"{k}: checkpoint {ckpt.get(k)!r} vs module {mine.get(k)!r}"
-             for k in _LAYOUT_HEADER if ckpt.get(k) != mine.get(k)]
-    for i, (a, b) in enumerate(zip(ckpt["tables"], mine["tables"])):
-        for field, x, y in zip(_LAYOUT_PER_TABLE, a, b):
-            if x != y:
-                name = table_names[i] if i < len(table_names) else str(i)
-                diffs.append(f"table {name!r} {field}: checkpoint {x} vs module {y}")
-    raise ValueError("RobeEmbeddingBagCollection: the checkpoint was made with another ROBE "
-                     "layout, loading it would scramble every embedding: " + "; ".join(diffs))

@@ -3,37 +3,40 @@
 Shared by the unsharded module and the sharded lookups, so the in-backward update is written
 once: per-sample-weight gradient first (it must see the weights before the update), then
 either ``robe::backward_fused_`` (scatter and update in one go) or, for a data-parallel
-array, the dense gradient averaged over the process group and then the update.
+array, the dense gradient averaged over the process group and then the update
+(:func:`robe_torchrec.ops.dense_update.apply_dense_update_`).
 
 Example::
 
+    >>> args = LookupArgs(values, offsets, None, module.layout.op_args(module.table_meta))
     >>> pooled = fused_lookup(module.weight, module.fused_optimizer, args)
     >>> pooled.sum().backward()    # module.weight was updated, it has no .grad
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from robe_torchrec.ops.reference import apply_optimizer_
+from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.optim import RobeFusedOptimizer
 
 
 def fused_lookup(
     weights: torch.Tensor,
     optimizer: RobeFusedOptimizer,
-    args: Tuple,
+    args: LookupArgs,
     all_reduce_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Pooled lookup (``args`` = the arguments of ``robe::forward`` after ``weights``).
+    """Pooled lookup of ``args`` in ``weights``; backward updates ``weights`` with ``optimizer``.
 
     With ``all_reduce_group``, the array's gradient is averaged over that group before the
     update (data-parallel arrays: every rank holds the array and sees its own batch).
     """
-    per_sample_weights = args[2]
+    per_sample_weights = args.per_sample_weights
     psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
     # autograd calls backward only if an input requires grad: the per-sample weights when
     # they need a gradient, otherwise a fresh empty leaf
@@ -47,31 +50,26 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, anchor, weights, optimizer, args, psw_needs_grad, group):  # type: ignore[override]
         ctx.weights, ctx.optimizer, ctx.args = weights, optimizer, args
         ctx.psw_needs_grad, ctx.group = psw_needs_grad, group
-        return torch.ops.robe.forward(weights, *args)
+        return args.forward(weights)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        (values, offsets, psw, table_meta, _out_dim, block_size, hash_mode, hash_params,
-         _bounds) = ctx.args
+        args: LookupArgs = ctx.args
         weights, optimizer = ctx.weights, ctx.optimizer
         grad_output = grad_output.contiguous()
         grad_psw = None
         if ctx.psw_needs_grad and ctx.needs_input_grad[0]:
-            grad_psw = torch.ops.robe.per_sample_weights_grad(
-                grad_output, weights, values, offsets, table_meta, block_size, hash_mode,
-                hash_params).to(psw.dtype)
+            grad_psw = args.per_sample_weights_grad(grad_output, weights)
         state1, state2 = optimizer.state_tensors()
         step = optimizer.advance_step()
         group = ctx.group
         if group is not None and dist.get_world_size(group) > 1:
-            grad = torch.ops.robe.backward_dense(grad_output, weights, values, offsets, psw,
-                                                 table_meta, block_size, hash_mode, hash_params)
+            grad = args.backward_dense(grad_output, weights)
             dist.all_reduce(grad, group=group)
             grad.div_(dist.get_world_size(group))
-            apply_optimizer_(weights, grad, state1, state2, int(optimizer.kind),
-                             optimizer.hparams(), step)
+            apply_dense_update_(weights, grad, state1, state2, int(optimizer.kind),
+                                optimizer.hparams(), step)
         else:
-            torch.ops.robe.backward_fused_(grad_output, weights, state1, state2, values, offsets,
-                                           psw, table_meta, block_size, hash_mode, hash_params,
-                                           int(optimizer.kind), optimizer.hparams(), step)
+            args.backward_fused_(grad_output, weights, state1, state2, int(optimizer.kind),
+                                 optimizer.hparams(), step)
         return grad_psw, None, None, None, None, None

@@ -1,6 +1,7 @@
 """Fused (in-backward) optimizers for ROBE arrays, exposed as TorchRec ``FusedOptimizer``.
 
-The update itself runs inside ``robe::backward_fused_``; this class only holds what it
+The update itself runs inside ``robe::backward_fused_`` (or, for data-parallel arrays,
+:func:`robe_torchrec.ops.dense_update.apply_dense_update_`); this class only holds what it
 needs (hyper-parameters in ``param_groups``, so LR schedulers work, and the state tensors,
 named as ``torch.optim`` names them) and translates a ``torch.optim`` class plus kwargs,
 as ``apply_optimizer_in_backward`` records them, into the op's arguments.
@@ -101,6 +102,17 @@ class RobeFusedOptimizer(FusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass
 
+    @property
+    def param(self) -> torch.Tensor:
+        """The ROBE array this optimizer updates."""
+        return self._param
+
+    @property
+    def param_state(self) -> Dict[str, torch.Tensor]:
+        """The array's state, keyed as ``torch.optim`` keys it (``sum``; ``exp_avg``,
+        ``exp_avg_sq``; ``step``); empty for SGD."""
+        return self.state[self._param]
+
     def _group(self) -> Dict[str, Any]:
         return next(iter(self.param_groups))
 
@@ -112,7 +124,8 @@ class RobeFusedOptimizer(FusedOptimizer):
                 float(group.get("weight_decay", 0.0))]
 
     def state_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        state = self.state[self._param]
+        """``(state1, state2)`` as the fused op takes them (unused ones empty)."""
+        state = self.param_state
         if self.kind == Optimizer.ADAGRAD:
             return state["sum"], self._empty
         if self.kind == Optimizer.ADAM:
@@ -121,7 +134,7 @@ class RobeFusedOptimizer(FusedOptimizer):
 
     def advance_step(self) -> int:
         """Count one more update and return its 1-based number (Adam's bias correction)."""
-        state = self.state[self._param]
+        state = self.param_state
         if "step" not in state:
             return 1
         state["step"] += 1

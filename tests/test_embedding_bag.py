@@ -4,6 +4,7 @@ checkpoints, and the DLRM swap."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.optim import apply_optimizer_in_backward
 
-from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeLayout
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.reference import element_indices
 
@@ -44,11 +45,12 @@ def random_kjt(tables, batch=6, max_len=4, seed=0, weighted=False, dtype=torch.i
 def virtual_tables(ebc: RobeEmbeddingBagCollection):
     """Materialise every feature's full (num_embeddings x dim) table from the ROBE array."""
     out = {}
-    meta = ebc.table_meta
-    for t, name in enumerate(ebc._feature_names):
+    meta, layout = ebc.table_meta, ebc.layout
+    for t, name in enumerate(layout.feature_names):
         col = [int(v) for v in meta[:, t].tolist()]
         ids = torch.arange(col[m.NUM_ROWS])
-        idx = element_indices(ids, col, ebc._robe.block_size, int(ebc._hash_mode), ebc._hash_params)
+        idx = element_indices(ids, col, layout.block_size, int(layout.hash_mode),
+                              list(layout.hash_params))
         out[name] = ebc.weight[idx]
     return out
 
@@ -106,7 +108,7 @@ def test_shared_layout_is_the_papers():
     n0, n1 = tables[0].num_embeddings, tables[1].num_embeddings
     # table 1 row 0 == what table 0 would read at row n0 (same key)
     col0 = [int(x) for x in ebc.table_meta[:, 0].tolist()]
-    beyond = element_indices(torch.tensor([n0, n0 + n1 + 2]), col0, 4, 0, ebc._hash_params)
+    beyond = element_indices(torch.tensor([n0, n0 + n1 + 2]), col0, 4, 0, list(ebc.layout.hash_params))
     torch.testing.assert_close(v["f1"][0], ebc.weight[beyond[0]])
     torch.testing.assert_close(v["f2"][2], ebc.weight[beyond[1]])
 
@@ -122,9 +124,9 @@ def test_per_table_arrays_split_the_budget():
         assert size >= 2 and abs(size - 1000 * n / sum(logical)) <= 2 + 1000 * 0.01
     # arrays are disjoint: every element index of table t stays in its own region
     offsets = ebc.table_meta[m.W_OFFSET].tolist()
-    for t, (name, table) in enumerate(zip(ebc._feature_names, virtual_tables(ebc).values())):
+    for t, (name, table) in enumerate(zip(ebc.layout.feature_names, virtual_tables(ebc).values())):
         col = [int(x) for x in ebc.table_meta[:, t].tolist()]
-        idx = element_indices(torch.arange(col[m.NUM_ROWS]), col, 2, 0, ebc._hash_params)
+        idx = element_indices(torch.arange(col[m.NUM_ROWS]), col, 2, 0, list(ebc.layout.hash_params))
         assert idx.min() >= offsets[t] and idx.max() < offsets[t] + sizes[t]
 
 
@@ -146,7 +148,7 @@ def test_meta_device_allocates_nothing():
 
 def _train(ebc, kjts, optimizer_factory=None, fused=None):
     """A few steps of a fixed quadratic loss; returns the losses."""
-    target = torch.linspace(-1, 1, sum(ebc._lengths_per_embedding))
+    target = torch.linspace(-1, 1, ebc.layout.output_dim)
     if fused is not None:
         apply_optimizer_in_backward(fused[0], [ebc.weight], fused[1])
         opt = None
@@ -269,6 +271,27 @@ def test_state_dict_round_trip_and_layout_check():
             RobeEmbeddingBagCollection(tables, changed).load_state_dict(sd)
     with pytest.raises(ValueError, match="num_embeddings"):
         RobeEmbeddingBagCollection(make_tables(rows=(51, 300, 7)), robe).load_state_dict(sd)
+
+
+def test_layout_is_one_immutable_object():
+    tables = make_tables()  # t0 has features f0 and f_extra
+    robe = RobeConfig(memory_size=300, block_size=4)
+    ebc = RobeEmbeddingBagCollection(tables, robe)
+    layout = ebc.layout
+    assert layout == RobeLayout.build(tables, robe)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.array_sizes = (1,)  # type: ignore[misc]
+    assert layout.feature_names == ["f0", "f_extra", "f1", "f2"]
+    assert layout.array_sizes == (300,) and layout.memory_size == ebc.memory_size
+    assert [f.row_offset for f in layout.features] == [0, 0, 50, 350]
+    assert layout.feature("f1").pooling == m.Pooling.MEAN
+    assert torch.equal(layout.table_meta(), ebc.table_meta)
+    # the checkpoint format: a header, then (num_embeddings, dim, array size) per table
+    assert ebc.state_dict()["robe_layout"].tolist() == [
+        1, 0, 1024, 4, 1, 3, 50, 8, 300, 300, 5, 300, 7, 16, 300]
+    split = RobeLayout.build(tables, RobeConfig(memory_size=300, block_size=4, shared=False))
+    assert split.array_offsets == (0, split.array_sizes[0], sum(split.array_sizes[:2]))
+    assert [f.array for f in split.features] == [0, 0, 1, 2]
 
 
 def test_dlrm_swap_trains():

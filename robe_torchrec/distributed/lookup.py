@@ -9,8 +9,8 @@ input dist hands it, and applies the fused optimizer inside backward:
 * ``DATA_PARALLEL``: every rank holds the arrays and sees only its local batch. Backward
   computes the dense array gradient (``robe::backward_dense``), all-reduces it (sum divided
   by the world size, DDP's averaging) and applies the optimizer with
-  :func:`robe_torchrec.ops.reference.apply_optimizer_` (:mod:`robe_torchrec.fused_lookup`, shared
-  with the unsharded module), all inside autograd: there is no
+  :func:`robe_torchrec.ops.dense_update.apply_dense_update_` (:mod:`robe_torchrec.fused_lookup`,
+  shared with the unsharded module), all inside autograd: there is no
   DDP wrapper and no gradient left for a dense optimizer, so pipelines that need every
   embedding optimizer fused into backward (FusedSparseDist, SemiSync) see what they expect.
 """
@@ -18,16 +18,17 @@ input dist hands it, and applies the fused optimizer inside backward:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from robe_torchrec.ops.meta import build_table_meta
 from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.layout import FeatureLayout, RobeLayout
+from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.optim import RobeFusedOptimizer
 
 
@@ -40,26 +41,17 @@ class Segment:
     local_offset: int  # first element inside the lookup's local weight
 
 
-@dataclasses.dataclass(frozen=True)
-class FeatureSpec:
-    """One input feature of a lookup, in the order its KJT carries them."""
-
-    name: str
-    dim: int
-    local_array_offset: int  # W_OFFSET: where the feature's array starts in the local weight
-    array_size: int  # W_SIZE: what the hash maps into
-    row_offset: int  # ROW_OFFSET (shared layout / row-wise slices)
-    num_rows: int  # NUM_ROWS (bounds check)
-    pooling: int
-
-
 class _LocalRobeOptimizer(RobeFusedOptimizer):
     """Per-lookup optimizer state; hyper-parameters are read from the module-level group, so
     that a change of ``dmp.fused_optimizer.param_groups[..]["lr"]`` reaches every lookup."""
 
     def __init__(self, param, optimizer_class, kwargs) -> None:
         super().__init__("local", param, optimizer_class, kwargs)
-        self._owner: Optional[FusedOptimizer] = None  # set by the sharded module
+        self._owner: Optional[FusedOptimizer] = None
+
+    def follow(self, owner: FusedOptimizer) -> None:
+        """Read hyper-parameters from ``owner``'s first param group from now on."""
+        self._owner = owner
 
     def _group(self) -> Dict[str, Any]:
         if self._owner is not None:
@@ -68,14 +60,22 @@ class _LocalRobeOptimizer(RobeFusedOptimizer):
 
 
 class RobeShardedLookup(nn.Module):
-    """Looks up the features of one sharding type on this rank (see module docstring)."""
+    """Looks up the features of one sharding type on this rank (see module docstring).
+
+    Args:
+        features: the features TorchRec's input dist hands this lookup, in its KJT's order,
+            placed in the local weight (see :class:`~robe_torchrec.layout.FeatureLayout`).
+        segments: the pieces of the module's flat ``weight`` the local weight holds.
+        local_size: floats of the local weight.
+        layout: the module's layout (hash, block size, bounds check).
+    """
 
     def __init__(
         self,
-        features: List[FeatureSpec],
+        features: List[FeatureLayout],
         segments: List[Segment],
         local_size: int,
-        robe_args: Tuple[int, int, List[int], int],
+        layout: RobeLayout,
         optimizer_class: Type[torch.optim.Optimizer],
         optimizer_kwargs: Dict[str, Any],
         data_parallel: bool,
@@ -86,20 +86,13 @@ class RobeShardedLookup(nn.Module):
         super().__init__()
         self.features = features
         self.segments = segments
-        self._block_size, self._hash_mode, self._hash_params, self._bounds_check = robe_args
+        self._layout = layout
         self._data_parallel = data_parallel
         self._pg = process_group
         self._is_weighted = is_weighted
         self._output_dim = sum(f.dim for f in features)
         self.weight = nn.Parameter(torch.zeros(local_size, device=device))
-        self.register_buffer(
-            "table_meta",
-            build_table_meta(
-                [f.dim for f in features], [f.local_array_offset for f in features],
-                [f.array_size for f in features], [f.row_offset for f in features],
-                [f.num_rows for f in features], [f.pooling for f in features], device),
-            persistent=False,
-        )
+        self.register_buffer("table_meta", layout.table_meta(features, device), persistent=False)
         self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs)
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
         self.weight._in_backward_optimizers = [self.optimizer]  # type: ignore[attr-defined]
@@ -128,8 +121,8 @@ class RobeShardedLookup(nn.Module):
         if offsets.dtype != values.dtype:
             offsets = offsets.to(values.dtype)
         psw = features.weights_or_none() if self._is_weighted else None
-        args = (values, offsets, psw, self.table_meta, self._output_dim, self._block_size,
-                self._hash_mode, self._hash_params, self._bounds_check)
+        args = LookupArgs(values, offsets, psw,
+                          self._layout.op_args(self.table_meta, self._output_dim))
         return fused_lookup(self.weight, self.optimizer, args,
                             self._pg if self._data_parallel else None)
 

@@ -9,6 +9,7 @@ the optimizer and the state dict are ROBE's own. See ``README_SECTION.md`` for s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
@@ -28,12 +29,14 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
-from robe_torchrec.distributed.lookup import FeatureSpec, RobeShardedLookup, Segment
-from robe_torchrec.embedding_bag import _POOLING, RobeEmbeddingBagCollection, _check_layout
+from robe_torchrec.distributed.lookup import RobeShardedLookup, Segment
+from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+from robe_torchrec.layout import FeatureLayout, RobeLayout
+from robe_torchrec.ops.meta import Pooling
 from robe_torchrec.optim import resolve_optimizer
 
 DP = ShardingType.DATA_PARALLEL.value
@@ -55,29 +58,10 @@ _EMB_OPT = {
 # layout helpers
 # ---------------------------------------------------------------------------------------
 
-def array_of_table(module: RobeEmbeddingBagCollection, t: int) -> int:
-    return 0 if module._robe.shared else t
-
-
-def array_offsets(module: RobeEmbeddingBagCollection) -> List[int]:
-    sizes = module._array_sizes
-    return [sum(sizes[:i]) for i in range(len(sizes))]
-
-
-def table_array_share(module: RobeEmbeddingBagCollection, t: int) -> int:
-    """Floats of ROBE memory attributable to table ``t`` (its own array, or its share of
-    the shared array in proportion to ``num_embeddings * embedding_dim``)."""
-    tables = module.embedding_bag_configs()
-    if not module._robe.shared:
-        return module._array_sizes[t]
-    sizes = [tb.num_embeddings * tb.embedding_dim for tb in tables]
-    return max(1, math.ceil(module._array_sizes[0] * sizes[t] / sum(sizes)))
-
-
-def compressed_shape(module: RobeEmbeddingBagCollection, t: int) -> torch.Size:
+def compressed_shape(layout: RobeLayout, t: int) -> torch.Size:
     """The shape the planner sees for table ``t``: its ROBE floats as ``[rows, dim]``."""
-    dim = module.embedding_bag_configs()[t].embedding_dim
-    return torch.Size([max(1, math.ceil(table_array_share(module, t) / dim)), dim])
+    dim = layout.tables[t].embedding_dim
+    return torch.Size([max(1, math.ceil(layout.table_array_share(t) / dim)), dim])
 
 
 def rw_rows(num_embeddings: int, world: int, rank: int) -> Tuple[int, int]:
@@ -101,15 +85,12 @@ def resolve_fused_optimizer(
 ) -> Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]:
     """The in-backward optimizer of a sharded module: from ``apply_optimizer_in_backward`` on
     ``module.weight`` if called, else from the sharder's ``fused_params``."""
-    classes = getattr(module.weight, "_optimizer_classes", None)
-    if classes:
-        if len(classes) != 1:
-            raise ValueError("RobeEmbeddingBagCollection: exactly one in-backward optimizer "
-                             f"per ROBE array is supported, got {len(classes)}")
-        kwargs = {k: v for k, v in module.weight._optimizer_kwargs[0].items()  # type: ignore
-                  if k != "optimizer"}
-        resolve_optimizer(classes[0], kwargs)
-        return classes[0], kwargs
+    applied = module.in_backward_optimizer()
+    if applied is not None:
+        optimizer_class, kwargs = applied
+        kwargs = {k: v for k, v in kwargs.items() if k != "optimizer"}
+        resolve_optimizer(optimizer_class, kwargs)
+        return optimizer_class, kwargs
     fused_params = fused_params or {}
     opt = fused_params.get("optimizer")
     if opt is None:
@@ -138,7 +119,8 @@ def resolve_fused_optimizer(
 def validate_plan(module: RobeEmbeddingBagCollection,
                   plan: Dict[str, ParameterSharding]) -> None:
     """Refuse, with a message naming the table, a plan this module cannot run."""
-    names = [t.name for t in module.embedding_bag_configs()]
+    layout = module.layout
+    names = layout.table_names
     missing = [n for n in names if n not in plan]
     if missing:
         raise ValueError(f"RobeEmbeddingBagCollection: the plan has no entry for tables {missing}")
@@ -156,13 +138,13 @@ def validate_plan(module: RobeEmbeddingBagCollection,
     for t, name in enumerate(names):
         if plan[name].sharding_type == RW:
             world = len(plan[name].ranks or []) or 1
-            a = array_of_table(module, t)
-            if module._array_sizes[a] // world < module._robe.block_size:
+            array_size = layout.array_sizes[layout.tables[t].array]
+            if array_size // world < layout.block_size:
                 raise ValueError(
                     f"RobeEmbeddingBagCollection: table {name!r} is planned row_wise over "
-                    f"{world} ranks but its ROBE array ({module._array_sizes[a]} floats) cannot "
-                    f"give each rank a slice of at least block_size={module._robe.block_size}")
-    if module._robe.shared:
+                    f"{world} ranks but its ROBE array ({array_size} floats) cannot "
+                    f"give each rank a slice of at least block_size={layout.block_size}")
+    if layout.shared:
         types = {plan[n].sharding_type for n in names}
         if len(types) != 1 or not types <= set(SHARED_SHARDING_TYPES):
             raise ValueError(
@@ -182,7 +164,7 @@ def robe_sharding_constraints(model: nn.Module, constraints=None):
 
     constraints = dict(constraints or {})
     for module in model.modules():
-        if isinstance(module, RobeEmbeddingBagCollection) and module._robe.shared:
+        if isinstance(module, RobeEmbeddingBagCollection) and module.layout.shared:
             for table in module.embedding_bag_configs():
                 c = constraints.get(table.name) or ParameterConstraints()
                 allowed = [t for t in (c.sharding_types or [DP]) if t in SHARED_SHARDING_TYPES]
@@ -199,7 +181,8 @@ class _ModuleView:
         self._module = module
         self._params = {
             f"embedding_bags.{t.name}.weight": nn.Parameter(
-                torch.empty(compressed_shape(module, i), device="meta"), requires_grad=False)
+                torch.empty(compressed_shape(module.layout, i), device="meta"),
+                requires_grad=False)
             for i, t in enumerate(module.embedding_bag_configs())
         }
         self.device = torch.device("cpu")
@@ -260,55 +243,41 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _create_lookups(self) -> None:
         module, (opt_class, opt_kwargs) = self.__dict__["_robe_src"]
-        tables = module.embedding_bag_configs()
-        index = {t.name: i for i, t in enumerate(tables)}
-        offsets = array_offsets(module)
-        row_offsets = [sum(t.num_embeddings for t in tables[:i]) for i in range(len(tables))]
+        layout: RobeLayout = module.layout
         pg = self._env.process_group
+        rank, world = self._env.rank, self._env.world_size
         for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
-            local_tables = [tb for gc in sharding._grouped_embedding_configs
-                            for tb in gc.embedding_tables]
-            features: List[FeatureSpec] = []
-            segments: List[Segment] = []
-            rank, world = self._env.rank, self._env.world_size
             row_wise = sharding_type == RW
+            # the features this rank looks up, in the order of the KJT the input dist hands it
+            local_names = (sharding.feature_names_per_rank()[rank] if sharding_type == TW
+                           else sharding.feature_names())
+            local_features = [layout.feature(name) for name in local_names]
             # local arrays (ROW_WISE: this rank's slice of each) in global order: a
             # data-parallel lookup's weight is then laid out exactly as the unsharded
             # module's (its state can be viewed without copies)
-            local_of_array: Dict[int, int] = {}
-            piece: Dict[int, Tuple[int, int]] = {}  # array -> (global offset, size) held
+            segments: List[Segment] = []
+            local_piece: Dict[int, Tuple[int, int]] = {}  # array -> (local offset, size)
             local_size = 0
-            for a in sorted({array_of_table(module, index[tb.name]) for tb in local_tables}):
-                if row_wise:
-                    off, size = rw_slices(module._array_sizes[a], world)[rank]
-                    piece[a] = (offsets[a] + off, size)
-                else:
-                    piece[a] = (offsets[a], module._array_sizes[a])
-                local_of_array[a] = local_size
-                segments.append(Segment(piece[a][0], piece[a][1], local_size))
-                local_size += piece[a][1]
-            for tb in local_tables:
-                t = index[tb.name]
-                a = array_of_table(module, t)
-                size = piece[a][1]
-                cfg = tables[t]
-                row_offset = row_offsets[t] if module._robe.shared else 0
-                num_rows, pooling = cfg.num_embeddings, int(_POOLING[cfg.pooling])
+            for a in sorted({f.array for f in local_features}):
+                off, size = (rw_slices(layout.array_sizes[a], world)[rank] if row_wise
+                             else (0, layout.array_sizes[a]))
+                segments.append(Segment(layout.array_offsets[a] + off, size, local_size))
+                local_piece[a] = (local_size, size)
+                local_size += size
+            features: List[FeatureLayout] = []
+            for f in local_features:
+                offset, size = local_piece[f.array]
+                f = dataclasses.replace(f, array_offset=offset, array_size=size)
                 if row_wise:
                     # ids arrive local to this rank's row block: the hash key stays the
                     # global row; MEAN is applied by TorchRec after the reduce-scatter
-                    start, num_rows = rw_rows(cfg.num_embeddings, world, rank)
-                    row_offset += start
-                    pooling = int(_POOLING[PoolingType.SUM])
-                for f in cfg.feature_names:
-                    features.append(FeatureSpec(f, cfg.embedding_dim, local_of_array[a], size,
-                                                row_offset, num_rows, pooling))
+                    start, num_rows = rw_rows(f.num_rows, world, rank)
+                    f = dataclasses.replace(f, row_offset=f.row_offset + start,
+                                            num_rows=num_rows, pooling=Pooling.SUM)
+                features.append(f)
             lookup = RobeShardedLookup(
-                features, segments, local_size,
-                (module._robe.block_size, int(module._hash_mode), list(module._hash_params),
-                 module._bounds_check),
-                opt_class, opt_kwargs, sharding_type == DP, pg,
-                module.is_weighted(), self._device)
+                features, segments, local_size, layout, opt_class, opt_kwargs,
+                sharding_type == DP, pg, module.is_weighted(), self._device)
             self._lookups.append(lookup)
         self._robe_lookups = nn.ModuleList(self._lookups)
 
@@ -324,28 +293,22 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         pg = self._env.process_group
         self._rank = dist.get_rank(pg) if pg is not None else 0
         self._world = dist.get_world_size(pg) if pg is not None else 1
-        self._robe_config = module._robe
-        self._robe_table_names = [t.name for t in module.embedding_bag_configs()]
-        self._robe_layout = module._layout_tensor()
-        self._robe_total = module.memory_size
-        self._robe_hash_mode = module._hash_mode
-        self._robe_default_scale = math.sqrt(
-            1.0 / max(t.num_embeddings for t in module.embedding_bag_configs()))
+        layout: RobeLayout = module.layout
+        self._robe_layout = layout
         # who declares each array in the state dict
         plan = self.module_sharding_plan
-        offsets = array_offsets(module)
         pieces = set()
-        for t, table in enumerate(module.embedding_bag_configs()):
-            a = array_of_table(module, t)
+        for table in layout.tables:
+            a = table.array
             ps = plan[table.name]
             if ps.sharding_type == RW:
-                for r, (off, size) in enumerate(rw_slices(module._array_sizes[a], self._world)):
-                    pieces.add((offsets[a] + off, size, r))
+                for r, (off, size) in enumerate(rw_slices(layout.array_sizes[a], self._world)):
+                    pieces.add((layout.array_offsets[a] + off, size, r))
             else:
                 owner = 0 if ps.sharding_type == DP else int(ps.ranks[0])  # type: ignore[index]
-                pieces.add((offsets[a], module._array_sizes[a], owner))
+                pieces.add((layout.array_offsets[a], layout.array_sizes[a], owner))
         self._global_segments = sorted(pieces)
-        self._all_dp = all(plan[n].sharding_type == DP for n in self._robe_table_names)
+        self._all_dp = all(plan[n].sharding_type == DP for n in layout.table_names)
         self._dp_lookups = [lk for lk, st in zip(self._lookups, self._sharding_types) if st == DP]
 
         # initial values: rank 0's module, so every rank starts from the same arrays
@@ -359,18 +322,32 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         lk.weight[s.local_offset: s.local_offset + s.size].copy_(
                             src[s.global_offset: s.global_offset + s.size])
             else:
-                scale = module._robe.init_scale or math.sqrt(
-                    1.0 / max(t.num_embeddings for t in module.embedding_bag_configs()))
-                for lk in self._lookups:
-                    lk.weight.uniform_(-scale, scale)
-                self._broadcast_dp()
+                self.reset_parameters()
 
         self._robe_opt = ShardedRobeFusedOptimizer(self)
         for lk in self._lookups:
-            lk.optimizer._owner = self._robe_opt
+            lk.optimizer.follow(self._robe_opt)
         self._optim = CombinedOptimizer([("", self._robe_opt)])
 
-    def _broadcast_dp(self, tensors_of=lambda lk: [lk.weight.data]) -> None:
+    # --- what ShardedRobeFusedOptimizer reads ----------------------------------------------
+
+    @property
+    def layout(self) -> RobeLayout:
+        """The unsharded module's layout."""
+        return self._robe_layout
+
+    @property
+    def robe_lookups(self) -> List[RobeShardedLookup]:
+        """This rank's lookups, one per sharding type."""
+        return list(self._lookups)
+
+    @property
+    def all_data_parallel(self) -> bool:
+        """Whether every table is data-parallel (the state dict then holds plain tensors)."""
+        return self._all_dp
+
+    def broadcast_data_parallel(self, tensors_of=lambda lk: [lk.weight.data]) -> None:
+        """Copy rank 0's data-parallel pieces (``tensors_of(lookup)``) to every rank."""
         pg = self._env.process_group
         if pg is None or self._world == 1:
             return
@@ -409,7 +386,7 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             view = view.detach().clone() if clone else view.detach()
             local.append(Shard(tensor=view, metadata=by_offset[s.global_offset]))
         meta = ShardedTensorMetadata(
-            shards_metadata=shards_md, size=torch.Size([self._robe_total]),
+            shards_metadata=shards_md, size=torch.Size([self._robe_layout.memory_size]),
             tensor_properties=TensorProperties(dtype=torch.float32))
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local, meta, process_group=self._env.process_group)
@@ -419,13 +396,13 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.global_view(lambda lk: lk.weight, clone=True)
-        destination[prefix + "robe_layout"] = self._robe_layout.clone()
+        destination[prefix + "robe_layout"] = self._robe_layout.to_tensor()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         wkey, lkey = prefix + "weight", prefix + "robe_layout"
         if lkey in state_dict:
-            _check_layout(state_dict[lkey].cpu(), self._robe_layout, self._robe_table_names)
+            self._robe_layout.check_saved(state_dict[lkey])
         elif strict:
             missing_keys.append(lkey)
         if wkey in state_dict:
@@ -441,10 +418,11 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _load_flat(self, src, tensor_of, what: str) -> None:
         """Copy a flat array (plain or ShardedTensor) into the local pieces of ``tensor_of``."""
         with torch.no_grad():
+            total = self._robe_layout.memory_size
             if isinstance(src, ShardedTensor):
-                if tuple(src.size()) != (self._robe_total,):
+                if tuple(src.size()) != (total,):
                     raise ValueError(f"RobeEmbeddingBagCollection: {what} has size "
-                                     f"{tuple(src.size())}, expected ({self._robe_total},)")
+                                     f"{tuple(src.size())}, expected ({total},)")
                 theirs = {(sh.metadata.shard_offsets[0], sh.metadata.shard_sizes[0]): sh.tensor
                           for sh in src.local_shards()}
                 for s, view in self._declared_local(tensor_of):
@@ -458,13 +436,13 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     if found.data_ptr() != view.data_ptr():
                         view.copy_(found)
                 if not self._all_dp:
-                    self._broadcast_dp(lambda lk: [tensor_of(lk)])
+                    self.broadcast_data_parallel(lambda lk: [tensor_of(lk)])
             else:
                 if hasattr(src, "full_tensor"):  # DTensor
                     src = src.full_tensor()
-                if src.numel() != self._robe_total:
+                if src.numel() != total:
                     raise ValueError(f"RobeEmbeddingBagCollection: {what} has {src.numel()} "
-                                     f"elements, expected {self._robe_total}")
+                                     f"elements, expected {total}")
                 src = src.reshape(-1)
                 for lk in self._lookups:
                     t = tensor_of(lk)
@@ -479,19 +457,20 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """Re-draw every local array uniformly as the unsharded module does (data-parallel
         arrays then broadcast from rank 0). Sharding already copies rank 0's arrays; this is
         for ``DistributedModelParallel``'s meta-device initialisation."""
-        scale = self._robe_config.init_scale or self._robe_default_scale
+        scale = self._robe_layout.init_scale
         with torch.no_grad():
             for lk in self._lookups:
                 lk.weight.uniform_(-scale, scale)
-            self._broadcast_dp()
+            self.broadcast_data_parallel()
 
     @property
     def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
         return RobeEmbeddingBagCollection
 
     def extra_repr(self) -> str:
-        return (f"tables={self._robe_table_names}, plan="
-                f"{ {n: self.module_sharding_plan[n].sharding_type for n in self._robe_table_names} }")
+        names = self._robe_layout.table_names
+        return (f"tables={names}, plan="
+                f"{ {n: self.module_sharding_plan[n].sharding_type for n in names} }")
 
 
 class ShardedRobeFusedOptimizer(FusedOptimizer):
@@ -501,18 +480,18 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
 
     def __init__(self, owner: ShardedRobeEmbeddingBagCollection) -> None:
         self._owner = owner
-        first = owner._lookups[0].optimizer
+        first = owner.robe_lookups[0].optimizer
         group: Dict[str, Any] = {k: v for k, v in first.param_groups[0].items() if k != "params"}
         weight = owner.global_view(lambda lk: lk.weight)
-        names = list(first.state[first._param].keys())
+        names = list(first.param_state.keys())
         state: Dict[str, torch.Tensor] = {}
         for name in names:
             if name == "step":
                 continue
-            state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.state[lk.optimizer._param][n])
+            state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.param_state[n])
         if "step" in names:
             # the step counter of this rank's first lookup (they all count the same steps)
-            state["step"] = first.state[first._param]["step"]
+            state["step"] = first.param_state["step"]
         group["params"] = [weight]
         super().__init__({"weight": weight}, {weight: state}, [group])
         self._weight = weight
@@ -530,14 +509,14 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
         lookup gets the loaded step count."""
         st = self.state[self._weight]
         owner = self._owner
-        if not owner._all_dp:
-            owner._broadcast_dp(lambda lk: [v for k, v in lk.optimizer.state[lk.optimizer._param].items()
-                                            if k != "step"])
+        if not owner.all_data_parallel:
+            owner.broadcast_data_parallel(
+                lambda lk: [v for k, v in lk.optimizer.param_state.items() if k != "step"])
         if "step" in st:
-            for lk in owner._lookups:
-                o = lk.optimizer
-                if o.state[o._param]["step"] is not st["step"]:
-                    o.state[o._param]["step"].fill_(float(st["step"]))
+            for lk in owner.robe_lookups:
+                step = lk.optimizer.param_state["step"]
+                if step is not st["step"]:
+                    step.fill_(float(st["step"]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -573,7 +552,7 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             opt_class = None
         out = {}
         for i, table in enumerate(module.embedding_bag_configs()):
-            p = nn.Parameter(torch.empty(compressed_shape(module, i), device="meta"),
+            p = nn.Parameter(torch.empty(compressed_shape(module.layout, i), device="meta"),
                              requires_grad=False)
             if opt_class:
                 p._optimizer_classes = opt_class  # type: ignore[attr-defined]

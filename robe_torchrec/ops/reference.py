@@ -147,7 +147,8 @@ def apply_optimizer_(
     step: int,
 ) -> None:
     """One dense step of SGD / Adagrad / Adam, the formulas of ``torch.optim`` (defaults:
-    no momentum, ``lr_decay=0``, ``amsgrad=False``, L2 ``weight_decay``)."""
+    no momentum, ``lr_decay=0``, ``amsgrad=False``, L2 ``weight_decay``), written out here as
+    the oracle; training uses :func:`robe_torchrec.ops.dense_update.apply_dense_update_`."""
     lr, eps, beta1, beta2, weight_decay = hparams
     if weight_decay != 0.0:
         grad = grad + weight_decay * weights

@@ -13,6 +13,7 @@ import torch
 
 from robe_torchrec import RobeConfig
 from robe_torchrec.distributed.sharder import rw_rows, rw_slices
+from robe_torchrec.hashing import hash_params
 from robe_torchrec.ops.meta import build_table_meta
 from tests.distributed import common
 from tests.distributed.multiprocess import run_ranks
@@ -23,15 +24,19 @@ STEPS = 20
 def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int) -> torch.Tensor:
     """Pooled output ``[batch, sum dims]`` (features in ``common.FEATURES`` order) of a
     module whose tables are all row-wise over ``world`` ranks, differentiable in ``weight``."""
+    # written from the config, not read from ebc.layout: the layout is what is under test
     tables = ebc.embedding_bag_configs()
-    offsets = [sum(ebc._array_sizes[:i]) for i in range(len(ebc._array_sizes))]
+    robe = ebc.layout.config
+    array_sizes = robe.split_memory([t.num_embeddings * t.embedding_dim for t in tables])
+    offsets = [sum(array_sizes[:i]) for i in range(len(array_sizes))]
     row_offsets = [sum(t.num_embeddings for t in tables[:i]) for i in range(len(tables))]
     by_feature = {f: t for t, tb in enumerate(tables) for f in tb.feature_names}
+    params = hash_params(robe.hash_mode, robe.seed)
     outs = []
     for f in common.FEATURES:
         t = by_feature[f]
         cfg = tables[t]
-        a = 0 if ebc._robe.shared else t
+        a = 0 if robe.shared else t
         jt = kjt[f]
         ids, lengths = jt.values(), jt.lengths()
         bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
@@ -39,17 +44,17 @@ def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int) -> torch.Tens
         pooled = 0
         for r in range(world):
             start, rows = rw_rows(cfg.num_embeddings, world, r)
-            off, size = rw_slices(ebc._array_sizes[a], world)[r]
+            off, size = rw_slices(array_sizes[a], world)[r]
             mine = (ids // block) == r
             local = ids[mine] - start
             lens = torch.bincount(bag[mine], minlength=lengths.numel())
             meta = build_table_meta([cfg.embedding_dim], [offsets[a] + off], [size],
-                                    [(row_offsets[t] if ebc._robe.shared else 0) + start],
+                                    [(row_offsets[t] if robe.shared else 0) + start],
                                     [rows], [0])
             offs = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
             pooled = pooled + torch.ops.robe.forward(
-                weight, local, offs, None, meta, cfg.embedding_dim, ebc._robe.block_size,
-                int(ebc._hash_mode), ebc._hash_params, 0)
+                weight, local, offs, None, meta, cfg.embedding_dim, robe.block_size,
+                int(robe.hash_mode), params, 0)
         if cfg.pooling.name == "MEAN":
             pooled = pooled / lengths.clamp(min=1)[:, None]
         outs.append(pooled)

@@ -62,7 +62,7 @@ def _run_case(rank: int, world: int, name: str):
     worst_out = worst_w = 0.0
     for step in range(STEPS):
         kjt = common.global_batch(step, world, weighted=weighted)
-        tgt = common.target(step, world * common.B, ref._output_dim)
+        tgt = common.target(step, world * common.B, ref.layout.output_dim)
         out = dmp(common.local_slice(kjt, rank))
         lo, hi = rank * common.B, (rank + 1) * common.B
         loss = 0.5 * ((out - tgt[lo:hi]) ** 2).sum()
