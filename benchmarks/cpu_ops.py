@@ -15,7 +15,8 @@ SGD, Adagrad and Adam:
 * ``pytorch ROBE-Z``: :mod:`robe_torchrec.ops.reference` (the vectorised pure-PyTorch ROBE-Z),
   dense gradient + ``torch.optim``, arrays of 262,144 and 2,621,440 floats, Z = 32;
 * ``ours``: the C++ ops (``cpu_backend("cpp")``), dense gradient + ``torch.optim`` and fused
-  (``robe::backward_fused_`` applies the optimizer inside backward), same arrays, Z = 32, plus
+  (the package's :func:`robe_torchrec.fused_lookup.fused_lookup`, whose
+  ``robe::backward_fused_`` applies the optimizer inside backward), same arrays, Z = 32, plus
   Z = 8 rows at 2,621,440 floats.
 
 Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
@@ -62,17 +63,18 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.hashing import HashMode, block_starts, hash_params
-from robe_torchrec.ops import cpu_backend
+from robe_torchrec.ops import LayoutArgs, LookupArgs, cpu_backend
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import reference
+from robe_torchrec.optim import RobeFusedOptimizer
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 LR = 1e-3
@@ -162,16 +164,22 @@ class Runner:
         return True
 
 
-def torch_optimizer(name: str, params, sparse: bool) -> torch.optim.Optimizer:
+def optimizer_spec(name: str) -> Tuple[Type[torch.optim.Optimizer], Dict[str, object]]:
+    """The dense ``torch.optim`` class and kwargs of ``name`` (the fused rows get the same)."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=LR)
+        return torch.optim.SGD, {"lr": LR}
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=LR, eps=ADAGRAD_EPS)
+        return torch.optim.Adagrad, {"lr": LR, "eps": ADAGRAD_EPS}
     if name == "adam":
-        if sparse:
-            return torch.optim.SparseAdam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
-        return torch.optim.Adam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+        return torch.optim.Adam, {"lr": LR, "betas": ADAM_BETAS, "eps": ADAM_EPS}
     raise ValueError(name)
+
+
+def torch_optimizer(name: str, params, sparse: bool) -> torch.optim.Optimizer:
+    if name == "adam" and sparse:
+        return torch.optim.SparseAdam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+    optimizer_class, kwargs = optimizer_spec(name)
+    return optimizer_class(params, **kwargs)
 
 
 class FullTable(Runner):
@@ -258,28 +266,6 @@ class Fbgemm(Runner):
         return all(bool(torch.isfinite(w).all()) for w in self.tbe.split_embedding_weights())
 
 
-class _FusedLookup(torch.autograd.Function):
-    """ROBE forward whose backward applies the optimizer in place (robe::backward_fused_)."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, runner: "Robe", values: Tensor, offsets: Tensor) -> Tensor:
-        ctx.runner = runner
-        ctx.batch = (values, offsets)
-        return runner.lookup(values, offsets)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        r = ctx.runner
-        values, offsets = ctx.batch
-        r.step_count += 1
-        torch.ops.robe.backward_fused_(
-            grad_output.contiguous(), r.weights, r.state1, r.state2, values, offsets, None,
-            r.meta, r.block_size, int(r.hash_mode), r.params, int(r.fused_opt), r.hparams,
-            r.step_count,
-        )
-        return None, None, None, None
-
-
 def _cpp_hash_only() -> bool:
     """Whether the C++ kernel exposes its hashing alone (cpu.forward_hash_only)."""
     try:
@@ -306,6 +292,8 @@ class Robe(Runner):
         # output [2B, D], and every row computes the same loss on the same layout.
         self.meta = m.build_table_meta(dims=[d], weight_offsets=[0], weight_sizes=[memory],
                                        row_offsets=[0], num_rows=[n], poolings=[m.Pooling.SUM])
+        self.layout_args = LayoutArgs(self.meta, d, block_size, int(hash_mode), self.params,
+                                      int(m.BoundsCheck.ERROR))
         bound = math.sqrt(1.0 / n)  # the reference DLRM's init
         weights = torch.empty(memory).uniform_(-bound, bound)
         self.size_floats = memory
@@ -313,26 +301,19 @@ class Robe(Runner):
             self.weights = nn.Parameter(weights)
             self.opt = torch_optimizer(optimizer, [self.weights], sparse=False)
         else:
+            # the package's fused path: robe::backward_fused_ updates inside backward
             self.weights = weights
-            self.anchor = torch.zeros((), requires_grad=True)
-            self.step_count = 0
-            self.fused_opt = {"sgd": m.Optimizer.SGD, "adagrad": m.Optimizer.ADAGRAD,
-                              "adam": m.Optimizer.ADAM}[optimizer]
-            eps = ADAGRAD_EPS if optimizer == "adagrad" else ADAM_EPS
-            self.hparams = [LR, eps, ADAM_BETAS[0], ADAM_BETAS[1], 0.0]
-            self.state1 = torch.zeros(memory) if optimizer != "sgd" else torch.empty(0)
-            self.state2 = torch.zeros(memory) if optimizer == "adam" else torch.empty(0)
+            self.fused_opt = RobeFusedOptimizer("weight", weights, *optimizer_spec(optimizer))
         self._split_inputs: List[object] = []
 
     def lookup(self, values: Tensor, offsets: Tensor) -> Tensor:
-        return torch.ops.robe.forward(self.weights, values, offsets, None, self.meta,
-                                      self.sizes.dim, self.block_size, int(self.hash_mode),
-                                      self.params, int(m.BoundsCheck.ERROR))
+        return LookupArgs(values, offsets, None, self.layout_args).forward(self.weights)
 
     def forward(self, batch: Batch) -> Tensor:
         if self.mode == "dense":
             return self.lookup(batch.values, batch.offsets)
-        return _FusedLookup.apply(self.anchor, self, batch.values, batch.offsets)
+        args = LookupArgs(batch.values, batch.offsets, None, self.layout_args)
+        return fused_lookup(self.weights, self.fused_opt, args)
 
     def backward(self, out: Tensor) -> None:
         b = self.sizes.batch
@@ -378,11 +359,9 @@ class Robe(Runner):
         """The C++ forward's loops and hashing without gathers and writes (cpu.forward_hash_only)."""
         from robe_torchrec.ops import cpu
 
-        args = (self.weights.detach(), batch.values, batch.offsets, None, self.meta,
-                self.sizes.dim, self.block_size, int(self.hash_mode), self.params,
-                int(m.BoundsCheck.ERROR))
+        args = LookupArgs(batch.values, batch.offsets, None, self.layout_args)
         t0 = time.perf_counter()
-        cpu.forward_hash_only(*args)
+        cpu.forward_hash_only(self.weights.detach(), *args.flat())
         return time.perf_counter() - t0
 
     def _block_gather(self, starts: Tensor) -> float:
