@@ -4,7 +4,13 @@ Per pipeline: P50 and P90 step time (first and last iterations dropped, nearest-
 quantiles, as TorchRec's pipeline benchmark does; a step's time is the slowest rank's),
 peak memory (CUDA allocated/reserved, or the process's peak RSS on CPU), samples/s, final
 loss, and parity against SparseDist (bit-identical or how far). Printed as a table, written
-as ``<out_dir>/compare_<tag>.{md,json,png}`` with the machine's description.
+as ``compare_<tag>.{md,json,png}`` with the machine's description into a fresh directory,
+``outputs/compare/<date>/<time>-<pid>`` (Hydra's run directory, beside the run's log), or
+into ``out_dir=...``, where an existing report of the same tag is kept unless
+``overwrite=true``.
+
+The model is :class:`robe_torchrec.dlrm.DLRMSpec` (the config's ``model``, via
+``DLRMSpec.from_dict``), every table sharded as ``sharding`` (``pipelines.model``).
 
 Every pipeline runs in fresh rank processes (so the peak RSS is its own) and, with
 ``rounds: N``, N times in alternating order, so a load change on a shared machine hits every
@@ -15,6 +21,7 @@ Example::
     python -m pipelines.compare                              # CPU, 2 gloo ranks
     python -m pipelines.compare steps=20 rounds=1 batch_size=256 tag=quick
     python -m pipelines.compare device=cuda tag=gpu          # one rank per GPU, NCCL
+    python -m pipelines.compare out_dir=pipelines/results overwrite=true   # the committed one
 """
 
 from __future__ import annotations
@@ -29,8 +36,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # Without a GPU, Triton kernels (imported with the ROBE ops) run in Triton's interpreter;
 # it must be chosen before triton is imported, and the spawned ranks inherit it.
 if not torch.cuda.is_available():
@@ -39,6 +44,11 @@ if not torch.cuda.is_available():
 from pipelines.report import (  # noqa: E402
     machine, machine_line, nearest_rank, process_memory_mib, write_report)
 from robe_torchrec.distributed.spawn import run_ranks  # noqa: E402 (imports triton)
+from robe_torchrec.dlrm import DLRMSpec  # noqa: E402
+from robe_torchrec.hydra_configs import config_dir  # noqa: E402
+
+# the default run directory's last part: two runs started in the same second stay apart
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
 # ---------------------------------------------------------------- statistics
@@ -72,7 +82,7 @@ def _time_segment(pipeline, device: torch.device) -> Optional[List[float]]:
 def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
               options: Dict[str, Any], want_init: bool) -> Optional[Dict[str, Any]]:
     from pipelines import make_pipeline
-    from pipelines.model import ModelSpec, build_dlrm, gather_state
+    from pipelines.model import build_sharded_dlrm, gather_state
     from robe_torchrec.data.synthetic import SyntheticCriteo
 
     device = torch.device(cfg["device"])
@@ -85,8 +95,8 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
     # generated up front so that the step time is the pipeline's, not the generator's
     batches = [data.batch(i) for i in range(int(cfg["steps"]))]
     rss_before = process_memory_mib("VmRSS")
-    spec = ModelSpec(**cfg["model"])
-    dmp, dense = build_dlrm(spec, data, device)
+    dmp, dense = build_sharded_dlrm(DLRMSpec.from_dict(cfg["model"]), data, cfg["sharding"],
+                                    device, seed=int(cfg["seed"]))
     init = gather_state(dmp) if want_init else None
     pipeline = make_pipeline(name, dmp, dense, device, **options)
     segment = _time_segment(pipeline, device)
@@ -257,15 +267,29 @@ def plot(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_comparison(rows, cfg: DictConfig, info: Dict[str, Any], loads, wall_s: float) -> Path:
-    out_dir = Path(cfg.out_dir)
-    if not out_dir.is_absolute():
-        out_dir = ROOT / out_dir
-    stem = out_dir / f"compare_{cfg.tag}"
+REPORT_SUFFIXES = (".md", ".json", ".png")
+
+
+def report_stem(out_dir: "str | os.PathLike", tag: str, overwrite: bool = False) -> Path:
+    """``<out_dir>/compare_<tag>``, the report's path without suffix. Raises
+    FileExistsError if a report of that tag is there already, unless ``overwrite``."""
+    stem = Path(out_dir) / f"compare_{tag}"
+    existing = [str(stem.with_suffix(s)) for s in REPORT_SUFFIXES
+                if stem.with_suffix(s).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"a report of tag {tag!r} exists ({', '.join(existing)}); pick "
+                              "another out_dir or tag, or set overwrite=true to replace it")
+    return stem
+
+
+def write_comparison(rows, cfg: DictConfig, stem: Path, info: Dict[str, Any], loads,
+                     wall_s: float) -> Path:
+    out_dir = stem.parent
     cuda = cfg.device == "cuda"
     tab = table(rows, cuda, cfg.reference)
     m = cfg.model
-    title = (f"{m.kind} {m.sharding} DLRM, {cfg.world_size} ranks x batch {cfg.batch_size}, "
+    kind = DLRMSpec.from_dict(OmegaConf.to_container(m, resolve=True)).kind
+    title = (f"{kind} {cfg.sharding} DLRM, {cfg.world_size} ranks x batch {cfg.batch_size}, "
              f"{cfg.steps} steps x {cfg.rounds} rounds, {machine_line(info)}")
     md = [f"# Train pipelines compared ({cfg.tag})", "",
           "Generated by `python -m pipelines.compare` "
@@ -278,7 +302,7 @@ def write_comparison(rows, cfg: DictConfig, info: Dict[str, Any], loads, wall_s:
           f"{cfg.world_size * cfg.threads_per_rank})",
           *([f"- note: {cfg.machine_note}"] if cfg.get("machine_note") else []),
           "", "## Setup", "",
-          f"- model: {OmegaConf.to_container(m)}",
+          f"- model: {OmegaConf.to_container(m)}, every table {cfg.sharding}, seed {cfg.seed}",
           f"- data: SyntheticCriteo, {cfg.num_sparse} sparse features, cardinality scale "
           f"{cfg.cardinality_scale}, local batch {cfg.batch_size}, {cfg.world_size} ranks "
           f"({'NCCL' if cuda else 'gloo'}), {cfg.threads_per_rank} intra-op thread(s) per rank",
@@ -302,12 +326,25 @@ def write_comparison(rows, cfg: DictConfig, info: Dict[str, Any], loads, wall_s:
     return stem.with_suffix(".md")
 
 
-@hydra.main(config_path="../configs/pipeline_compare", config_name="config", version_base="1.3")
+def _out_dir(cfg: DictConfig) -> Path:
+    """``out_dir`` (relative: to the working directory), or this run's fresh directory."""
+    if cfg.out_dir is not None:
+        return Path(cfg.out_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+@hydra.main(config_path=str(config_dir("pipeline_compare")), config_name="config",
+            version_base="1.3")
 def main(cfg: DictConfig) -> None:
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     labels = [k for k, v in cfg.pipelines.items() if v is not None]  # null: left out
     if cfg.reference not in labels:
         raise ValueError(f"reference {cfg.reference!r} is not among the pipelines {labels}")
+    # a bad model or an existing report fails now, not after the runs
+    DLRMSpec.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    stem = report_stem(_out_dir(cfg), cfg.tag, cfg.overwrite)
     plain_cfg = OmegaConf.to_container(cfg, resolve=True)
     runs: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
     loads: List[float] = []
@@ -330,7 +367,7 @@ def main(cfg: DictConfig) -> None:
     wall = time.time() - start
     rows = summarize(runs, cfg)
     print(table(rows, cfg.device == "cuda", cfg.reference))
-    path = write_comparison(rows, cfg, machine(), loads, wall)
+    path = write_comparison(rows, cfg, stem, machine(), loads, wall)
     print(f"written: {path} (+ .json, .png)")
 
 

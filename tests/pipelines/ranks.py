@@ -8,13 +8,20 @@ import torch
 import torch.distributed as dist
 
 from pipelines import make_pipeline, run_to_end
-from pipelines.model import ModelSpec, build_dlrm, gather_state
+from pipelines.model import build_sharded_dlrm, gather_state
+from robe_torchrec import RobeConfig
 from robe_torchrec.data.synthetic import SyntheticCriteo
+from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
 
 B = 16          # local batch
 STEPS = 8       # batches per run
 DISTINCT = 4    # distinct batches, cycled, so that the loss visibly falls in 8 steps
 CPU = torch.device("cpu")
+#: the tests' small DLRM: ROBE-Z, one array per table, fused Adagrad, dense SGD
+SMALL = DLRMSpec(robe=RobeConfig(compression=1000.0, block_size=8, shared=False),
+                 embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1),
+                 embedding_optimizer=OptimizerSpec("adagrad", lr=0.05),
+                 dense_optimizer=OptimizerSpec("sgd", lr=0.1))
 
 
 def dense_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -39,12 +46,12 @@ def data() -> SyntheticCriteo:
                            num_sparse=4)
 
 
-def train(spec: ModelSpec, name: str, options: Dict) -> Tuple[Dict[str, torch.Tensor],
-                                                              List[float], int]:
+def train(spec: DLRMSpec, sharding: str, name: str, options: Dict
+          ) -> Tuple[Dict[str, torch.Tensor], List[float], int]:
     """Train a fresh model for STEPS batches with pipeline ``name``: the full state, the
     per-step losses and the number of progress() calls that returned."""
     d = data()
-    dmp, dense = build_dlrm(spec, d)
+    dmp, dense = build_sharded_dlrm(spec, d, sharding)
     pipeline = make_pipeline(name, dmp, dense, CPU, **options)
     it = iter([d.batch(i % DISTINCT) for i in range(STEPS)])
     losses: List[float] = []
@@ -52,7 +59,7 @@ def train(spec: ModelSpec, name: str, options: Dict) -> Tuple[Dict[str, torch.Te
     return gather_state(dmp), losses, len(losses)
 
 
-def run_variants(rank: int, world: int, spec: ModelSpec,
+def run_variants(rank: int, world: int, spec: DLRMSpec, sharding: str,
                  variants: List[Tuple[str, str, Dict]]):
     """``{label: (state as numpy arrays, losses, steps)}`` for each ``(label, pipeline name,
     options)`` (pipeline name ``None``: the untrained model); numpy, because tensors sent
@@ -60,9 +67,10 @@ def run_variants(rank: int, world: int, spec: ModelSpec,
     out = {}
     for label, name, options in variants:
         if name is None:  # the weights before training
-            state, losses, steps = gather_state(build_dlrm(spec, data())[0]), [], 0
+            dmp, _ = build_sharded_dlrm(spec, data(), sharding)
+            state, losses, steps = gather_state(dmp), [], 0
         else:
-            state, losses, steps = train(spec, name, options)
+            state, losses, steps = train(spec, sharding, name, options)
         out[label] = ({k: v.numpy() for k, v in state.items()}, losses, steps)
     return out
 
@@ -154,7 +162,7 @@ def torchrec_originals_on_cpu(rank: int, world: int) -> Dict[str, str]:
     for cls, kwargs in [(TrainPipelineFusedSparseDist, {}),
                         (TrainPipelineSemiSync, {"start_batch": 0})]:
         d = data()
-        dmp, dense = build_dlrm(ModelSpec(kind="robe", sharding="table_wise"), d)
+        dmp, dense = build_sharded_dlrm(SMALL, d, "table_wise")
         pipeline = cls(dmp, dense, CPU, **kwargs)
         it = iter([d.batch(i) for i in range(3)])
         try:

@@ -7,12 +7,14 @@ falls like the others'."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from pipelines.model import ModelSpec, travel_diff
+from pipelines.model import travel_diff
+from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
 from tests.distributed.multiprocess import run_ranks
 from tests.pipelines import ranks
 
@@ -49,10 +51,10 @@ MAX_TRAVEL_DIFF = {"adagrad": 0.3, "sgd": 0.05, "sgd_stash": 0.45}
 MAX_LOSS_DIFF = 0.02
 
 
-def _run(spec: ModelSpec, variants=None
+def _run(sharding: str, spec: DLRMSpec = ranks.SMALL, variants=None
          ) -> Dict[str, Tuple[Dict[str, torch.Tensor], List[float], int]]:
     # rank 0's result: the states are assembled in full on every rank
-    out = run_ranks(ranks.run_variants, 2, spec, variants or VARIANTS)[0]
+    out = run_ranks(ranks.run_variants, 2, spec, sharding, variants or VARIANTS)[0]
     return {label: ({k: torch.from_numpy(v) for k, v in state.items()}, losses, steps)
             for label, (state, losses, steps) in out.items()}
 
@@ -92,19 +94,19 @@ def _check(results) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["data_parallel", "table_wise"])
 def test_robe_parity(sharding):
-    _check(_run(ModelSpec(kind="robe", sharding=sharding)))
+    _check(_run(sharding))
 
 
 @pytest.mark.slow
 def test_stock_ebc_parity():
-    _check(_run(ModelSpec(kind="stock", sharding="table_wise")))
+    _check(_run("table_wise", replace(ranks.SMALL, robe=None)))
 
 
 @pytest.mark.slow
 def test_semi_sync_drift_with_sgd():
     """With SGD embeddings the one-step staleness costs little: the documented, tight bound."""
-    results = _run(ModelSpec(kind="robe", sharding="data_parallel", emb_optimizer="sgd",
-                             emb_lr=0.5), VARIANTS_SEMI)
+    sgd = replace(ranks.SMALL, embedding_optimizer=OptimizerSpec("sgd", lr=0.5))
+    results = _run("data_parallel", sgd, VARIANTS_SEMI)
     check_semi_sync(results, "semi_sync", MAX_TRAVEL_DIFF["sgd"])
     check_semi_sync(results, "semi_sync_stash", MAX_TRAVEL_DIFF["sgd_stash"])
 
