@@ -83,7 +83,7 @@ def main() -> None:
     """``python -m robe_torchrec.train [hydra overrides]``."""
     import hydra
 
-    from robe_torchrec.train.config import config_dir
+    from robe_torchrec.hydra_configs import config_dir
 
     init_distributed()
     try:
