@@ -1,5 +1,10 @@
 """torchx component of the training app: one function returning an ``AppDef`` that runs
-``python -m robe_torchrec.train`` under ``torchrun`` on any torchx scheduler.
+``python -m robe_torchrec.train`` under torchrun (``python -m torch.distributed.run``) on any
+torchx scheduler.
+
+torchrun is started through an interpreter, not looked up on ``PATH``: this one
+(``sys.executable``) where it exists on the node, as with ``local_cwd`` from a venv that is
+not activated, else the image's ``python``; ``--python`` names another.
 
 Run (2 processes on this machine; the Hydra overrides go after ``--``)::
 
@@ -15,6 +20,8 @@ Kubernetes / Slurm: the same component, another scheduler (see the README sectio
         -j 2x8 --gpu 8 --run_dir /shared/robe/run1 -- model=dcn
 """
 
+import shlex
+import sys
 from typing import Dict, List, Optional
 
 import torchx
@@ -36,6 +43,7 @@ def train(
     run_dir: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
     mounts: Optional[List[str]] = None,
+    python: Optional[str] = None,
 ) -> specs.AppDef:
     """DLRM training with ROBE-Z embeddings (``python -m robe_torchrec.train``).
 
@@ -55,6 +63,8 @@ def train(
             ``outputs/<app id>``, which restarts and retries keep, so they resume.
         env: extra environment variables.
         mounts: volume mounts (``type=bind,src=/host,dst=/job``), see torchx.
+        python: the interpreter that runs torchrun on the nodes; by default this one where
+            its path exists there, else ``python``.
     """
     args = list(overrides)
     if run_dir is not None:
@@ -63,14 +73,23 @@ def train(
                    gpu=gpu, memMB=memMB, j=j, env=env, max_retries=max_retries,
                    mounts=mounts)
     role = app.roles[0]
-    # torchx's ddp has no knob for torchrun's own restarts: add it to the torchrun command
-    # (the role runs `bash -c "torchrun ..."`)
-    if max_restarts:
-        cmd = role.args[-1]
-        if not cmd.startswith("torchrun "):
-            raise RuntimeError(f"unexpected torchx ddp command: {cmd!r}")
-        role.args[-1] = f"torchrun --max_restarts {int(max_restarts)} " + cmd[len("torchrun "):]
+    # the role runs `bash -c "torchrun ..."`: swap in our launcher, and torchrun's own
+    # restarts, for which torchx's ddp has no knob
+    cmd = role.args[-1]
+    if not cmd.startswith("torchrun "):
+        raise RuntimeError(f"unexpected torchx ddp command: {cmd!r}")
+    restarts = f"--max_restarts {int(max_restarts)} " if max_restarts else ""
+    role.args[-1] = f"{_torchrun(python)} {restarts}{cmd[len('torchrun '):]}"
     return app
+
+
+def _torchrun(python: Optional[str]) -> str:
+    """The shell words that start torchrun. ``$$`` is torchx's escape of ``$`` (it
+    substitutes macros such as ``${app_id}`` into the command)."""
+    if python:
+        return f"{shlex.quote(python)} -m torch.distributed.run"
+    here = shlex.quote(sys.executable)
+    return f'"$$([ -x {here} ] && echo {here} || echo python)" -m torch.distributed.run'
 
 
 __all__ = ["train"]

@@ -46,9 +46,13 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def env(marker: str = "") -> Dict[str, str]:
+def env(marker: str = "", venv_on_path: bool = True) -> Dict[str, str]:
+    """The launch environment; ``venv_on_path=False``: the venv's bin/ is not on PATH (a venv
+    that is not activated), so nothing launched can find torchrun there."""
     e = dict(os.environ)
-    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '')}"
+    path = [p for p in e.get("PATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != VENV_BIN.resolve()]
+    e["PATH"] = os.pathsep.join([str(VENV_BIN), *path] if venv_on_path else path)
     e["PYTHONPATH"] = f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}"
     e.pop("ROBE_RUN_STAMP", None)
     e.pop("TORCHELASTIC_RUN_ID", None)
@@ -70,13 +74,14 @@ def _kill_marked(marker: str) -> None:
             pass
 
 
-def run(cmd: List[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def run(cmd: List[str], cwd: Path, timeout: float, venv_on_path: bool = True
+        ) -> subprocess.CompletedProcess:
     """Run a launcher with a timeout; afterwards (and on timeout) no process it started is
     left. Output goes through a file, so a leftover worker holding it cannot block us."""
     marker = uuid.uuid4().hex
     log = cwd / f"launch-{marker[:8]}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker, venv_on_path), stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             proc.wait(timeout=timeout)

@@ -77,12 +77,18 @@ def test_pipeline_factory_refuses_unknown_names():
 
 
 def test_component_builds_the_torchrun_command():
+    import sys
+
     from robe_torchrec.components import train
 
     app = train("run.steps=5", "model=dcn", j="2x4", max_restarts=2, run_dir="/shared/r1")
     role = app.roles[0]
     cmd = role.args[-1]
-    assert cmd.startswith("torchrun --max_restarts 2 ")
+    # torchrun through this interpreter if the node has it (local schedulers), else the image's
+    assert cmd.startswith(f'"$$([ -x {sys.executable} ] && echo {sys.executable} || echo '
+                          'python)" -m torch.distributed.run --max_restarts 2 ')
     assert "-m robe_torchrec.train run.steps=5 model=dcn hydra.run.dir=/shared/r1" in cmd
     assert "--nproc_per_node 4" in cmd and role.num_replicas == 2
     assert "--max_restarts" not in train("run.steps=5").roles[0].args[-1]
+    assert train(python="/opt/py").roles[0].args[-1].startswith(
+        "/opt/py -m torch.distributed.run --rdzv_backend ")

@@ -1,6 +1,7 @@
 """The app as users launch it: the plain command (with a -m sweep), torchrun with 2 ranks
 (one run directory; a killed rank, a restart that resumes from the last checkpoint and ends
-bitwise where an uninterrupted run ends), torchx's local_cwd scheduler, bad configs."""
+bitwise where an uninterrupted run ends), torchx's local_cwd scheduler (without the venv
+on PATH), bad configs."""
 
 from __future__ import annotations
 
@@ -85,9 +86,10 @@ def test_two_ranks_killed_rank_restarts_resumes_and_matches_uninterrupted_run(tm
 
 @pytest.mark.slow
 def test_torchx_local_cwd_two_processes(tmp_path):
+    # the venv is not activated: torchrun is not on PATH, the component finds it anyway
     out = run([str(VENV_BIN / "torchx"), "run", "-s", "local_cwd",
                str(REPO / "robe_torchrec" / "components.py") + ":train", "-j", "1x2", "--",
-               "run.steps=4", *TINY], tmp_path, timeout=240)
+               "run.steps=4", *TINY], tmp_path, timeout=240, venv_on_path=False)
     assert out.returncode == 0 and "SUCCEEDED" in out.stdout, out.stdout[-3000:]
     (d,) = run_dirs(tmp_path / "outputs")
     assert d.name.startswith("robe-train-")  # outputs/<torchx app id>
