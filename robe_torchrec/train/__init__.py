@@ -9,7 +9,8 @@ Run::
     torchx run -s local_cwd robe_torchrec/components.py:train -j 1x2 -- run.steps=100
 
 Modules, one job each: ``app`` (process group + Hydra entry), ``config`` (checks),
-``model`` (DLRM/DCN, embeddings, DMP, optimizers), ``data`` (batch sources),
-``pipeline`` (train-pipeline factory), ``loop`` (train / validation / test),
+``model`` (the config as a ``robe_torchrec.dlrm.DLRMSpec``; planner, DMP, optimizers),
+``data`` (batch sources), ``pipeline`` (train-pipeline factory), ``trainer`` (``train``, the
+recipe, and ``Trainer``, its steps: build, resume, segments, validation, checkpoints, test),
 ``checkpoint`` (torch.distributed.checkpoint), ``metrics`` (AUC, log loss, CSV).
 """

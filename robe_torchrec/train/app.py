@@ -74,7 +74,7 @@ def _hydra_argv(argv: list, rank: int) -> list:
 def _task(cfg) -> Optional[Dict[str, Any]]:
     from hydra.core.hydra_config import HydraConfig
 
-    from robe_torchrec.train.loop import train
+    from robe_torchrec.train.trainer import train
 
     return train(cfg, HydraConfig.get().runtime.output_dir)
 

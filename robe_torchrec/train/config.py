@@ -8,13 +8,14 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
+# config_dir: the app's Hydra config folder (a checkout, an editable install or a wheel)
+from robe_torchrec.dlrm import MODELS, OPTIMIZERS as _OPTIMIZERS
+from robe_torchrec.hydra_configs import config_dir  # noqa: F401
+
 PIPELINES = ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync")
-OPTIMIZERS = ("sgd", "adagrad", "adam")
-MODELS = ("dlrm", "dcn")
+OPTIMIZERS = tuple(_OPTIMIZERS)
 EMBEDDINGS = ("robe", "full")
 SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
 DATA = ("synthetic", "criteo_tsv", "criteo_npy")
@@ -22,19 +23,6 @@ DATA = ("synthetic", "criteo_tsv", "criteo_npy")
 
 class ConfigError(ValueError):
     """A setting of the training config is invalid (the message names the key)."""
-
-
-def config_dir() -> Path:
-    """The ``configs/`` directory: the repository's top level (a checkout or an editable
-    install), or ``$ROBE_TRAIN_CONFIGS``."""
-    import os
-
-    env = os.environ.get("ROBE_TRAIN_CONFIGS")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(f"no config.yaml in {path}: run from a checkout / editable install "
-                          "or set ROBE_TRAIN_CONFIGS to the configs/ directory")
-    return path
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -99,5 +87,3 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"run.batch_size must be positive, got {run.batch_size}")
     if str(run.resume).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"run.resume must be auto, true or false, got {run.resume!r}")
-    if (cfg.fault.kill_rank is None) != (cfg.fault.kill_at_step is None):
-        raise ConfigError("fault: set both fault.kill_rank and fault.kill_at_step, or neither")

@@ -30,7 +30,7 @@ def compose(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from robe_torchrec.train.config import config_dir
+    from robe_torchrec.hydra_configs import config_dir
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         tiny = TINY_RUN if any(o.startswith("data=") for o in overrides) else TINY
@@ -96,9 +96,10 @@ def run(cmd: List[str], cwd: Path, timeout: float, venv_on_path: bool = True
     return subprocess.CompletedProcess(cmd, proc.returncode, text, None)
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> List[str]:
+def torchrun(nproc: int, *args: str, max_restarts: int = 0,
+             module: str = "robe_torchrec.train") -> List[str]:
     return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), "-m", "robe_torchrec.train", *args]
+            "--max-restarts", str(max_restarts), "-m", module, *args]
 
 
 def read_checkpoint(path: Path, tmp: Path) -> Dict[str, torch.Tensor]:

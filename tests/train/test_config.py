@@ -9,7 +9,8 @@ from hydra.errors import HydraException
 from torchrec.models.dlrm import InteractionArch
 
 from robe_torchrec.interaction import FastInteractionArch
-from robe_torchrec.train.config import ConfigError, config_dir, validate
+from robe_torchrec.hydra_configs import config_dir
+from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.pipeline import make_pipeline
 from tests.train.helpers import compose
 
@@ -43,7 +44,6 @@ def test_every_group_option_is_valid(overrides):
     (["model.over_arch_layer_sizes=[64,2]"], "over_arch_layer_sizes must end at 1"),
     (["optimizer.name=lamb"], "optimizer.name: unknown value 'lamb'"),
     (["run.resume=maybe"], "run.resume must be auto, true or false"),
-    (["fault.kill_rank=1"], "set both fault.kill_rank and fault.kill_at_step"),
     (["embedding=full", "optimizer=adam"], "embedding=full with optimizer=adam is not supported"),
     (["sharding.types=[diagonal]"], "sharding.types: unknown value 'diagonal'"),
     (["model.fast_interaction=maybe"], "model.fast_interaction must be true or false"),
@@ -64,6 +64,19 @@ def test_model_interaction_follows_the_config(fast, arch):
     data = SyntheticCriteo(cardinality_scale=cfg.data.cardinality_scale)
     model, _ = build_model(cfg, data.keys, data.cardinalities, torch.device("cpu"))
     assert type(model.model.inter_arch) is arch
+
+
+def test_production_config_and_trainer_know_no_fault_injection():
+    """The fault test's crash lives in tests/train/faulty_app.py, not in the app."""
+    import inspect
+    import re
+
+    from robe_torchrec.train import trainer
+
+    with pytest.raises(HydraException, match="fault"):
+        compose("fault.kill_rank=1")
+    for text in (inspect.getsource(trainer), (config_dir() / "config.yaml").read_text()):
+        assert not re.search(r"\bfault", text, re.IGNORECASE)
 
 
 def test_unknown_group_option_is_a_hydra_error():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from robe_torchrec.train.config import ConfigError
-from robe_torchrec.train.loop import train
+from robe_torchrec.train.trainer import train
 from tests.data.fixtures import random_rows, write_tsv
 from tests.train.helpers import compose, one_rank_group
 

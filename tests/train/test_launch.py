@@ -1,7 +1,8 @@
 """The app as users launch it: the plain command (with a -m sweep), torchrun with 2 ranks
 (one run directory; a killed rank, a restart that resumes from the last checkpoint and ends
-bitwise where an uninterrupted run ends), torchx's local_cwd scheduler (without the venv
-on PATH), bad configs."""
+bitwise where an uninterrupted run ends: the kill comes from the test-only wrapper
+``tests.train.faulty_app``), torchx's local_cwd scheduler without the venv on PATH, bad
+configs."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def test_two_ranks_killed_rank_restarts_resumes_and_matches_uninterrupted_run(tm
     out = run(torchrun(2, *common), straight, timeout=200)
     assert out.returncode == 0, out.stdout[-3000:]
     # rank 1 dies after step 10; the last checkpoint is step 8
-    out = run(torchrun(2, *common, "fault.kill_rank=1", "fault.kill_at_step=10",
-                       max_restarts=1), faulty, timeout=300)
+    out = run(torchrun(2, "--kill-rank", "1", "--kill-at-step", "10", *common,
+                       max_restarts=1, module="tests.train.faulty_app"), faulty, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "fault injection: rank 1 exits at step 10" in out.stdout
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from robe_torchrec.train.config import ConfigError
-from robe_torchrec.train.loop import train
+from robe_torchrec.train.trainer import train
 from tests.train.helpers import compose, one_rank_group
 
 

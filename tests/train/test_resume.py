@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from robe_torchrec.train.config import ConfigError
-from robe_torchrec.train.loop import train
+from robe_torchrec.train.trainer import train
 from tests.train.helpers import (
     assert_same_tensors,
     compose,

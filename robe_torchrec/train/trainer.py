@@ -1,0 +1,285 @@
+"""The training run: :func:`train` is the recipe, :class:`Trainer` holds its steps.
+
+Training advances in segments that end at every validation / checkpoint step: each segment
+gives the pipeline a fresh iterator of exactly its batches and runs it dry, so at a segment
+end no batch is in flight, the model holds exactly ``step`` updates and a checkpoint taken
+there resumes bitwise (a resumed run re-enters the same segments).
+
+Example::
+
+    >>> results = train(cfg, run_dir="outputs/x")   # inside a process group; see app.py
+    >>> results["test_auc"]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from pipelines import SemiSyncPipeline, run_to_end
+from robe_torchrec.train.checkpoint import Checkpointer
+from robe_torchrec.train.config import ConfigError, validate
+from robe_torchrec.train.data import build_data
+from robe_torchrec.train.metrics import MetricsCsv, PhaseMetrics
+from robe_torchrec.train.model import build_model, build_optimizer, shard
+from robe_torchrec.train.pipeline import make_pipeline
+
+log = logging.getLogger("robe_torchrec.train")
+
+
+def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
+    """Run the config's training job in ``run_dir`` (every rank calls it); returns the final
+    validation and test metrics and the training throughput."""
+    validate(cfg)
+    trainer = Trainer(cfg, run_dir)
+    trainer.build()
+    trainer.resume()
+    with trainer.training():
+        while not trainer.done:
+            trainer.run_segment()
+            trainer.checkpoint()
+            trainer.evaluate()
+    return trainer.finish()
+
+
+class Trainer:
+    """One run's model, pipeline, checkpoints and metrics; every method is collective (call
+    it on every rank). :func:`train` calls them in order.
+
+    Example::
+
+        >>> trainer = Trainer(cfg, "outputs/x")
+        >>> trainer.build()
+        >>> trainer.resume()
+        >>> with trainer.training():
+        ...     trainer.run_segment()      # up to the first validation / checkpoint step
+        >>> trainer.step, trainer.metrics(trainer.data.eval_batches("val", 8))
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: "str | os.PathLike") -> None:
+        self.cfg, self.run = cfg, cfg.run
+        self.run_dir = Path(run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.main = self.rank == 0
+        self.say = log.info if self.main else log.debug
+        self.step = 0
+        self.csv = MetricsCsv(self.run_dir / "metrics.csv", enabled=self.main)
+        self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.run.keep_checkpoints)
+        self.window = _Window()
+        self.bar: Optional[tqdm] = None
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.run.steps
+
+    # ------------------------------------------------------------------ set-up
+
+    def build(self) -> None:
+        """Data, model, sharding, optimizers and pipeline."""
+        cfg, run = self.cfg, self.run
+        # TorchRec logs several warnings per table while sharding; keep the run's log readable
+        logging.getLogger("torchrec").setLevel(logging.ERROR)
+        logging.getLogger().addFilter(_quiet_planner)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        device = _device(run.device)
+        # same seed everywhere: each rank's shards start from the same unsharded weights
+        torch.manual_seed(run.seed)
+        self.data = build_data(cfg, self.rank, self.world)
+        model, self.summary = build_model(cfg, self.data.keys, self.data.cardinalities, device)
+        self.dmp = shard(model, cfg, device)
+        # the pipeline steps the dense optimizer; checkpoints hold both (fused one included)
+        dense_optimizer, self.optimizer = build_optimizer(cfg, self.dmp)
+        options = OmegaConf.to_container(cfg.pipeline.options) if cfg.pipeline.options else {}
+        self.pipeline = make_pipeline(cfg.pipeline.name, self.dmp, dense_optimizer, device,
+                                      **options)
+        log.debug("config:\n%s", OmegaConf.to_yaml(cfg))  # also saved in <run dir>/.hydra
+        self.say("%s", self.summary)
+        self.say("model: %s, %d rank(s) on %s, pipeline %s, global batch %d, run dir %s",
+                 cfg.model.name, self.world, device, cfg.pipeline.name,
+                 run.batch_size * self.world, self.run_dir)
+        if isinstance(self.pipeline, SemiSyncPipeline) and options.get("stash_gradients") \
+                and run.checkpoint_every:
+            log.warning("pipeline=semi_sync with stash_gradients: a checkpoint does not hold "
+                        "the stashed dense gradient, so a resumed run skips that one dense "
+                        "update (resume is not bitwise exact)")
+
+    def resume(self) -> None:
+        """Continue from the run directory's last checkpoint, as ``run.resume`` says."""
+        mode = str(self.run.resume).lower()
+        path = self.ckpt.latest() if mode != "false" else None
+        if path is None:
+            if mode == "true":
+                raise ConfigError(f"run.resume=true but there is no checkpoint in "
+                                  f"{self.ckpt.dir}")
+            return
+        self.step = self.ckpt.load(path, self.dmp, self.optimizer)
+        if isinstance(self.pipeline, SemiSyncPipeline):
+            # its start_batch counts batches: continue the count of the run we resume
+            self.pipeline.set_next_batch_index(self.step)
+        self.say("resumed from checkpoint %s at step %d", path, self.step)
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """The training phase: the model in train mode, a progress bar (rank 0) with the
+        log lines printed above it."""
+        self.bar = tqdm(total=self.run.steps, initial=self.step,
+                        disable=not (self.main and self.run.progress_bar), desc="train",
+                        unit="step", dynamic_ncols=True)
+        self.window.restart()
+        self.dmp.train()
+        try:
+            with logging_redirect_tqdm():
+                yield
+        finally:
+            self.bar.close()
+
+    # ------------------------------------------------------------------ training
+
+    def run_segment(self) -> None:
+        """Train up to the next validation / checkpoint step (or the last step)."""
+        run = self.run
+        ends = [run.steps] + [(self.step // every + 1) * every
+                              for every in (run.eval_every, run.checkpoint_every) if every]
+        end = min(ends)
+        run_to_end(self.pipeline, self.data.train_batches(self.step, end - self.step),
+                   self.on_step)
+        if self.step != end:
+            raise RuntimeError(f"the data ran out at step {self.step} (expected {end})")
+
+    def on_step(self, output) -> None:
+        """Called by the pipeline with each step's ``(loss, logits, labels)``."""
+        _loss, logits, labels = output
+        self.step += 1
+        self.window.update(logits, labels)
+        self.bar.update(1)
+        if (self.run.log_every and self.step % self.run.log_every == 0) \
+                or self.step == self.run.steps:
+            self.log_window()
+
+    def log_window(self) -> None:
+        """Log and record the training metrics of the steps since the last log line."""
+        elapsed, steps, m = self.window.close()
+        rate = steps * self.run.batch_size * self.world / elapsed
+        self.bar.set_postfix(loss=f"{m['log_loss']:.4f}", auc=f"{m['auc']:.4f}",
+                             rate=f"{rate:,.0f}/s")
+        self.say("step %d  train log loss %.4f  AUC %.4f  %.0f samples/s", self.step,
+                 m["log_loss"], m["auc"], rate)
+        self.csv.write("train", self.step, m["samples"], m["auc"], m["log_loss"], rate, elapsed)
+        self.window.restart()
+
+    def checkpoint(self) -> None:
+        """Save a checkpoint if this step is a checkpoint step (or the last step)."""
+        every = self.run.checkpoint_every
+        if every and (self.step % every == 0 or self.done):
+            path = self.ckpt.save(self.step, self.dmp, self.optimizer)
+            self.say("checkpoint %s", path)
+
+    def evaluate(self) -> None:
+        """Validate if this step is a validation step before the last (which
+        :meth:`finish` validates)."""
+        run = self.run
+        if not (run.eval_batches and run.eval_every and self.step % run.eval_every == 0
+                and not self.done):
+            return
+        batches = self.data.eval_batches("val", run.eval_batches)
+        if batches is None:  # a file source without a val split
+            return
+        start = time.perf_counter()
+        m = self.metrics(batches)
+        self.say("step %d  validation log loss %.4f  AUC %.4f", self.step, m["log_loss"],
+                 m["auc"])
+        self.csv.write("val", self.step, m["samples"], m["auc"], m["log_loss"],
+                       elapsed_s=time.perf_counter() - start)
+        self.window.restart()  # keep evaluation out of the training rate
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> Dict[str, float]:
+        """Final validation and test; the results (metrics, memory, throughput)."""
+        run = self.run
+        results: Dict[str, float] = {"step": self.step,
+                                     "stored_floats": self.summary.stored_floats,
+                                     "compression": self.summary.compression_ratio}
+        if self.window.timed_steps:
+            results["train_samples_per_s"] = self.window.samples_per_s(run.batch_size * self.world)
+        for split, count in (("val", run.eval_batches), ("test", run.test_batches)):
+            batches = self.data.eval_batches(split, count) if count else None
+            if batches is None:
+                continue
+            m = self.metrics(batches)
+            self.say("%s log loss %.4f  AUC %.4f  (%d samples)", split, m["log_loss"], m["auc"],
+                     m["samples"])
+            self.csv.write(split, self.step, m["samples"], m["auc"], m["log_loss"])
+            results[f"{split}_auc"], results[f"{split}_log_loss"] = m["auc"], m["log_loss"]
+        if "train_samples_per_s" in results:
+            self.say("training throughput %.0f samples/s (after the first log window)",
+                     results["train_samples_per_s"])
+        return results
+
+    def metrics(self, batches: Iterator) -> Dict[str, float]:
+        """AUC and log loss of the model over ``batches`` (all ranks together)."""
+        metrics = PhaseMetrics()
+        self.dmp.eval()
+        with torch.no_grad():
+            run_to_end(self.pipeline, batches, lambda out: metrics.update(out[1], out[2]))
+        self.dmp.train()
+        return metrics.compute()
+
+
+class _Window:
+    """The training metrics and time of the steps since the last log line, and the
+    throughput over every window but the first (which pays for warm-up)."""
+
+    def __init__(self) -> None:
+        self.metrics = PhaseMetrics()
+        self.start, self.steps = time.perf_counter(), 0
+        self.timed_s, self.timed_steps, self.first = 0.0, 0, True
+
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.steps += 1
+        self.metrics.update(logits, labels)
+
+    def close(self):
+        """``(seconds, steps, metrics)`` of the window (metrics: collective); :meth:`restart`
+        starts the next one's clock."""
+        elapsed, steps = time.perf_counter() - self.start, self.steps
+        m = self.metrics.compute()
+        if not self.first:
+            self.timed_s += elapsed
+            self.timed_steps += steps
+        self.first = False
+        self.metrics.reset()
+        self.steps = 0
+        return elapsed, steps, m
+
+    def samples_per_s(self, samples_per_step: int) -> float:
+        """The training rate over the timed windows (there must be one)."""
+        return self.timed_steps * samples_per_step / self.timed_s
+
+
+def _quiet_planner(record: logging.LogRecord) -> bool:
+    # the planner warns (on the root logger) for every data-parallel table, which has no
+    # sharding spec by design
+    return not str(record.msg).startswith("Sharding spec not found")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
+                            else "cpu")
+    return torch.device(name)
