@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, args) -> List[float]:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
-    from robe_torchrec.train.model import dense_optimizer
+    from robe_torchrec.dlrm import dense_optimizer
 
     model = _build(args)
     sharder = RobeEmbeddingBagCollectionSharder()

@@ -47,7 +47,7 @@ def _run(overrides: Sequence[str]) -> Dict[str, float]:
     from hydra import compose, initialize_config_dir
 
     from robe_torchrec.train.config import config_dir
-    from robe_torchrec.train.loop import train
+    from robe_torchrec.train.trainer import train
 
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
