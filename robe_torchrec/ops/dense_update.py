@@ -4,9 +4,10 @@ Data-parallel arrays need it: every rank computes the array's dense gradient
 (``robe::backward_dense``), the gradients are averaged over the process group, and then this
 step runs (see :mod:`robe_torchrec.fused_lookup`). It takes the op's encoding of the optimizer
 (:class:`~robe_torchrec.ops.meta.Optimizer`, ``hparams`` in
-:data:`~robe_torchrec.ops.meta.HPARAM_NAMES` order, 1-based ``step``) and runs
-``torch.optim``'s own functional single-tensor implementations, so its numbers are
-``torch.optim``'s; the fused kernels agree with them to float32 rounding (checked in
+:data:`~robe_torchrec.ops.meta.HPARAM_NAMES` order, 1-based ``step``, and ``block_size`` for
+row-wise Adagrad) and runs ``torch.optim``'s (torchrec's for ``RowWiseAdagrad``) own
+functional single-tensor implementations, so its numbers are theirs; float16/bfloat16 weights
+are stepped in float32 and written back rounded, as the fused kernels do; the fused kernels agree with them to float32 rounding (checked in
 ``tests/ops``). :mod:`robe_torchrec.ops.reference` keeps an independent copy of the formulas as
 the test oracle.
 
@@ -26,8 +27,9 @@ import torch
 from torch.optim.adagrad import adagrad
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
+from torchrec.optim.rowwise_adagrad import adagrad as rowwise_adagrad
 
-from robe_torchrec.ops.meta import Optimizer
+from robe_torchrec.ops.meta import Optimizer, accumulation_dtype
 
 
 def apply_dense_update_(
@@ -38,10 +40,20 @@ def apply_dense_update_(
     optimizer: int,
     hparams: List[float],
     step: int,
+    block_size: int = 0,
 ) -> None:
-    """One step of SGD / Adagrad / Adam on ``weights`` in place, with the state tensors the
-    fused kernel takes (Adagrad: ``state1`` = ``sum``; Adam: ``exp_avg``, ``exp_avg_sq``;
-    unused ones may be empty). ``step`` is the 1-based number of this update."""
+    """One step of SGD / Adagrad / Adam / row-wise Adagrad on ``weights`` in place, with the
+    state tensors the fused kernel takes (Adagrad and row-wise Adagrad: ``state1`` = ``sum``;
+    Adam: ``exp_avg``, ``exp_avg_sq``; unused ones may be empty). ``step`` is the 1-based
+    number of this update; ``block_size`` the length of a row-wise Adagrad row."""
+    work = weights.to(accumulation_dtype(weights.dtype))
+    _step(work, grad.to(work.dtype), state1, state2, optimizer, hparams, step, block_size)
+    if work is not weights:
+        with torch.no_grad():
+            weights.copy_(work)
+
+
+def _step(weights, grad, state1, state2, optimizer, hparams, step, block_size) -> None:
     lr, eps, beta1, beta2, weight_decay = hparams
     # torch.optim counts the step itself: hand it the count before this update, in a
     # scratch tensor, since the caller's optimizer already advanced its own counter
@@ -57,5 +69,23 @@ def apply_dense_update_(
             adam([weights], [grad], [state1], [state2], [], steps, foreach=False, amsgrad=False,
                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                  maximize=False)
+        elif optimizer == Optimizer.ROWWISE_ADAGRAD:
+            _rowwise_adagrad(weights, grad, state1, steps, block_size, lr=lr,
+                             weight_decay=weight_decay, lr_decay=0.0, eps=eps, maximize=False)
         else:
             raise ValueError(f"robe: unknown fused optimizer {optimizer}")
+
+
+def _rowwise_adagrad(weights, grad, state_sum, steps, block_size, **hyper) -> None:
+    """torchrec's row-wise step on the array seen as ``[rows, block_size]``; the leftover
+    ``M % block_size`` elements form the last, shorter, row (a separate ``[1, rest]`` view)."""
+    if block_size < 1:
+        raise ValueError(f"robe: row-wise Adagrad needs block_size >= 1, got {block_size}")
+    full = weights.numel() // block_size
+    cut = full * block_size
+    parts = [(slice(0, cut), slice(0, full), block_size)]
+    if cut < weights.numel():
+        parts.append((slice(cut, None), slice(full, None), weights.numel() - cut))
+    for elems, rows, width in parts:
+        rowwise_adagrad([weights[elems].view(-1, width)], [grad[elems].view(-1, width)],
+                        [state_sum[rows].view(-1, 1)], [steps[0].clone()], **hyper)

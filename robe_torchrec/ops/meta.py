@@ -56,15 +56,39 @@ class BoundsCheck(enum.IntEnum):
 
 
 class Optimizer(enum.IntEnum):
-    """Optimizers the fused backward applies in place (dense semantics, as torch.optim)."""
+    """Optimizers the fused backward applies in place (dense semantics, as torch.optim).
+
+    ``ROWWISE_ADAGRAD`` is torchrec's ``RowWiseAdagrad`` (FBGEMM's EXACT_ROWWISE_ADAGRAD) with
+    a ROBE array's *row* defined as one aligned chunk of ``block_size`` floats of the flat
+    ``weights`` the op updates: element ``i`` belongs to row ``i // block_size`` (the last row
+    holds the ``M % block_size`` leftover elements if any), so ``sum`` has
+    :func:`rowwise_state_size` entries. Each step adds the *mean* over the row of the squared
+    (weight-decayed) gradient to the row's ``sum`` (FBGEMM and torchrec average over the
+    embedding dim) and scales the whole row's update by ``lr / (sqrt(sum) + eps)``. A row is
+    a unit of memory, not a lookup: a looked-up block starts at a hashed offset and usually
+    straddles two rows, which is why the rows are fixed chunks and not the blocks.
+    """
 
     SGD = 0
     ADAGRAD = 1
     ADAM = 2
+    ROWWISE_ADAGRAD = 3
 
 
 #: order of the floats in the fused backward's ``hparams`` argument
 HPARAM_NAMES = ("lr", "eps", "beta1", "beta2", "weight_decay")
+
+
+def rowwise_state_size(numel: int, block_size: int) -> int:
+    """Rows (entries of ``sum``) of :attr:`Optimizer.ROWWISE_ADAGRAD` for ``numel`` weights."""
+    return -(-int(numel) // int(block_size))
+
+
+def accumulation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in, and that outputs and optimizer state are kept in, for
+    weights stored in ``weight_dtype``: float64 for float64, float32 otherwise (as FBGEMM's TBE
+    keeps fp16 tables with fp32 outputs and fp32 optimizer state)."""
+    return torch.float64 if weight_dtype == torch.float64 else torch.float32
 
 
 def build_table_meta(

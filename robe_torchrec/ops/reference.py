@@ -2,7 +2,9 @@
 
 Same signatures as the registered ``torch.ops.robe.*`` ops (see :mod:`robe_torchrec.ops`).
 Written for clarity, one feature at a time, and runs in any dtype (float64 for gradcheck).
-It is also the "vectorised pure-PyTorch ROBE-Z" row of the CPU benchmark.
+As the kernels, it computes in :func:`~robe_torchrec.ops.meta.accumulation_dtype` (float32 for
+float16/bfloat16 weights, whose pooled output is float32) and the fused update reads
+low-precision weights, steps in float32 and writes them back rounded. It is also the "vectorised pure-PyTorch ROBE-Z" row of the CPU benchmark.
 
 Example::
 
@@ -83,11 +85,12 @@ def forward(
     check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
                  block_size, hash_mode, hash_params, bounds_check)
     batch = (offsets.numel() - 1) // table_meta.shape[1]
-    out = weights.new_zeros(batch, output_dim)
+    acc = m.accumulation_dtype(weights.dtype)
+    out = weights.new_zeros(batch, output_dim, dtype=acc)
     for t, vals, samples, lengths, col, span in _feature_slices(values, offsets, table_meta):
         idx = element_indices(vals, col, block_size, hash_mode, hash_params)
-        scale = _row_scales(per_sample_weights, span, samples, lengths, col[m.POOLING], weights.dtype)
-        rows = weights[idx] * scale[:, None]
+        scale = _row_scales(per_sample_weights, span, samples, lengths, col[m.POOLING], acc)
+        rows = weights[idx].to(acc) * scale[:, None]
         lo = col[m.OUT_OFFSET]
         out[:, lo : lo + col[m.DIM]].index_add_(0, samples, rows)
     return out
@@ -104,14 +107,15 @@ def backward_dense(
     hash_mode: int,
     hash_params: List[int],
 ) -> torch.Tensor:
-    grad_weights = torch.zeros_like(weights)
+    acc = m.accumulation_dtype(weights.dtype)
+    grad_weights = torch.zeros_like(weights, dtype=acc)
     for t, vals, samples, lengths, col, span in _feature_slices(values, offsets, table_meta):
         idx = element_indices(vals, col, block_size, hash_mode, hash_params)
-        scale = _row_scales(per_sample_weights, span, samples, lengths, col[m.POOLING], weights.dtype)
+        scale = _row_scales(per_sample_weights, span, samples, lengths, col[m.POOLING], acc)
         lo = col[m.OUT_OFFSET]
-        rows = grad_output[samples, lo : lo + col[m.DIM]].to(weights.dtype) * scale[:, None]
+        rows = grad_output[samples, lo : lo + col[m.DIM]].to(acc) * scale[:, None]
         grad_weights.index_add_(0, idx.reshape(-1), rows.reshape(-1))
-    return grad_weights
+    return grad_weights.to(weights.dtype)
 
 
 def per_sample_weights_grad(
@@ -126,15 +130,16 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     """``d loss / d per_sample_weights[i]``: the looked-up row of value i dotted with its bag's
     output gradient (divided by the bag size for MEAN)."""
-    grad = weights.new_zeros(values.numel())
+    acc = m.accumulation_dtype(weights.dtype)
+    grad = weights.new_zeros(values.numel(), dtype=acc)
     for t, vals, samples, lengths, col, span in _feature_slices(values, offsets, table_meta):
         idx = element_indices(vals, col, block_size, hash_mode, hash_params)
         lo = col[m.OUT_OFFSET]
-        dots = (weights[idx] * grad_output[samples, lo : lo + col[m.DIM]].to(weights.dtype)).sum(1)
+        dots = (weights[idx].to(acc) * grad_output[samples, lo : lo + col[m.DIM]].to(acc)).sum(1)
         if col[m.POOLING] == m.Pooling.MEAN:
-            dots = dots / lengths.clamp(min=1).to(weights.dtype)[samples]
+            dots = dots / lengths.clamp(min=1).to(acc)[samples]
         grad[span[0] : span[1]] = dots
-    return grad
+    return grad.to(weights.dtype)
 
 
 def apply_optimizer_(
@@ -145,10 +150,13 @@ def apply_optimizer_(
     optimizer: int,
     hparams: List[float],
     step: int,
+    block_size: int = 0,
 ) -> None:
     """One dense step of SGD / Adagrad / Adam, the formulas of ``torch.optim`` (defaults:
-    no momentum, ``lr_decay=0``, ``amsgrad=False``, L2 ``weight_decay``), written out here as
-    the oracle; training uses :func:`robe_torchrec.ops.dense_update.apply_dense_update_`."""
+    no momentum, ``lr_decay=0``, ``amsgrad=False``, L2 ``weight_decay``), or of torchrec's
+    ``RowWiseAdagrad`` over rows of ``block_size`` elements (see
+    :class:`~robe_torchrec.ops.meta.Optimizer`), written out here as the oracle; training uses
+    :func:`robe_torchrec.ops.dense_update.apply_dense_update_`."""
     lr, eps, beta1, beta2, weight_decay = hparams
     if weight_decay != 0.0:
         grad = grad + weight_decay * weights
@@ -164,8 +172,26 @@ def apply_optimizer_(
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
         denom = (state2.sqrt() / bias2_sqrt).add_(eps)
         weights.addcdiv_(state1, denom, value=-lr / bias1)
+    elif optimizer == m.Optimizer.ROWWISE_ADAGRAD:
+        rows = row_means(grad * grad, block_size)
+        state1.add_(rows)
+        std = (state1.sqrt() + eps).repeat_interleave(block_size)[: weights.numel()]
+        weights.addcdiv_(grad, std, value=-lr)
     else:
         raise ValueError(f"robe: unknown fused optimizer {optimizer}")
+
+
+def row_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean of each row of ``block_size`` consecutive elements of the 1-D ``x`` (the last row
+    over its own, possibly fewer, elements)."""
+    if block_size < 1:
+        raise ValueError(f"robe: row-wise Adagrad needs block_size >= 1, got {block_size}")
+    rows = m.rowwise_state_size(x.numel(), block_size)
+    padded = x.new_zeros(rows * block_size)
+    padded[: x.numel()] = x
+    counts = torch.full((rows,), float(block_size), dtype=x.dtype, device=x.device)
+    counts[-1:] = x.numel() - (rows - 1) * block_size
+    return padded.view(rows, block_size).sum(1) / counts
 
 
 def backward_fused_(
@@ -184,6 +210,10 @@ def backward_fused_(
     hparams: List[float],
     step: int,
 ) -> None:
-    grad = backward_dense(grad_output, weights, values, offsets, per_sample_weights,
+    # low-precision weights are read, stepped in float32 and written back rounded
+    work = weights.to(m.accumulation_dtype(weights.dtype))
+    grad = backward_dense(grad_output, work, values, offsets, per_sample_weights,
                           table_meta, block_size, hash_mode, hash_params)
-    apply_optimizer_(weights, grad, state1, state2, optimizer, hparams, step)
+    apply_optimizer_(work, grad, state1, state2, optimizer, hparams, step, block_size)
+    if work is not weights:
+        weights.copy_(work)

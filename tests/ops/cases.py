@@ -115,3 +115,39 @@ def case_matrix() -> List[dict]:
     # every bag empty
     cases.append(dict(seed=201, max_bag=0))
     return cases
+
+
+def rowwise_adagrad_brute_force(weights: torch.Tensor, grad: torch.Tensor, state: torch.Tensor,
+                                block_size: int, lr: float, eps: float, weight_decay: float):
+    """Row-wise Adagrad written out element by element in Python floats (float64), from its
+    definition in :class:`robe_torchrec.ops.meta.Optimizer`: row ``r`` is elements
+    ``[r * Z, r * Z + Z)``, its ``sum`` grows by the mean of the squared decayed gradient."""
+    w, s = weights.tolist(), state.tolist()
+    g = [gi + weight_decay * wi for gi, wi in zip(grad.tolist(), w)]
+    for r in range(len(s)):
+        row = range(r * block_size, min((r + 1) * block_size, len(w)))
+        s[r] += sum(g[i] * g[i] for i in row) / len(row)
+        for i in row:
+            w[i] -= lr * g[i] / (s[r] ** 0.5 + eps)
+    return torch.tensor(w, dtype=torch.float64), torch.tensor(s, dtype=torch.float64)
+
+
+#: (block_size, shared, weighted, weight_decay): rows that divide the array or leave a short
+#: last row, one array or one per feature
+ROWWISE_CASES = [(3, False, True, 0.0), (8, True, False, 0.01), (5, True, True, 0.0),
+                 (1, False, False, 0.01)]
+
+
+def fused_steps(impl, case: OpCase, optimizer: int, hparams: List[float], states, steps: int = 3,
+                weights: Optional[torch.Tensor] = None):
+    """Apply ``steps`` fused steps of ``impl`` (a module with ``backward_fused_``) to a copy of
+    the case's weights (or ``weights``) and the given state tensors (updated in place);
+    returns the weights. The grad_output of step k is seeded with k."""
+    w = (case.weights if weights is None else weights).clone()
+    for step in range(1, steps + 1):
+        g = torch.randn(case.batch, case.output_dim, generator=torch.Generator().manual_seed(step),
+                        dtype=torch.float64 if w.dtype == torch.float64 else torch.float32)
+        impl.backward_fused_(g, w, *states, case.values, case.offsets, case.per_sample_weights,
+                             case.table_meta, case.block_size, case.hash_mode, case.hash_params,
+                             int(optimizer), hparams, step)
+    return w

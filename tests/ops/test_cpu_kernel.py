@@ -11,8 +11,10 @@ import torch
 import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
 from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
 from robe_torchrec.ops import cpu, cpu_backend, reference
-from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
-from tests.ops.cases import OpCase, case_matrix, random_case
+from robe_torchrec.ops.meta import (BoundsCheck, Optimizer, Pooling, build_table_meta,
+                                   rowwise_state_size)
+from tests.ops.cases import (ROWWISE_CASES, OpCase, case_matrix, fused_steps, random_case,
+                             rowwise_adagrad_brute_force)
 
 if cpu._find_compiler() is None:  # pragma: no cover - machines without g++
     pytest.skip("no C++ compiler: the C++ kernels cannot be built", allow_module_level=True)
@@ -487,3 +489,137 @@ def test_large_output_takes_the_streaming_store(dtype):
     case = random_case(83, dims=[67, 64], batch=batch, block_size=8, dtype=dtype, max_bag=2)
     assert case.output_dim % 2 == 1 and batch * case.output_dim * dtype.itemsize >= 2 << 20
     assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+
+
+# ---------------------------------------------------------------------------------------
+# row-wise Adagrad
+# ---------------------------------------------------------------------------------------
+
+def _rowwise_case(block_size, shared, weighted, dtype=torch.float32, seed=61, **kw):
+    return random_case(seed, batch=30, block_size=block_size, shared=shared, weighted=weighted,
+                       dtype=dtype, memory_size=1001, **kw)
+
+
+@pytest.mark.parametrize("block_size,shared,weighted,weight_decay", ROWWISE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rowwise_adagrad_matches_reference(block_size, shared, weighted, weight_decay, dtype,
+                                           backward_path):
+    case = _rowwise_case(block_size, shared, weighted, dtype)
+    rows = rowwise_state_size(case.weights.numel(), block_size)
+    hparams = [0.05, 1e-8, 0.9, 0.999, weight_decay]
+    states = {impl: [torch.full((rows,), 0.1, dtype=dtype), torch.empty(0, dtype=dtype)]
+              for impl in ("cpp", "ref")}
+    w_cpp = fused_steps(cpu, case, Optimizer.ROWWISE_ADAGRAD, hparams, states["cpp"])
+    w_ref = fused_steps(reference, case, Optimizer.ROWWISE_ADAGRAD, hparams, states["ref"])
+    assert not torch.equal(w_cpp, case.weights)
+    assert_close(w_cpp, w_ref)
+    assert_close(states["cpp"][0], states["ref"][0])
+
+
+def test_rowwise_adagrad_brute_force():
+    # 11 floats in rows of 3: rows 0-2 full, row 3 holds 2; gradient from autograd of the
+    # reference forward, so neither backward is trusted
+    case = random_case(62, dims=[5, 4], batch=3, block_size=3, memory_size=11,
+                       weighted=True, dtype=torch.float64, empty_fraction=0.0)
+    lr, eps, wd = 0.3, 1e-6, 0.05
+    w = case.weights.clone().requires_grad_(True)
+    g_out = torch.randn(case.batch, case.output_dim, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(1))
+    (reference.forward(w, *case.forward_args()[1:]) * g_out).sum().backward()
+    state0 = torch.rand(4, dtype=torch.float64)
+    expected_w, expected_s = rowwise_adagrad_brute_force(case.weights, w.grad, state0, 3, lr,
+                                                         eps, wd)
+    for impl in (reference, cpu):
+        weights, state = case.weights.clone(), state0.clone()
+        impl.backward_fused_(g_out, weights, state, torch.empty(0, dtype=torch.float64),
+                             case.values, case.offsets, case.per_sample_weights, case.table_meta,
+                             3, case.hash_mode, case.hash_params, int(Optimizer.ROWWISE_ADAGRAD),
+                             [lr, eps, 0.9, 0.999, wd], 1)
+        assert_close(weights, expected_w)
+        assert_close(state, expected_s)
+
+
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+def test_rowwise_adagrad_same_at_1_and_2_threads(mode):
+    # Z = 12 does not divide the plan's 16384-float ranges: rows straddle them
+    case = random_case(43, dims=[32, 12], batch=3000, block_size=12, hash_mode=int(mode),
+                       weighted=True, memory_size=100_003)
+    rows = rowwise_state_size(case.weights.numel(), 12)
+    results = []
+    for n in (1, 2):
+        with num_threads(n):
+            state = [torch.zeros(rows), torch.empty(0)]
+            results.append((fused_steps(cpu, case, Optimizer.ROWWISE_ADAGRAD,
+                                        [0.05, 1e-8, 0.9, 0.999, 0.01], state, steps=2), state[0]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_rowwise_adagrad_state_is_checked():
+    case = _rowwise_case(4, True, False)
+    rows = rowwise_state_size(case.weights.numel(), 4)
+    for bad in (torch.zeros(rows - 1), torch.zeros(case.weights.numel()),
+                torch.zeros(rows, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="state1 must be a contiguous Float tensor of 251"):
+            fused_steps(cpu, case, Optimizer.ROWWISE_ADAGRAD, [0.1, 1e-8, 0, 0, 0],
+                        [bad, torch.empty(0)], steps=1)
+
+
+# ---------------------------------------------------------------------------------------
+# float16 / bfloat16 storage: float32 accumulation, output and optimizer state
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_forward_against_float32(dtype):
+    """The error of half storage is the rounding of the array alone: the pooled output is
+    computed in float32 from the rounded array, exactly as the float32 kernel would."""
+    case = random_case(71, batch=200, max_bag=20, weighted=True, dims=[64, 16, 33],
+                       block_size=8, memory_size=20_000)
+    low = case.weights.to(dtype)
+    args = case.forward_args()[1:]
+    out = cpu.forward(low, *args)
+    assert out.dtype == torch.float32
+    # the float32 kernel on the same (rounded) array: only the summation order may differ
+    assert_close(out, cpu.forward(low.float(), *args))
+    assert_close(out, reference.forward(low, *args))
+    # against the unrounded float32 array: the storage error, bounded by the rounding of
+    # every summand (unit roundoff 2**-11 for float16, 2**-8 for bfloat16)
+    exact = cpu.forward(case.weights, *args)
+    bound = reference.forward(case.weights.abs(), case.values, case.offsets,
+                              None if case.per_sample_weights is None else case.per_sample_weights.abs(),
+                              *args[3:])
+    unit = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
+    assert bool(((out - exact).abs() <= unit * bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("code", [Optimizer.SGD, Optimizer.ADAGRAD, Optimizer.ADAM,
+                                  Optimizer.ROWWISE_ADAGRAD])
+def test_low_precision_fused_step(dtype, code, backward_path):
+    """The update reads the half weights, steps in float32 with float32 state and writes the
+    weights back rounded: the float32 step on the rounded array, then rounded."""
+    case = random_case(72, batch=30, weighted=True, block_size=5, memory_size=1001)
+    low = case.weights.to(dtype)
+    size = (rowwise_state_size(low.numel(), 5) if code == Optimizer.ROWWISE_ADAGRAD
+            else low.numel())
+    hparams = [0.05, 1e-8, 0.9, 0.999, 0.01]
+    states_low = [torch.zeros(size), torch.zeros(size)]
+    states_32 = [torch.zeros(size), torch.zeros(size)]
+    g = grad_output_for(case, seed=3)
+    rest = (case.values, case.offsets, case.per_sample_weights, case.table_meta, 5,
+            case.hash_mode, case.hash_params, int(code), hparams, 1)
+    w_low, w_32 = low.clone(), low.float()
+    cpu.backward_fused_(g, w_low, *states_low, *rest)
+    cpu.backward_fused_(g, w_32, *states_32, *rest)
+    assert w_low.dtype == dtype and not torch.equal(w_low, low)
+    # (not bitwise: the compiler may contract multiply-adds differently per weight type)
+    assert_close(w_low, w_32.to(dtype))
+    for mine, theirs in zip(states_low, states_32):
+        assert_close(mine, theirs)
+    w_ref, states_ref = low.clone(), [torch.zeros(size), torch.zeros(size)]
+    reference.backward_fused_(g, w_ref, *states_ref, *rest)
+    assert_close(w_low, w_ref)
+    if code == Optimizer.SGD:
+        return
+    with pytest.raises(ValueError, match="state1 must be a contiguous Float tensor"):
+        cpu.backward_fused_(g, low.clone(), torch.zeros(size, dtype=dtype),
+                            torch.zeros(size, dtype=dtype), *rest)

@@ -56,7 +56,7 @@ enum MetaField : int64_t {
 };
 enum HashModeId : int64_t { HASH_REFERENCE = 0, HASH_MIX = 1 };
 enum BoundsCheckId : int64_t { BOUNDS_ERROR = 0, BOUNDS_UNBOUNDED = 1 };
-enum OptimizerId : int64_t { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2 };
+enum OptimizerId : int64_t { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2, OPT_ROWWISE_ADAGRAD = 3 };
 constexpr int64_t kPoolingMean = 1;
 
 constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
@@ -474,7 +474,7 @@ constexpr int64_t kStreamBytes = int64_t(1) << 21;
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, bool kHashOnly>
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
-                        scalar_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
+                        acc_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
                         int64_t N, IdCheck id_check, int64_t max_key, LoopErrors& err) {
   const int64_t B = L.B, T = L.T, Z = L.Z;
   // work per sample ~ its multiply-adds; at least ~32k of them per task
@@ -483,7 +483,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t grain = std::max<int64_t>(1, 32768 / work_per_sample);
   const int64_t entries_per_sample = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(B, 1));
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
-  const bool stream = B * out_dim * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
+  const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
     std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
@@ -642,7 +642,7 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
     max_key = static_cast<int64_t>(mk > kI64Max ? kI64Max : (mk < lo ? lo : mk));
   }
   at::Tensor out = kHashOnly ? at::zeros({}, values.options().dtype(at::kLong))
-                             : at::empty({L.B, output_dim}, weights.options());
+                             : at::empty({L.B, output_dim}, weights.options().dtype(acc_st));
   LoopErrors err;
   uint64_t checksum = 0;
   AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "robe_forward_index", [&] {
@@ -653,7 +653,9 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
       using scalar_t = decltype(scalar_tag);
       using acc_t = at::opmath_type<scalar_t>;
       const acc_t* pswp = psw.defined() ? psw.data_ptr<acc_t>() : nullptr;
-      scalar_t* outp = kHashOnly ? nullptr : out.data_ptr<scalar_t>();
+      // pooled in acc_t and returned in it: low-precision weights give float32 output (as
+      // FBGEMM's TBE with output_dtype FP32), no second rounding of the sums
+      acc_t* outp = kHashOnly ? nullptr : out.data_ptr<acc_t>();
       dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
         using Hash = std::decay_t<decltype(hash)>;
         checksum = forward_kernel<scalar_t, acc_t, index_t, Hash, kHashOnly>(
@@ -985,6 +987,27 @@ void direct_scatter(const BackwardInputs& in, int64_t hash_mode, const std::vect
   });
 }
 
+// The whole dense gradient gw[0, M), bitwise the same on any number of threads.
+template <typename acc_t>
+void scatter_dense(const BackwardInputs& in, int64_t M, int64_t hash_mode,
+                   const std::vector<int64_t>& hash_params, acc_t* gw) {
+  if (use_direct_scatter(M, sizeof(acc_t))) {
+    std::fill(gw, gw + M, acc_t(0));
+    direct_scatter<acc_t>(in, hash_mode, hash_params, gw);
+    return;
+  }
+  with_plan<acc_t>(in, M, hash_mode, hash_params, [&](const Plan<acc_t>& plan) {
+    const acc_t* go = in.grad_output.data_ptr<acc_t>();
+    parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M);
+        std::fill(gw + lo, gw + hi, acc_t(0));
+        accumulate_bucket(plan, r, lo, hi, go, gw + lo);
+      }
+    });
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 // backward_dense
 // ---------------------------------------------------------------------------------------
@@ -1003,23 +1026,7 @@ at::Tensor backward_dense(const at::Tensor& grad_output, const at::Tensor& weigh
   const int64_t M = weights.numel();
   at::Tensor grad = at::empty({M}, weights.options().dtype(acc_st));
   AT_DISPATCH_FLOATING_TYPES(acc_st, "robe_backward_dense", [&] {
-    using acc_t = scalar_t;
-    acc_t* gw = grad.data_ptr<acc_t>();
-    if (use_direct_scatter(M, sizeof(acc_t))) {
-      std::fill(gw, gw + M, acc_t(0));
-      direct_scatter<acc_t>(in, hash_mode, hash_params, gw);
-      return;
-    }
-    with_plan<acc_t>(in, M, hash_mode, hash_params, [&](const Plan<acc_t>& plan) {
-      const acc_t* go = in.grad_output.data_ptr<acc_t>();
-      parallel_for_dynamic(plan.R, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t lo = r * plan.rs, hi = std::min(lo + plan.rs, M);
-          std::fill(gw + lo, gw + hi, acc_t(0));
-          accumulate_bucket(plan, r, lo, hi, go, gw + lo);
-        }
-      });
-    });
+    scatter_dense<scalar_t>(in, M, hash_mode, hash_params, grad.data_ptr<scalar_t>());
   });
   return wst == acc_st ? grad : grad.to(wst);
 }
@@ -1032,43 +1039,77 @@ struct HParams {
   double lr, eps, beta1, beta2, wd;
 };
 
-template <typename T>
-inline void sgd_range(T* __restrict__ w, const T* __restrict__ g, int64_t n, T lr, T wd) {
+// The steps read weights of type W (float16/bfloat16 storage, or T itself), compute in T
+// (float32/float64, as the state) and write the weights back rounded to W.
+template <typename W, typename T>
+inline void sgd_range(W* __restrict__ w, const T* __restrict__ g, int64_t n, T lr, T wd) {
   const T neg_lr = -lr;
   if (wd != T(0)) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) w[i] = w[i] + neg_lr * (g[i] + wd * w[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      const T wi = static_cast<T>(w[i]);
+      w[i] = static_cast<W>(wi + neg_lr * (g[i] + wd * wi));
+    }
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) w[i] = w[i] + neg_lr * g[i];
+    for (int64_t i = 0; i < n; ++i) w[i] = static_cast<W>(static_cast<T>(w[i]) + neg_lr * g[i]);
   }
 }
 
-template <typename T>
-inline void adagrad_range(T* __restrict__ w, T* __restrict__ s1, const T* __restrict__ g, int64_t n,
+template <typename W, typename T>
+inline void adagrad_range(W* __restrict__ w, T* __restrict__ s1, const T* __restrict__ g, int64_t n,
                           T lr, T eps, T wd) {
   const T neg_lr = -lr;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const T gi = g[i] + wd * w[i];
+    const T wi = static_cast<T>(w[i]);
+    const T gi = g[i] + wd * wi;
     const T s = s1[i] + gi * gi;
     s1[i] = s;
-    w[i] = w[i] + neg_lr * (gi / (std::sqrt(s) + eps));
+    w[i] = static_cast<W>(wi + neg_lr * (gi / (std::sqrt(s) + eps)));
   }
 }
 
-template <typename T>
-inline void adam_range(T* __restrict__ w, T* __restrict__ m1, T* __restrict__ m2, const T* __restrict__ g,
+template <typename W, typename T>
+inline void adam_range(W* __restrict__ w, T* __restrict__ m1, T* __restrict__ m2, const T* __restrict__ g,
                        int64_t n, T wd, T w1, T beta2, T one_minus_beta2, T inv_bias2_sqrt, T eps,
                        T neg_step) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const T gi = g[i] + wd * w[i];
+    const T wi = static_cast<T>(w[i]);
+    const T gi = g[i] + wd * wi;
     const T m = m1[i] + w1 * (gi - m1[i]);  // torch.lerp(m1, g, w1) for w1 < 0.5
     const T v = m2[i] * beta2 + one_minus_beta2 * gi * gi;
     m1[i] = m;
     m2[i] = v;
-    w[i] = w[i] + neg_step * (m / (std::sqrt(v) * inv_bias2_sqrt + eps));
+    w[i] = static_cast<W>(wi + neg_step * (m / (std::sqrt(v) * inv_bias2_sqrt + eps)));
+  }
+}
+
+// Row-wise Adagrad on rows [r0, r1) of Z elements (meta.py: row r is elements [r*Z, r*Z + Z)
+// of the M weights, the last one shorter); g holds the gradient of element r0 * Z onwards.
+// The squares are summed in element order, without simd, so a row's sum does not depend on
+// the buffer's alignment or on which path or thread steps it.
+template <typename W, typename T>
+void rowwise_adagrad_rows(W* __restrict__ w, T* __restrict__ sum, const T* __restrict__ g, int64_t r0,
+                          int64_t r1, int64_t Z, int64_t M, T lr, T eps, T wd) {
+  const T neg_lr = -lr;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t lo = r * Z, n = std::min(Z, M - lo);
+    W* __restrict__ wr = w + lo;
+    const T* __restrict__ gr = g + (lo - r0 * Z);
+    T sq = T(0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T gj = gr[j] + wd * static_cast<T>(wr[j]);
+      sq += gj * gj;
+    }
+    const T s = sum[r] + sq / static_cast<T>(n);
+    sum[r] = s;
+    const T denom = std::sqrt(s) + eps;
+    for (int64_t j = 0; j < n; ++j) {
+      const T wj = static_cast<T>(wr[j]);
+      wr[j] = static_cast<W>(wj + neg_lr * ((gr[j] + wd * wj) / denom));
+    }
   }
 }
 
@@ -1078,31 +1119,37 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
                      const std::vector<int64_t>& hash_params, int64_t optimizer,
                      const std::vector<double>& hparams, int64_t step) {
   const at::ScalarType wst = weights.scalar_type();
-  if (wst != at::kFloat && wst != at::kDouble) {
-    fail(cat("robe: the fused backward supports float32 and float64 weights, got ", wst));
+  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
+    fail(cat("robe: the fused backward supports float32, float64, float16 and bfloat16 weights, got ", wst));
   }
-  if (optimizer != OPT_SGD && optimizer != OPT_ADAGRAD && optimizer != OPT_ADAM) {
+  const at::ScalarType acc_st = acc_type_of(wst);
+  if (optimizer != OPT_SGD && optimizer != OPT_ADAGRAD && optimizer != OPT_ADAM &&
+      optimizer != OPT_ROWWISE_ADAGRAD) {
     fail(cat("robe: unknown fused optimizer ", optimizer));
   }
   if (hparams.size() != 5) fail(cat("robe: hparams must hold 5 floats (lr, eps, beta1, beta2, weight_decay), got ", hparams.size()));
   if (!weights.is_contiguous()) fail("robe: the fused backward updates weights in place; they must be contiguous");
   const int64_t M = weights.numel();
-  auto check_state = [&](const at::Tensor& s, const char* name) {
+  if (block_size < 1) fail(cat("robe: block_size must be >= 1, got ", block_size));
+  const int64_t rows = (M + block_size - 1) / block_size;  // row-wise Adagrad's state entries
+  auto check_state = [&](const at::Tensor& s, const char* name, int64_t numel) {
     check_cpu(s, name);
-    if (s.numel() != M || s.scalar_type() != wst || !s.is_contiguous()) {
-      fail(cat("robe: ", name, " must be a contiguous ", wst, " tensor of ", M, " elements like weights, got ",
-               s.scalar_type(), " with ", s.numel(), " elements"));
+    if (s.numel() != numel || s.scalar_type() != acc_st || !s.is_contiguous()) {
+      fail(cat("robe: ", name, " must be a contiguous ", acc_st, " tensor of ", numel, " elements for ", wst,
+               " weights of ", M, " elements, got ", s.scalar_type(), " with ", s.numel(), " elements"));
     }
   };
-  if (optimizer == OPT_ADAGRAD || optimizer == OPT_ADAM) check_state(state1, "state1");
-  if (optimizer == OPT_ADAM) check_state(state2, "state2");
+  if (optimizer == OPT_ADAGRAD || optimizer == OPT_ADAM) check_state(state1, "state1", M);
+  if (optimizer == OPT_ADAM) check_state(state2, "state2", M);
+  if (optimizer == OPT_ROWWISE_ADAGRAD) check_state(state1, "state1", rows);
   if (optimizer == OPT_ADAM && step < 1) fail(cat("robe: Adam needs step >= 1, got ", step));
   const HParams hp{hparams[0], hparams[1], hparams[2], hparams[3], hparams[4]};
   BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
-                                       hash_mode, hash_params, wst);
-  AT_DISPATCH_FLOATING_TYPES(wst, "robe_backward_fused", [&] {
-    using T = scalar_t;
-    T* w = weights.data_ptr<T>();
+                                       hash_mode, hash_params, acc_st);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wst, "robe_backward_fused", [&] {
+    using W = scalar_t;
+    using T = at::opmath_type<W>;
+    W* w = weights.data_ptr<W>();
     T* s1 = optimizer != OPT_SGD ? state1.data_ptr<T>() : nullptr;
     T* s2 = optimizer == OPT_ADAM ? state2.data_ptr<T>() : nullptr;
     const double bias1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
@@ -1110,17 +1157,29 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
     // the optimizer step of weights [lo, lo + n), whose gradient is in grad
     auto step_range = [&](int64_t lo, int64_t n, const T* grad) {
       if (optimizer == OPT_SGD) {
-        sgd_range<T>(w + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
+        sgd_range<W, T>(w + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.wd));
       } else if (optimizer == OPT_ADAGRAD) {
-        adagrad_range<T>(w + lo, s1 + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
-                         static_cast<T>(hp.wd));
+        adagrad_range<W, T>(w + lo, s1 + lo, grad, n, static_cast<T>(hp.lr), static_cast<T>(hp.eps),
+                            static_cast<T>(hp.wd));
       } else {
-        adam_range<T>(w + lo, s1 + lo, s2 + lo, grad, n, static_cast<T>(hp.wd),
+        adam_range<W, T>(w + lo, s1 + lo, s2 + lo, grad, n, static_cast<T>(hp.wd),
                       static_cast<T>(1.0 - hp.beta1), static_cast<T>(hp.beta2),
                       static_cast<T>(1.0 - hp.beta2), static_cast<T>(1.0 / bias2_sqrt),
                       static_cast<T>(hp.eps), static_cast<T>(-hp.lr / bias1));
       }
     };
+    if (optimizer == OPT_ROWWISE_ADAGRAD) {
+      // a row can straddle two of the plan's ranges: step the rows once the whole gradient is in
+      T* grad = t_direct.get<T>(static_cast<size_t>(M));
+      scatter_dense<T>(in, M, hash_mode, hash_params, grad);
+      parallel_for_dynamic(rows, dynamic_chunk(rows, std::max<int64_t>(1, 16384 / block_size)),
+                           [&](int64_t r0, int64_t r1) {
+        rowwise_adagrad_rows<W, T>(w, s1, grad + r0 * block_size, r0, r1, block_size, M,
+                                   static_cast<T>(hp.lr), static_cast<T>(hp.eps), static_cast<T>(hp.wd));
+      });
+      t_direct.trim();
+      return;
+    }
     if (use_direct_scatter(M, sizeof(T))) {
       T* grad = t_direct.get<T>(static_cast<size_t>(M));
       std::fill(grad, grad + M, T(0));
