@@ -18,6 +18,7 @@ input dist hands it, and applies the fused optimizer inside backward:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Dict, List, Optional, Type
 
 import torch
@@ -123,8 +124,28 @@ class RobeShardedLookup(nn.Module):
         psw = features.weights_or_none() if self._is_weighted else None
         args = LookupArgs(values, offsets, psw,
                           self._layout.op_args(self.table_meta, self._output_dim))
-        return fused_lookup(self.weight, self.optimizer, args,
-                            self._pg if self._data_parallel else None)
+        try:
+            return fused_lookup(self.weight, self.optimizer, args,
+                                self._pg if self._data_parallel else None)
+        except (ValueError, RuntimeError) as err:
+            raise type(err)(name_feature(str(err), [f.name for f in self.features])) from None
+
+
+def name_feature(message: str, names: List[str]) -> str:
+    """An op error names a feature by its index in the lookup's KJT, which under sharding is
+    not the user's order: name it instead (keeping the index, which positions refer to).
+
+    Example::
+
+        >>> name_feature("robe: id 9 at position 3 of feature 1 is out of range", ["f0", "f3"])
+        "robe: id 9 at position 3 of feature 'f3' (lookup feature 1) is out of range"
+    """
+    found = re.search(r"of feature (\d+)", message)
+    if not found or int(found.group(1)) >= len(names):
+        return message
+    index = found.group(1)
+    return message.replace(found.group(0),
+                           f"of feature '{names[int(index)]}' (lookup feature {index})", 1)
 
 
 class _EmptyLookup(torch.autograd.Function):
