@@ -1,23 +1,34 @@
 """Sharding ``RobeEmbeddingBagCollection`` with TorchRec (``DistributedModelParallel``).
 
+Importing this package adds :class:`RobeEmbeddingBagCollectionSharder` to the sharders
+``DistributedModelParallel`` uses when given none (see :mod:`robe_torchrec.distributed.defaults`).
+
 Example::
 
-    >>> from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder
-    >>> sharder = RobeEmbeddingBagCollectionSharder()
+    >>> import robe_torchrec.distributed
     >>> apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.05})
-    >>> model = DistributedModelParallel(model, env, device, sharders=[sharder, *defaults])
+    >>> model = DistributedModelParallel(model)            # plans and shards the ROBE module
+    >>> model = DistributedModelParallel(model, env, device,
+    ...                                  sharders=robe_torchrec.distributed.get_default_sharders())
 """
 
+from robe_torchrec.distributed.defaults import get_default_sharders, install_default_sharder
 from robe_torchrec.distributed.sharder import (
     RobeEmbeddingBagCollectionSharder,
     ShardedRobeEmbeddingBagCollection,
     ShardedRobeFusedOptimizer,
     robe_sharding_constraints,
+    planner_sharding_types,
 )
+
+install_default_sharder()
 
 __all__ = [
     "RobeEmbeddingBagCollectionSharder",
     "ShardedRobeEmbeddingBagCollection",
     "ShardedRobeFusedOptimizer",
+    "get_default_sharders",
+    "install_default_sharder",
+    "planner_sharding_types",
     "robe_sharding_constraints",
 ]

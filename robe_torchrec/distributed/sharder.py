@@ -116,6 +116,22 @@ def resolve_fused_optimizer(
     return cls, kwargs
 
 
+def planner_sharding_types(layout: RobeLayout, row_wise: bool = False) -> List[str]:
+    """The sharding types under which a module of this layout computes what it computes
+    unsharded: data-parallel, and table-wise for per-table arrays (``shared=False``). With
+    ``row_wise``, also ROW_WISE, a different model (each rank's rows hash into the rank's
+    slice only); a shared module is then row-wise only, as all its tables must be alike.
+
+    Example::
+
+        >>> planner_sharding_types(ebc.layout)               # RobeConfig(shared=False)
+        ['data_parallel', 'table_wise']
+    """
+    if layout.shared:
+        return [RW] if row_wise else [DP]
+    return [DP, TW, RW] if row_wise else [DP, TW]
+
+
 def validate_plan(module: RobeEmbeddingBagCollection,
                   plan: Dict[str, ParameterSharding]) -> None:
     """Refuse, with a message naming the table, a plan this module cannot run."""
@@ -129,7 +145,9 @@ def validate_plan(module: RobeEmbeddingBagCollection,
         if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
             raise ValueError(
                 f"RobeEmbeddingBagCollection: table {name!r} is planned {ps.sharding_type}, "
-                f"which ROBE sharding does not support (supported: {list(SUPPORTED_SHARDING_TYPES)})")
+                f"which ROBE sharding does not support (valid: "
+                f"{list(SHARED_SHARDING_TYPES if layout.shared else SUPPORTED_SHARDING_TYPES)}); plan with RobeEmbeddingBagCollectionSharder() (it offers only those) or "
+                f"pass robe_sharding_constraints(model) to the planner")
         if ps.compute_kernel not in _KERNELS:
             raise ValueError(
                 f"RobeEmbeddingBagCollection: table {name!r} has compute kernel "
@@ -143,23 +161,33 @@ def validate_plan(module: RobeEmbeddingBagCollection,
                 raise ValueError(
                     f"RobeEmbeddingBagCollection: table {name!r} is planned row_wise over "
                     f"{world} ranks but its ROBE array ({array_size} floats) cannot "
-                    f"give each rank a slice of at least block_size={layout.block_size}")
+                    f"give each rank a slice of at least block_size={layout.block_size}; plan "
+                    f"it data_parallel or table_wise (the defaults of "
+                    f"RobeEmbeddingBagCollectionSharder()) or over fewer ranks")
     if layout.shared:
         types = {plan[n].sharding_type for n in names}
         if len(types) != 1 or not types <= set(SHARED_SHARDING_TYPES):
             raise ValueError(
                 "RobeEmbeddingBagCollection(shared=True) keeps every table in one ROBE array, "
-                "which cannot be split by table: all its tables must be planned "
-                f"{list(SHARED_SHARDING_TYPES)}, got "
-                f"{ {n: plan[n].sharding_type for n in names} }; use RobeConfig(shared=False) "
-                "for table-wise sharding")
+                "which cannot be split by table: its tables must all be planned data_parallel "
+                f"or all row_wise, got { {n: plan[n].sharding_type for n in names} }; plan "
+                "with RobeEmbeddingBagCollectionSharder() (it offers only data_parallel for "
+                "shared modules) or pass robe_sharding_constraints(model) to the planner, or "
+                "use RobeConfig(shared=False) for table-wise sharding")
 
 
 def robe_sharding_constraints(model: nn.Module, constraints=None):
     """``ParameterConstraints`` for every ``RobeEmbeddingBagCollection`` in ``model``: a
     shared-layout module's tables are restricted to DATA_PARALLEL (or ROW_WISE where the
     constraints given ask for it: then constrain all its tables alike); other modules keep
-    the constraints given. Pass the result to ``EmbeddingShardingPlanner``."""
+    the constraints given. Pass the result to ``EmbeddingShardingPlanner``; planning
+    ``row_wise`` also needs ``RobeEmbeddingBagCollectionSharder(row_wise=True)``.
+
+    Example::
+
+        >>> constraints = robe_sharding_constraints(model)
+        >>> EmbeddingShardingPlanner(topology, constraints=constraints).plan(model, sharders)
+    """
     from torchrec.distributed.planner.types import ParameterConstraints
 
     constraints = dict(constraints or {})
@@ -527,12 +555,36 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """Shards :class:`RobeEmbeddingBagCollection` for ``DistributedModelParallel`` and
     ``EmbeddingShardingPlanner``.
 
+    Which sharding types the planner may pick, per module (:func:`planner_sharding_types`):
+    ``data_parallel``, and ``table_wise`` for per-table arrays (``RobeConfig(shared=False)``),
+    so that every plan it makes computes what the unsharded module computes. ``row_wise`` is
+    a different model (each rank hashes its rows into its own slice of the array): it is
+    offered only with ``row_wise=True``. A hand-made plan (``construct_module_sharding_plan``)
+    may use any of the three.
+
     Args:
         fused_params: the in-backward optimizer when ``apply_optimizer_in_backward`` was not
             called on the module's weight: ``{"optimizer": EmbOptimType.EXACT_SGD |
             EXACT_ADAGRAD | ADAM, "learning_rate": ..., "eps": ..., "beta1": ..., "beta2": ...,
             "weight_decay": ...}``.
+        row_wise: offer ``row_wise`` to the planner too (a shared module is then planned
+            row-wise only); narrow it further with ``robe_sharding_constraints``.
+
+    Example::
+
+        >>> planner.plan(model, [RobeEmbeddingBagCollectionSharder()])   # DP / TW only
+        >>> constraints = robe_sharding_constraints(
+        ...     model, {"t0": ParameterConstraints(sharding_types=["row_wise"])})
+        >>> EmbeddingShardingPlanner(topology, constraints=constraints).plan(
+        ...     model, [RobeEmbeddingBagCollectionSharder(row_wise=True)])
     """
+
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None,
+                 qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+                 row_wise: bool = False) -> None:
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        self.row_wise = row_wise
+        self._types_of_last_module: Optional[List[str]] = None
 
     def shard(self, module: RobeEmbeddingBagCollection, params: Dict[str, ParameterSharding],
               env: ShardingEnv, device: Optional[torch.device] = None,
@@ -550,6 +602,9 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             opt_class = [resolve_fused_optimizer(module, self.fused_params)[0]]
         except ValueError:
             opt_class = None
+        # TorchRec's enumerator asks sharding_types() (which takes no module) for each
+        # parameter right after this call: answer it for this module
+        self._types_of_last_module = self.sharding_types_for(module)
         out = {}
         for i, table in enumerate(module.embedding_bag_configs()):
             p = nn.Parameter(torch.empty(compressed_shape(module.layout, i), device="meta"),
@@ -559,8 +614,17 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             out[table.name] = p
         return out
 
+    def sharding_types_for(self, module: RobeEmbeddingBagCollection) -> List[str]:
+        """The sharding types the planner may pick for ``module``'s tables (see the class
+        docstring)."""
+        return planner_sharding_types(module.layout, self.row_wise)
+
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SUPPORTED_SHARDING_TYPES)
+        """The types of the module last passed to :meth:`shardable_parameters` (the planner
+        enumerates one module at a time), else all this sharder offers."""
+        if self._types_of_last_module is not None:
+            return list(self._types_of_last_module)
+        return [DP, TW, RW] if self.row_wise else [DP, TW]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [EmbeddingComputeKernel.FUSED.value]

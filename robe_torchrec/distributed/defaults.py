@@ -1,0 +1,70 @@
+"""The default sharders: TorchRec's plus :class:`RobeEmbeddingBagCollectionSharder`.
+
+``DistributedModelParallel(model)`` without ``sharders=`` shards with TorchRec's
+``get_default_sharders()``, which knows nothing of ROBE: the ROBE module would stay unsharded
+inside DDP. Importing :mod:`robe_torchrec.distributed` therefore calls
+:func:`install_default_sharder`, which makes DMP's default list (and that of
+``torchrec.distributed.shard``) start with our sharder. It wraps the name those two modules
+call, not TorchRec's function itself (``torchrec.distributed.sharding_plan
+.get_default_sharders`` is left as it is), and only adds a sharder for a module type TorchRec
+has none for, so models without ROBE modules are planned and sharded as before.
+
+Example::
+
+    >>> import robe_torchrec.distributed   # installs the default
+    >>> dmp = DistributedModelParallel(model)                     # shards the ROBE module
+    >>> dmp = DistributedModelParallel(model, sharders=get_default_sharders())  # the same
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable, List
+
+from torch import nn
+from torchrec.distributed import sharding_plan
+from torchrec.distributed.types import ModuleSharder
+
+from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
+
+#: the TorchRec modules whose ``get_default_sharders`` name gives DMP / ``shard`` their default
+PATCHED_MODULES = ("torchrec.distributed.model_parallel", "torchrec.distributed.shard")
+
+
+def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
+    """:class:`RobeEmbeddingBagCollectionSharder` followed by TorchRec's default sharders
+    (``torchrec.distributed.sharding_plan.get_default_sharders()``), fresh instances each call.
+
+    Example::
+
+        >>> DistributedModelParallel(model, sharders=get_default_sharders())
+    """
+    return [RobeEmbeddingBagCollectionSharder(), *sharding_plan.get_default_sharders()]
+
+
+def _with_robe(torchrec_default: Callable[[], List[ModuleSharder[nn.Module]]]):
+    @functools.wraps(torchrec_default)
+    def default_sharders() -> List[ModuleSharder[nn.Module]]:
+        return [RobeEmbeddingBagCollectionSharder(), *torchrec_default()]
+
+    default_sharders.robe_wraps = torchrec_default  # type: ignore[attr-defined]
+    return default_sharders
+
+
+def install_default_sharder() -> None:
+    """Make ``DistributedModelParallel``'s (and ``torchrec.distributed.shard``'s) default
+    sharders include ours. Idempotent; done on import of :mod:`robe_torchrec.distributed`.
+
+    Example::
+
+        >>> install_default_sharder()
+        >>> type(torchrec.distributed.model_parallel.get_default_sharders()[0]).__name__
+        'RobeEmbeddingBagCollectionSharder'
+    """
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        current = getattr(module, "get_default_sharders", None)
+        if current is None or hasattr(current, "robe_wraps"):
+            continue
+        module.get_default_sharders = _with_robe(current)  # type: ignore[attr-defined]
