@@ -24,7 +24,9 @@ The hash helpers (:func:`_reference_start`, :func:`_mix_start`) re-implement
 :mod:`robe_torchrec.hashing` bit-exactly: int64 arithmetic for the reference hash, uint64
 wrapping multiplies and logical shifts for the mix hash.
 
-Accumulation is in float32 (float64 for float64 weights). Gradients are scattered with
+Accumulation is in float32 (float64 for float64 weights), and so is the pooled output: float16
+and bfloat16 weights are read as stored and give a float32 output; the fused update steps them
+in float32 and writes them back rounded, with float32 optimizer state. Gradients are scattered with
 ``tl.atomic_add``: float32 atomics on the GPU make ``backward_dense`` (and the fused update)
 non-deterministic in the last bits.
 """
@@ -361,6 +363,33 @@ def _optimizer_kernel(
     tl.store(w_ptr + i, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rowwise_adagrad_kernel(
+    w_ptr, grad_ptr, sum_ptr, numel, num_rows,
+    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    Z: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """Row-wise Adagrad (see ``reference.apply_optimizer_``) on ``ROWS`` rows of ``Z``
+    elements: ``sum[r] += mean over the row of g*g``, ``w -= lr * g / (sqrt(sum[r]) + eps)``."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None].to(tl.int64)
+    j = tl.arange(0, BLOCK_Z)[None, :]
+    i = r * Z + j
+    mask = (j < Z) & (i < numel)
+    row_mask = r < num_rows
+    w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+    g = tl.load(grad_ptr + i, mask=mask, other=0.0).to(COMPUTE)
+    if HAS_WEIGHT_DECAY:
+        g = g + tl.full([], weight_decay, COMPUTE) * w
+    count = tl.maximum(tl.minimum(numel - r * Z, Z), 1).to(COMPUTE)  # the last row is shorter
+    state = tl.load(sum_ptr + r, mask=row_mask, other=0.0).to(COMPUTE)
+    state = state + _div_rn(tl.sum(g * g, axis=1)[:, None], count)
+    tl.store(sum_ptr + r, state.to(sum_ptr.dtype.element_ty), mask=row_mask)
+    denom = _sqrt_rn(state) + tl.full([], eps, COMPUTE)
+    w = w + tl.full([], -lr, COMPUTE) * _div_rn(g, denom)
+    tl.store(w_ptr + i, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
 def _block_starts_kernel(keys_ptr, out_ptr, num_keys, span, p0: tl.int64, p1: tl.int64,
                          p2: tl.int64, NUM_BLOCKS: tl.constexpr, HASH_MODE: tl.constexpr,
@@ -413,7 +442,7 @@ def _next_pow2(x: int) -> int:
 
 
 def _acc_dtype(weights: torch.Tensor):
-    return tl.float64 if weights.dtype == torch.float64 else tl.float32
+    return tl.float64 if m.accumulation_dtype(weights.dtype) == torch.float64 else tl.float32
 
 
 class _Tiles:
@@ -489,7 +518,8 @@ def forward(
     num_bags = offsets.numel() - 1
     batch = num_bags // num_features
     # zeros on purpose: columns no feature covers (output_dim > sum of dims) stay 0
-    out = torch.zeros(batch, output_dim, dtype=weights.dtype, device=weights.device)
+    out = torch.zeros(batch, output_dim, dtype=m.accumulation_dtype(weights.dtype),
+                      device=weights.device)
     if batch == 0 or output_dim == 0:
         return out
     tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
@@ -520,7 +550,7 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
                  block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
     params = _hash_args(hash_params)
-    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
     if values.numel() == 0:
         return grad
@@ -591,7 +621,8 @@ def per_sample_weights_grad(
     return out
 
 
-def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step) -> None:
+def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step,
+                          block_size) -> None:
     if optimizer not in tuple(int(o) for o in m.Optimizer):
         raise ValueError(f"robe: unknown fused optimizer {optimizer}")
     if len(hparams) != len(m.HPARAM_NAMES):
@@ -600,14 +631,21 @@ def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step) -> 
     if not weights.is_contiguous():
         raise ValueError("robe: the fused backward updates weights in place; they must be "
                          "contiguous")
-    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1),),
-              m.Optimizer.ADAM: (("state1", state1), ("state2", state2))}[m.Optimizer(optimizer)]
-    for name, state in needed:
-        if state.shape != weights.shape or not state.is_contiguous() \
-                or not state.dtype.is_floating_point or state.device != weights.device:
-            raise ValueError(f"robe: {name} must be a contiguous float tensor shaped like "
-                             f"weights {tuple(weights.shape)} on {weights.device}, got "
-                             f"{state.dtype} {tuple(state.shape)} on {state.device}")
+    if block_size < 1:
+        raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
+    rows = (m.rowwise_state_size(weights.numel(), block_size),)
+    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
+              m.Optimizer.ADAM: (("state1", state1, weights.shape),
+                                 ("state2", state2, weights.shape)),
+              m.Optimizer.ROWWISE_ADAGRAD: (("state1", state1, rows),)}[m.Optimizer(optimizer)]
+    acc = m.accumulation_dtype(weights.dtype)
+    for name, state, shape in needed:
+        if state.shape != shape or not state.is_contiguous() or state.dtype != acc \
+                or state.device != weights.device:
+            raise ValueError(f"robe: {name} must be a contiguous {acc} tensor of shape "
+                             f"{tuple(shape)} on {weights.device} for {weights.dtype} weights "
+                             f"{tuple(weights.shape)}, got {state.dtype} {tuple(state.shape)} "
+                             f"on {state.device}")
     if optimizer == m.Optimizer.ADAM and step < 1:
         raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
 
@@ -629,7 +667,7 @@ def backward_fused_(
     step: int,
 ) -> None:
     optimizer = int(optimizer)
-    _check_optimizer_args(weights, state1, state2, optimizer, hparams, step)
+    _check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                              table_meta, block_size, hash_mode, hash_params)
     kernels = _kernels_for(weights.device)
@@ -641,6 +679,16 @@ def backward_fused_(
         step_size, bias2_sqrt = 0.0, 1.0
     numel = weights.numel()
     if numel == 0:
+        return
+    if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
+        num_rows = state1.numel()
+        block_z = _next_pow2(block_size)
+        rows = max(1, _OPTIM_BLOCK // block_z)
+        kernels._rowwise_adagrad_kernel[(triton.cdiv(num_rows, rows),)](
+            weights, grad, state1, numel, num_rows, lr, eps, weight_decay,
+            Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+            COMPUTE=_acc_dtype(weights), ROWS=rows, BLOCK_Z=block_z,
+        )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
     kernels._optimizer_kernel[(triton.cdiv(numel, _OPTIM_BLOCK),)](

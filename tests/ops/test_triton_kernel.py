@@ -21,9 +21,10 @@ from robe_torchrec import hashing  # noqa: E402
 from robe_torchrec.hashing import HashMode, hash_params  # noqa: E402
 from robe_torchrec.ops import cpu_backend, reference  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
-from robe_torchrec.ops.meta import BoundsCheck, Optimizer, build_table_meta  # noqa: E402
+from robe_torchrec.ops.meta import (  # noqa: E402
+    BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
 
-from .cases import case_matrix, random_case  # noqa: E402
+from .cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
 
 if not (tk._is_interpreted(tk)
         and type(sys.modules["triton.language"].standard.sum).__name__ == "InterpretedFunction"):
@@ -512,3 +513,43 @@ def test_kernels_compile_for_cuda(tmp_path):
         pytest.skip("ptxas unavailable")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("compiled") == 7
+
+
+# ---------------------------------------------------------------------------------------
+# row-wise Adagrad and float16 / bfloat16 storage
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size,shared,weighted,weight_decay", ROWWISE_CASES)
+def test_rowwise_adagrad_matches_reference(block_size, shared, weighted, weight_decay):
+    case = random_case(61, batch=12, block_size=block_size, shared=shared, weighted=weighted,
+                       memory_size=1001)
+    rows = rowwise_state_size(case.weights.numel(), block_size)
+    hparams = [0.05, 1e-8, 0.9, 0.999, weight_decay]
+    states = [[torch.full((rows,), 0.1), torch.empty(0)] for _ in range(2)]
+    w_tk = fused_steps(tk, case, Optimizer.ROWWISE_ADAGRAD, hparams, states[0], steps=2)
+    w_ref = fused_steps(reference, case, Optimizer.ROWWISE_ADAGRAD, hparams, states[1], steps=2)
+    assert not torch.equal(w_tk, case.weights)
+    assert_close(w_tk, w_ref, 1e-5)
+    assert_close(states[0][0], states[1][0], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_storage(dtype):
+    case = random_case(**CASES[2])  # mix hash, per-sample weights
+    low = case.weights.to(dtype)
+    args = case.forward_args()[1:]
+    out = tk.forward(low, *args)
+    assert out.dtype == torch.float32
+    assert_close(out, reference.forward(low, *args), 1e-5)
+    rows = rowwise_state_size(low.numel(), case.block_size)
+    hparams = [0.05, 1e-8, 0.9, 0.999, 0.01]
+    for code, size in ((Optimizer.ADAM, low.numel()), (Optimizer.ROWWISE_ADAGRAD, rows)):
+        states = [[torch.zeros(size), torch.zeros(size)] for _ in range(2)]
+        w_tk = fused_steps(tk, case, code, hparams, states[0], steps=1, weights=low)
+        w_ref = fused_steps(reference, case, code, hparams, states[1], steps=1, weights=low)
+        assert w_tk.dtype == dtype and not torch.equal(w_tk, low)
+        assert_close(w_tk.float(), w_ref.float(), 1e-2)
+        assert_close(states[0][0], states[1][0], 1e-5)
+    with pytest.raises(ValueError, match="state1 must be a contiguous torch.float32 tensor"):
+        fused_steps(tk, case, Optimizer.ADAGRAD, hparams,
+                    [torch.zeros(low.numel(), dtype=dtype), torch.empty(0)], steps=1, weights=low)
