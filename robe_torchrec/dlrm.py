@@ -191,18 +191,21 @@ def build_embeddings(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequenc
                                  ebc.uncompressed_size, ebc.memory_size)
 
 
-def build_dlrm(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequence[int],
-               dense_device: Optional[torch.device] = None
-               ) -> Tuple[DLRMTrain, EmbeddingSummary]:
-    """``DLRMTrain`` around ``DLRM`` or ``DLRM_DCN``, unsharded, with
-    ``spec.embedding_optimizer`` applied in backward to the embeddings.
+def build_predict_model(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequence[int],
+                        dense_device: Optional[torch.device] = None
+                        ) -> Tuple[nn.Module, EmbeddingSummary]:
+    """``DLRM`` or ``DLRM_DCN`` of ``spec``, unsharded, without the loss wrapper and without an
+    optimizer in backward: ``model(dense_features, sparse_features)`` returns the logits
+    ``[B, 1]``. The model to serve, export or quantize; its ``state_dict`` is the trained
+    ``DLRMTrain``'s under ``model.``.
 
-    Call with the same ``torch.manual_seed`` on every rank: the unsharded weights are the
-    starting point of every rank's shards. ``dense_device``: where the dense layers are
-    created (CPU by default; DistributedModelParallel moves them anyway)."""
+    Example::
+
+        >>> model, _ = build_predict_model(spec, data.keys, data.cardinalities)
+        >>> model.eval()(batch.dense_features, batch.sparse_features).shape
+        torch.Size([512, 1])
+    """
     ebc, summary = build_embeddings(spec, keys, cardinalities)
-    opt = spec.embedding_optimizer
-    apply_optimizer_in_backward(opt.cls, list(ebc.parameters()), opt.kwargs())
     common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
                   dense_arch_layer_sizes=list(spec.dense_arch),
                   over_arch_layer_sizes=list(spec.over_arch), dense_device=dense_device)
@@ -213,6 +216,22 @@ def build_dlrm(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequence[int]
         model = DLRM(**common)
         if spec.fast_interaction:
             use_fast_interaction(model)
+    return model, summary
+
+
+def build_dlrm(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequence[int],
+               dense_device: Optional[torch.device] = None
+               ) -> Tuple[DLRMTrain, EmbeddingSummary]:
+    """``DLRMTrain`` around :func:`build_predict_model`'s ``DLRM`` or ``DLRM_DCN``, with
+    ``spec.embedding_optimizer`` applied in backward to the embeddings.
+
+    Call with the same ``torch.manual_seed`` on every rank: the unsharded weights are the
+    starting point of every rank's shards. ``dense_device``: where the dense layers are
+    created (CPU by default; DistributedModelParallel moves them anyway)."""
+    model, summary = build_predict_model(spec, keys, cardinalities, dense_device)
+    opt = spec.embedding_optimizer
+    apply_optimizer_in_backward(opt.cls, list(model.sparse_arch.embedding_bag_collection
+                                              .parameters()), opt.kwargs())
     return DLRMTrain(model), summary
 
 

@@ -13,6 +13,7 @@ only rank 0 writes Hydra's ``.hydra/`` files and log file there.
 Example::
 
     python -m robe_torchrec.train run.steps=100 embedding.compression=100
+    python -m robe_torchrec.train run.mode=eval run.checkpoint=outputs/x/checkpoints/step_100
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def _hydra_argv(argv: list, rank: int) -> list:
 def _task(cfg) -> Optional[Dict[str, Any]]:
     from hydra.core.hydra_config import HydraConfig
 
-    from robe_torchrec.train.trainer import train
+    from robe_torchrec.train.trainer import run
 
-    return train(cfg, HydraConfig.get().runtime.output_dir)
+    return run(cfg, HydraConfig.get().runtime.output_dir)
 
 
 def main() -> None:

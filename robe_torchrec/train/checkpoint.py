@@ -11,6 +11,8 @@ Example::
     >>> ckpt.save(100, dmp, optimizer)                # collective
     >>> path = ckpt.latest()                          # same answer on every rank
     >>> step = ckpt.load(path, dmp, optimizer)        # collective; returns the step
+    >>> step = ckpt.load_model(path, dmp)             # the weights only (eval), any world size
+    >>> step = load_unsharded(path, predict_model)    # one process, no process group needed
 """
 
 from __future__ import annotations
@@ -106,6 +108,29 @@ class Checkpointer:
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["torch"])
         return int(state["trainer"]["step"])
+
+
+    def load_model(self, path: "str | os.PathLike", model: nn.Module) -> int:
+        """Load only the model of a checkpoint into ``model`` (collective; saved on any world
+        size and plan, DCP reshards); returns its step."""
+        state = {"model": model.state_dict(), "trainer": {"step": torch.tensor(0)}}
+        dcp.load(state, checkpoint_id=str(path))
+        model.load_state_dict(state["model"])
+        return int(state["trainer"]["step"])
+
+
+def load_unsharded(path: "str | os.PathLike", model: nn.Module, prefix: str = "model.") -> int:
+    """Load the trained weights of a checkpoint into an unsharded ``model`` in this process
+    alone (no collective: other ranks need not take part); returns the checkpoint's step.
+
+    ``prefix``: where ``model``'s keys sit in the trained model; the app trains ``DLRMTrain``,
+    whose ``model.`` is the predict model of :func:`robe_torchrec.dlrm.build_predict_model`.
+    """
+    own = model.state_dict()
+    state = {"model": {prefix + k: v for k, v in own.items()}, "trainer": {"step": torch.tensor(0)}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict({k: state["model"][prefix + k] for k in own})
+    return int(state["trainer"]["step"])
 
 
 def _init_lazy_state(optimizer: KeyedOptimizer) -> None:

@@ -8,6 +8,8 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig
 
 # config_dir: the app's Hydra config folder (a checkout, an editable install or a wheel)
@@ -19,6 +21,7 @@ OPTIMIZERS = tuple(_OPTIMIZERS)
 EMBEDDINGS = ("robe", "full")
 SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
 DATA = ("synthetic", "criteo_tsv", "criteo_npy")
+MODES = ("train", "eval")
 
 
 class ConfigError(ValueError):
@@ -87,3 +90,20 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"run.batch_size must be positive, got {run.batch_size}")
     if str(run.resume).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"run.resume must be auto, true or false, got {run.resume!r}")
+
+    mode = run.get("mode", "train")
+    _choice(mode, MODES, "run.mode")
+    checkpoint = run.get("checkpoint")
+    if mode == "eval":
+        if not checkpoint:
+            raise ConfigError("run.mode=eval needs run.checkpoint=<run dir>/checkpoints/step_N")
+        if not (Path(checkpoint) / ".metadata").is_file():
+            raise ConfigError(f"run.checkpoint: no complete checkpoint at {checkpoint} (a "
+                              f"step_N directory holding DCP's .metadata)")
+    elif checkpoint:
+        raise ConfigError(f"run.checkpoint is read by run.mode=eval only (got run.mode={mode}; "
+                          f"run.resume continues training from the run dir's checkpoints)")
+    if not isinstance(run.get("predictions", False), bool):
+        raise ConfigError(f"run.predictions must be true or false, got {run.predictions!r}")
+    if run.get("predictions") and mode != "eval":
+        raise ConfigError("run.predictions=true needs run.mode=eval")

@@ -29,6 +29,7 @@ from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sh
 # dense_optimizer: also imported from here by benchmarks/distributed_step.py
 from robe_torchrec.dlrm import (DLRMSpec, EmbeddingSummary, OptimizerSpec, build_dlrm,
                                 dense_optimizer)
+from robe_torchrec.dlrm import build_predict_model as _build_predict_model
 from robe_torchrec.train.config import ConfigError
 
 
@@ -59,6 +60,13 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
                 device: torch.device) -> Tuple[DLRMTrain, EmbeddingSummary]:
     """The config's DLRMTrain, unsharded (see :func:`robe_torchrec.dlrm.build_dlrm`)."""
     return build_dlrm(dlrm_spec(cfg), keys, cardinalities, dense_device=device)
+
+
+def build_predict_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[int]
+                        ) -> Tuple[nn.Module, EmbeddingSummary]:
+    """The config's unsharded ``DLRM`` / ``DLRM_DCN`` on CPU, without the loss wrapper (see
+    :func:`robe_torchrec.dlrm.build_predict_model`): what the app exports."""
+    return _build_predict_model(dlrm_spec(cfg), keys, cardinalities)
 
 
 def _constraints(model: nn.Module, cfg: DictConfig) -> Dict[str, ParameterConstraints]:
@@ -110,5 +118,5 @@ def build_optimizer(cfg: DictConfig, dmp: DistributedModelParallel
     return dense, CombinedOptimizer([("dense", dense), ("embedding", dmp.fused_optimizer)])
 
 
-__all__ = ["build_model", "build_optimizer", "dense_optimizer", "dlrm_spec", "optimizer_spec",
+__all__ = ["build_model", "build_optimizer", "build_predict_model", "dense_optimizer", "dlrm_spec", "optimizer_spec",
            "shard"]

@@ -1,4 +1,5 @@
-"""The training run: :func:`train` is the recipe, :class:`Trainer` holds its steps.
+"""The training run: :func:`train` is the recipe, :func:`evaluate` scores a checkpoint
+(``run.mode=eval``), :class:`Trainer` holds their steps.
 
 Training advances in segments that end at every validation / checkpoint step: each segment
 gives the pipeline a fresh iterator of exactly its batches and runs it dry, so at a segment
@@ -9,6 +10,7 @@ Example::
 
     >>> results = train(cfg, run_dir="outputs/x")   # inside a process group; see app.py
     >>> results["test_auc"]
+    >>> run(cfg, run_dir="outputs/y")               # train or evaluate, as run.mode says
 """
 
 from __future__ import annotations
@@ -18,23 +20,31 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
-from robe_torchrec.train.checkpoint import Checkpointer
+from robe_torchrec.train.checkpoint import Checkpointer, load_unsharded
 from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.data import build_data
 from robe_torchrec.train.metrics import MetricsCsv, PhaseMetrics
-from robe_torchrec.train.model import build_model, build_optimizer, shard
+from robe_torchrec.train.model import build_model, build_optimizer, build_predict_model, shard
 from robe_torchrec.train.pipeline import make_pipeline
 
 log = logging.getLogger("robe_torchrec.train")
+
+
+def run(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
+    """The config's job, as ``run.mode`` says: :func:`train` or :func:`evaluate`."""
+    validate(cfg)
+    return evaluate(cfg, run_dir) if cfg.run.get("mode") == "eval" else train(cfg, run_dir)
 
 
 def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
@@ -49,7 +59,22 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
             trainer.run_segment()
             trainer.checkpoint()
             trainer.evaluate()
-    return trainer.finish()
+    results = trainer.finish()
+    trainer.export()
+    return results
+
+
+def evaluate(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
+    """``run.mode=eval``: load the model of ``run.checkpoint`` (written on any world size)
+    and score it on the validation and test batches, training nothing; returns the metrics
+    as :func:`train` does. Every rank calls it; one process is enough."""
+    validate(cfg)
+    trainer = Trainer(cfg, run_dir)
+    trainer.build()
+    trainer.load_weights(cfg.run.checkpoint)
+    results = trainer.finish()
+    trainer.export()
+    return results
 
 
 class Trainer:
@@ -130,6 +155,11 @@ class Trainer:
             self.pipeline.set_next_batch_index(self.step)
         self.say("resumed from checkpoint %s at step %d", path, self.step)
 
+    def load_weights(self, path: "str | os.PathLike") -> None:
+        """The model of checkpoint ``path`` (no optimizer state: nothing is trained)."""
+        self.step = self.ckpt.load_model(path, self.dmp)
+        self.say("loaded the model of checkpoint %s (step %d)", path, self.step)
+
     @contextmanager
     def training(self) -> Iterator[None]:
         """The training phase: the model in train mode, a progress bar (rank 0) with the
@@ -180,9 +210,10 @@ class Trainer:
         self.window.restart()
 
     def checkpoint(self) -> None:
-        """Save a checkpoint if this step is a checkpoint step (or the last step)."""
+        """Save a checkpoint if this step is a checkpoint step, or the last step (always
+        with ``run.export``: the export reads the final weights from it)."""
         every = self.run.checkpoint_every
-        if every and (self.step % every == 0 or self.done):
+        if (every and self.step % every == 0) or (self.done and (every or self.run.get("export"))):
             path = self.ckpt.save(self.step, self.dmp, self.optimizer)
             self.say("checkpoint %s", path)
 
@@ -218,7 +249,10 @@ class Trainer:
             batches = self.data.eval_batches(split, count) if count else None
             if batches is None:
                 continue
-            m = self.metrics(batches)
+            outputs: Optional[List] = [] if run.get("predictions") else None
+            m = self.metrics(batches, outputs)
+            if outputs is not None:
+                self.write_predictions(split, outputs)
             self.say("%s log loss %.4f  AUC %.4f  (%d samples)", split, m["log_loss"], m["auc"],
                      m["samples"])
             self.csv.write(split, self.step, m["samples"], m["auc"], m["log_loss"])
@@ -228,14 +262,75 @@ class Trainer:
                      results["train_samples_per_s"])
         return results
 
-    def metrics(self, batches: Iterator) -> Dict[str, float]:
-        """AUC and log loss of the model over ``batches`` (all ranks together)."""
+    def metrics(self, batches: Iterator, outputs: Optional[List] = None) -> Dict[str, float]:
+        """AUC and log loss of the model over ``batches`` (all ranks together); each batch's
+        ``(logits, labels)`` is appended to ``outputs`` if given."""
         metrics = PhaseMetrics()
+
+        def update(out) -> None:
+            metrics.update(out[1], out[2])
+            if outputs is not None:
+                outputs.append((out[1].detach().cpu(), out[2].detach().cpu()))
+
         self.dmp.eval()
         with torch.no_grad():
-            run_to_end(self.pipeline, batches, lambda out: metrics.update(out[1], out[2]))
+            run_to_end(self.pipeline, batches, update)
         self.dmp.train()
         return metrics.compute()
+
+    def write_predictions(self, split: str, outputs: List) -> None:
+        """``<run dir>/predictions_<split>.csv``: every rank's logits and labels, rank 0's
+        first, each rank's in batch order (collective)."""
+        logits = torch.cat([o[0].reshape(-1) for o in outputs]) if outputs else torch.empty(0)
+        labels = torch.cat([o[1].reshape(-1) for o in outputs]) if outputs else torch.empty(0)
+        gathered: Optional[List] = [None] * self.world if self.main else None
+        dist.gather_object((logits, labels), gathered, dst=0)
+        if not self.main:
+            return
+        path = self.run_dir / f"predictions_{split}.csv"
+        table = torch.stack([torch.cat([g[0] for g in gathered]).float(),
+                             torch.cat([g[1] for g in gathered]).float()], dim=1)
+        # %.9g: float32 logits read back bit for bit
+        np.savetxt(path, table.numpy(), fmt=["%.9g", "%g"], delimiter=",",
+                   header="logit,label", comments="")
+        self.say("%s predictions: %s", split, path)
+
+    # ------------------------------------------------------------------ export
+
+    def export(self) -> None:
+        """With ``run.export``: rank 0 builds the unsharded predict model on CPU
+        (:func:`robe_torchrec.dlrm.build_predict_model`), loads the weights of the final
+        checkpoint (``run.checkpoint`` in eval mode), ``torch.export``-s it on the first
+        validation batch and saves the program to ``run.export`` (collective: the other
+        ranks wait)."""
+        target = self.run.get("export")
+        if not target:
+            return
+        source = self.run.get("checkpoint") or self.ckpt.latest()
+        if self.main:
+            model, _ = build_predict_model(self.cfg, self.data.keys, self.data.cardinalities)
+            step = load_unsharded(source, model)
+            dense, kjt = self.example_inputs()
+            with torch.no_grad():
+                program = torch.export.export(model.eval(), (dense, kjt), strict=False)
+            path = Path(target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.export.save(program, path)
+            self.say("exported the predict model of step %d (checkpoint %s) to %s", step,
+                     source, path)
+        dist.barrier()
+
+    def example_inputs(self) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
+        """``(dense_features, sparse_features)`` of the first batch of rank 0's validation
+        split (test, else training, when there is none). The KeyedJaggedTensor is rebuilt
+        from keys, values and lengths only: the inputs the exported program is called with
+        must be built the same way (its input spec holds which KJT fields are set)."""
+        batches = self.data.eval_batches("val", 1) or self.data.eval_batches("test", 1) \
+            or self.data.train_batches(0, 1)
+        batch = next(iter(batches))
+        kjt = batch.sparse_features
+        return batch.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(),
+                                                       lengths=kjt.lengths())
 
 
 class _Window:
