@@ -6,6 +6,18 @@ needs (hyper-parameters in ``param_groups``, so LR schedulers work, and the stat
 named as ``torch.optim`` names them) and translates a ``torch.optim`` class plus kwargs,
 as ``apply_optimizer_in_backward`` records them, into the op's arguments.
 
+Supported: ``torch.optim.SGD`` (no momentum), ``torch.optim.Adagrad``, ``torch.optim.Adam``
+and row-wise Adagrad (torchrec's ``RowWiseAdagrad``, FBGEMM's EXACT_ROWWISE_ADAGRAD: one
+accumulator per aligned chunk of ``block_size`` floats of the array, see
+:class:`~robe_torchrec.ops.meta.Optimizer`). ``apply_optimizer_in_backward`` builds the
+optimizer on the parameter, which torchrec's ``RowWiseAdagrad`` cannot do on a 1-D array:
+pass :class:`RowWiseAdagrad` from this module there (the sharder's ``fused_params`` path and
+:func:`resolve_optimizer` take either class).
+
+The state follows the array: its tensors are kept in the array's accumulation dtype (float32
+for float32/float16/bfloat16 arrays, float64 for float64) on its device, and converted when
+``module.to(...)`` moved or cast the array since the last step.
+
 Example::
 
     >>> from torchrec.optim import apply_optimizer_in_backward
@@ -16,18 +28,67 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
+import torchrec.optim
 from torchrec.optim.fused import FusedOptimizer
 
-from robe_torchrec.ops.meta import Optimizer
+from robe_torchrec.ops.meta import Optimizer, accumulation_dtype, rowwise_state_size
+
+
+class RowWiseAdagrad(torchrec.optim.RowWiseAdagrad):
+    """torchrec's ``RowWiseAdagrad`` that can be handed to ``apply_optimizer_in_backward`` for
+    a ROBE array: torchrec's sizes its state from a 2-D table (``[rows, 1]``) when built, and
+    the array is 1-D, with rows of ``block_size`` floats that only the layout knows. For such
+    parameters it keeps no state (the module's ``fused_optimizer`` holds it) and its own
+    ``step`` refuses them; 2-D parameters behave exactly as under torchrec's class."""
+
+    def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        params = list(params)
+        flat = [p for p in _params_of(params) if p.dim() < 2]
+        if not flat:
+            super().__init__(params, *args, **kwargs)
+            return
+        # validation and defaults exactly as torchrec's (on a stand-in 2-D parameter)
+        defaults = torchrec.optim.RowWiseAdagrad([torch.zeros(1, 1)], *args, **kwargs).defaults
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self._robe_arrays = {id(p) for p in flat}
+        for p in _params_of(params):
+            if p.dim() >= 2:
+                init = defaults["initial_accumulator_value"]
+                self.state[p] = {"step": torch.tensor(0.0),
+                                 "sum": torch.full_like(p, init).mean(axis=1).view(-1, 1)}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        arrays = getattr(self, "_robe_arrays", set())
+        if any(id(p) in arrays and p.grad is not None
+               for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("robe_torchrec.optim.RowWiseAdagrad: a 1-D ROBE array is "
+                               "updated inside backward by RobeEmbeddingBagCollection (its "
+                               "fused_optimizer holds the row-wise state), not by step()")
+        return super().step(closure)
+
+
+def _params_of(params: List[Any]) -> List[torch.Tensor]:
+    """The tensors of a list of parameters or of param-group dicts."""
+    out: List[torch.Tensor] = []
+    for p in params:
+        out.extend(p["params"] if isinstance(p, dict) else [p])
+    return out
+
 
 _SUPPORTED: Dict[Type[torch.optim.Optimizer], Optimizer] = {
     torch.optim.SGD: Optimizer.SGD,
     torch.optim.Adagrad: Optimizer.ADAGRAD,
     torch.optim.Adam: Optimizer.ADAM,
+    RowWiseAdagrad: Optimizer.ROWWISE_ADAGRAD,
+    torchrec.optim.RowWiseAdagrad: Optimizer.ROWWISE_ADAGRAD,
 }
+SUPPORTED_NAMES = ("torch.optim.SGD (momentum=0), torch.optim.Adagrad (lr_decay=0), "
+                   "torch.optim.Adam (amsgrad=False), torchrec.optim.RowWiseAdagrad (lr_decay=0; "
+                   "pass robe_torchrec.optim.RowWiseAdagrad to apply_optimizer_in_backward)")
 
 # kwargs we accept only at their torch.optim default value (anything else is refused
 # rather than silently ignored)
@@ -35,11 +96,13 @@ _FIXED_DEFAULTS: Dict[Optimizer, Dict[str, Any]] = {
     Optimizer.SGD: {"momentum": 0, "dampening": 0, "nesterov": False, "maximize": False},
     Optimizer.ADAGRAD: {"lr_decay": 0, "maximize": False},
     Optimizer.ADAM: {"amsgrad": False, "maximize": False},
+    Optimizer.ROWWISE_ADAGRAD: {"lr_decay": 0, "maximize": False},
 }
 _TUNABLE = {
     Optimizer.SGD: {"lr", "weight_decay"},
     Optimizer.ADAGRAD: {"lr", "eps", "weight_decay", "initial_accumulator_value"},
     Optimizer.ADAM: {"lr", "eps", "betas", "weight_decay"},
+    Optimizer.ROWWISE_ADAGRAD: {"lr", "eps", "weight_decay", "initial_accumulator_value"},
 }
 _IGNORED = {"foreach", "fused", "differentiable", "capturable"}
 
@@ -47,28 +110,32 @@ _IGNORED = {"foreach", "fused", "differentiable", "capturable"}
 def resolve_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[str, Any]) -> Optimizer:
     """Which fused kernel implements ``optimizer_class(**kwargs)``; raises if none does."""
     kind = _SUPPORTED.get(optimizer_class)
+    name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
     if kind is None:
-        names = ", ".join(c.__name__ for c in _SUPPORTED)
-        raise ValueError(f"robe_torchrec: no fused kernel for {optimizer_class.__name__}; "
-                         f"supported: {names}")
+        module = getattr(optimizer_class, "__module__", "")
+        raise ValueError(f"robe_torchrec: no fused kernel for {module}.{name}; "
+                         f"supported: {SUPPORTED_NAMES}")
     for key, value in kwargs.items():
         if key in _IGNORED or key in _TUNABLE[kind]:
             continue
         if key in _FIXED_DEFAULTS[kind]:
             if value != _FIXED_DEFAULTS[kind][key]:
-                raise ValueError(f"robe_torchrec: fused {optimizer_class.__name__} supports "
-                                 f"{key}={_FIXED_DEFAULTS[kind][key]!r} only, got {value!r}")
+                raise ValueError(f"robe_torchrec: fused {name} supports "
+                                 f"{key}={_FIXED_DEFAULTS[kind][key]!r} only, got {value!r} "
+                                 f"(supported: {SUPPORTED_NAMES})")
             continue
-        raise ValueError(f"robe_torchrec: unknown {optimizer_class.__name__} argument {key!r}")
+        raise ValueError(f"robe_torchrec: unknown {name} argument {key!r}")
     return kind
 
 
 class RobeFusedOptimizer(FusedOptimizer):
-    """The optimizer applied to a ROBE array inside backward (SGD, Adagrad or Adam).
+    """The optimizer applied to a ROBE array inside backward (SGD, Adagrad, Adam or row-wise
+    Adagrad).
 
     ``step()`` and ``zero_grad()`` do nothing: the update already happened in backward.
-    State keys follow ``torch.optim``: Adagrad ``sum``; Adam ``exp_avg``, ``exp_avg_sq``;
-    both keep ``step``.
+    State keys follow ``torch.optim`` / torchrec: Adagrad ``sum``; Adam ``exp_avg``,
+    ``exp_avg_sq``; row-wise Adagrad ``sum`` of ``ceil(M / block_size)`` rows; all keep
+    ``step``. ``block_size`` (the layout's) is needed by row-wise Adagrad only.
     """
 
     def __init__(
@@ -77,24 +144,32 @@ class RobeFusedOptimizer(FusedOptimizer):
         param: torch.Tensor,
         optimizer_class: Type[torch.optim.Optimizer],
         optimizer_kwargs: Dict[str, Any],
+        block_size: Optional[int] = None,
     ) -> None:
         self.kind = resolve_optimizer(optimizer_class, optimizer_kwargs)
+        if self.kind == Optimizer.ROWWISE_ADAGRAD and not block_size:
+            raise ValueError("robe_torchrec: row-wise Adagrad needs the array's block_size "
+                             "(RobeFusedOptimizer(..., block_size=layout.block_size))")
         self.optimizer_class = optimizer_class
-        defaults = optimizer_class([torch.zeros(1)], **optimizer_kwargs).defaults
+        self.block_size = block_size
+        # a 2-D stand-in: torchrec's RowWiseAdagrad cannot be built on a 1-D tensor
+        defaults = optimizer_class([torch.zeros(1, 1)], **optimizer_kwargs).defaults
         group: Dict[str, Any] = {"params": [param]}
         group.update({k: v for k, v in defaults.items() if k in _TUNABLE[self.kind]})
         state: Dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            if self.kind == Optimizer.ADAGRAD:
-                state["sum"] = torch.full_like(param, float(group.get("initial_accumulator_value", 0.0)))
-            elif self.kind == Optimizer.ADAM:
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
-            if self.kind != Optimizer.SGD:
-                state["step"] = torch.tensor(0.0)
+        acc = dict(dtype=accumulation_dtype(param.dtype), device=param.device)
+        init = float(group.get("initial_accumulator_value", 0.0))
+        if self.kind == Optimizer.ADAGRAD:
+            state["sum"] = torch.full(param.shape, init, **acc)
+        elif self.kind == Optimizer.ROWWISE_ADAGRAD:
+            state["sum"] = torch.full((rowwise_state_size(param.numel(), block_size),), init, **acc)
+        elif self.kind == Optimizer.ADAM:
+            state["exp_avg"] = torch.zeros(param.shape, **acc)
+            state["exp_avg_sq"] = torch.zeros(param.shape, **acc)
+        if self.kind != Optimizer.SGD:
+            state["step"] = torch.tensor(0.0)
         super().__init__({param_key: param}, {param: state}, [group])
         self._param = param
-        self._empty = param.new_empty(0)
 
     def step(self, closure: Any = None) -> None:
         pass
@@ -124,13 +199,25 @@ class RobeFusedOptimizer(FusedOptimizer):
                 float(group.get("weight_decay", 0.0))]
 
     def state_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(state1, state2)`` as the fused op takes them (unused ones empty)."""
+        """``(state1, state2)`` as the fused op takes them (unused ones empty), in the array's
+        accumulation dtype and on its device."""
+        self._follow_param()
         state = self.param_state
-        if self.kind == Optimizer.ADAGRAD:
-            return state["sum"], self._empty
+        empty = self._param.new_empty(0)
+        if self.kind in (Optimizer.ADAGRAD, Optimizer.ROWWISE_ADAGRAD):
+            return state["sum"], empty
         if self.kind == Optimizer.ADAM:
             return state["exp_avg"], state["exp_avg_sq"]
-        return self._empty, self._empty
+        return empty, empty
+
+    def _follow_param(self) -> None:
+        """Convert the state after ``module.to(dtype/device)`` changed the array (the op needs
+        them alike); ``step`` stays the CPU scalar ``torch.optim`` keeps."""
+        state = self.param_state
+        dtype, device = accumulation_dtype(self._param.dtype), self._param.device
+        for key, value in state.items():
+            if key != "step" and (value.dtype != dtype or value.device != device):
+                state[key] = value.to(dtype=dtype, device=device)
 
     def advance_step(self) -> int:
         """Count one more update and return its 1-based number (Adam's bias correction)."""

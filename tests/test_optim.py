@@ -1,0 +1,156 @@
+"""The fused optimizers' front end (robe_torchrec.optim): which optimizers are fused, row-wise
+Adagrad through apply_optimizer_in_backward, and state that follows module.to(dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchrec.optim
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.ops import reference
+from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
+from robe_torchrec.optim import RobeFusedOptimizer, RowWiseAdagrad, resolve_optimizer
+
+BLOCK = 4
+
+
+def _module() -> RobeEmbeddingBagCollection:
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=1000,
+                                 feature_names=["f1"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=6, num_embeddings=300,
+                                 feature_names=["f2"])]
+    return RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=1001, block_size=BLOCK))
+
+
+def _kjt() -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 4, (8,), generator=g)
+    values = torch.randint(0, 300, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=values, lengths=lengths)
+
+
+def _args(module, kjt) -> LookupArgs:
+    offsets = kjt.offsets().to(kjt.values().dtype)
+    return LookupArgs(kjt.values(), offsets, None, module.layout.op_args(module.table_meta))
+
+
+def _grad_output(dtype, seed):
+    return torch.randn(4, 14, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# which optimizers are fused
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [torchrec.optim.RowWiseAdagrad, RowWiseAdagrad])
+def test_rowwise_adagrad_resolves(cls):
+    kwargs = {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
+    assert resolve_optimizer(cls, kwargs) == Optimizer.ROWWISE_ADAGRAD
+    with pytest.raises(ValueError, match="lr_decay=0 only"):
+        resolve_optimizer(cls, {"lr": 0.1, "lr_decay": 0.5})
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.RMSprop, {"lr": 0.1}),
+    (torch.optim.AdamW, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adam, {"lr": 0.1, "amsgrad": True}),
+    (torchrec.optim.Adagrad, {"lr": 0.1}),   # FBGEMM placeholders
+    (torchrec.optim.PartialRowWiseAdam, {"lr": 0.1}),
+    (torchrec.optim.LAMB, {"lr": 0.1}),
+    (torchrec.optim.LarsSGD, {"lr": 0.1}),
+])
+def test_other_optimizers_are_refused_naming_the_supported_ones(cls, kwargs):
+    with pytest.raises(ValueError) as err:
+        resolve_optimizer(cls, kwargs)
+    for name in ("torch.optim.SGD", "torch.optim.Adagrad", "torch.optim.Adam",
+                 "torchrec.optim.RowWiseAdagrad"):
+        assert name in str(err.value)
+
+
+def test_rowwise_needs_the_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        RobeFusedOptimizer("weight", torch.zeros(10), RowWiseAdagrad, {"lr": 0.1})
+
+
+def test_robe_rowwise_adagrad_class():
+    """It can be applied in backward to a 1-D array (torchrec's raises IndexError there) and
+    is torchrec's optimizer on 2-D parameters."""
+    array = torch.nn.Parameter(torch.zeros(10))
+    apply_optimizer_in_backward(RowWiseAdagrad, [array], {"lr": 0.1})
+    table = torch.nn.Parameter(torch.ones(3, 4))
+    ours, theirs = RowWiseAdagrad([table], lr=0.1), torchrec.optim.RowWiseAdagrad(
+        [table], lr=0.1)
+    assert ours.defaults == theirs.defaults
+    assert ours.state[table]["sum"].shape == (3, 1)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        RowWiseAdagrad([array], lr=-1.0)
+    array.grad = torch.ones(10)
+    with pytest.raises(RuntimeError, match="updated inside backward"):
+        RowWiseAdagrad([array], lr=0.1).step()
+
+
+# ---------------------------------------------------------------------------------------
+# row-wise Adagrad through the fused lookup
+# ---------------------------------------------------------------------------------------
+
+def test_rowwise_adagrad_through_fused_lookup():
+    module, kjt = _module(), _kjt()
+    kwargs = {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1}
+    apply_optimizer_in_backward(RowWiseAdagrad, [module.weight], kwargs)
+    opt = RobeFusedOptimizer("weight", module.weight, RowWiseAdagrad, kwargs, block_size=BLOCK)
+    rows = rowwise_state_size(module.weight.numel(), BLOCK)
+    assert opt.param_state["sum"].shape == (rows,)
+    expected_w = module.weight.detach().clone()
+    expected_s = torch.full((rows,), 0.1)
+    args = _args(module, kjt)
+    for step in (1, 2):
+        g = _grad_output(torch.float32, step)
+        (fused_lookup(module.weight, opt, args) * g).sum().backward()
+        reference.backward_fused_(g, expected_w, expected_s, torch.empty(0), *args.flat()[:3],
+                                  args.layout.table_meta, BLOCK, args.layout.hash_mode,
+                                  args.layout.hash_params, int(Optimizer.ROWWISE_ADAGRAD),
+                                  opt.hparams(), step)
+    torch.testing.assert_close(module.weight.detach(), expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.param_state["sum"], expected_s, rtol=1e-5, atol=1e-6)
+    assert int(opt.param_state["step"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# the state follows module.to(dtype)
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [torch.optim.Adagrad, torch.optim.Adam])
+def test_state_follows_module_to_float64(cls):
+    module, kjt = _module(), _kjt()
+    apply_optimizer_in_backward(cls, [module.weight], {"lr": 0.05})
+    (module(kjt).values() * _grad_output(torch.float32, 1)).sum().backward()
+    opt = module.fused_optimizer
+    keys = [k for k in opt.param_state if k != "step"]
+    before_w = module.weight.detach().double()
+    before = {k: opt.param_state[k].double() for k in keys}
+
+    module.to(torch.float64)
+    g = _grad_output(torch.float64, 2)
+    out = module(kjt).values()
+    assert out.dtype == torch.float64
+    (out * g).sum().backward()
+
+    state1, state2 = before[keys[0]], before.get("exp_avg_sq", torch.empty(0, dtype=torch.float64))
+    args = _args(module, kjt)
+    reference.backward_fused_(g, before_w, state1, state2, *args.flat()[:3],
+                              args.layout.table_meta, BLOCK, args.layout.hash_mode,
+                              args.layout.hash_params, int(opt.kind), opt.hparams(), 2)
+    assert module.weight.dtype == torch.float64
+    torch.testing.assert_close(module.weight.detach(), before_w, rtol=1e-12, atol=1e-12)
+    for key in keys:
+        assert opt.param_state[key].dtype == torch.float64
+    torch.testing.assert_close(opt.param_state[keys[0]], state1, rtol=1e-12, atol=1e-12)
+    assert int(opt.param_state["step"]) == 2
