@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
