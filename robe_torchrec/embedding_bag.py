@@ -78,8 +78,10 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._lengths_per_embedding: List[int] = self._layout.dims
 
         self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device))
-        meta_device = None if self.weight.device.type == "meta" else self.weight.device
-        self.register_buffer("table_meta", self._layout.table_meta(device=meta_device), persistent=False)
+        # both buffers are functions of the layout: reset_parameters() rebuilds them after
+        # to_empty(), as it re-draws the weight
+        self.register_buffer("table_meta", self._layout.table_meta(device=self.weight.device),
+                             persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
         self.reset_parameters()
@@ -103,37 +105,45 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return self._layout
 
     def reset_parameters(self) -> None:
-        """Uniform in ``[-s, s]``, ``s = layout.init_scale`` (``robe.init_scale``, else
-        ``sqrt(1 / max num_embeddings)``)."""
-        if self.weight.device.type == "meta":
-            return
-        scale = self._layout.init_scale
+        """Draw the array uniform in ``[-s, s]``, ``s = layout.init_scale`` (``robe.init_scale``,
+        else ``sqrt(1 / max num_embeddings)``), and rebuild the layout buffers.
+
+        As for TorchRec's modules, a module built on the meta device is materialised with
+        ``to_empty`` and then this (it draws exactly what construction on the device draws)::
+
+            >>> ebc = RobeEmbeddingBagCollection(tables, robe, device="meta")
+            >>> ebc.to_empty(device="cpu")
+            >>> torch.manual_seed(0); ebc.reset_parameters()   # == built on CPU after manual_seed(0)
+        """
+        self._restore_layout_buffers()
+        if self.weight.device.type != "meta":
+            scale = self._layout.init_scale
+            with torch.no_grad():
+                self.weight.uniform_(-scale, scale)
+
+    def _restore_layout_buffers(self) -> None:
         with torch.no_grad():
-            self.weight.uniform_(-scale, scale)
+            self.table_meta.copy_(self._layout.table_meta())
+            self.robe_layout.copy_(self._layout.to_tensor())
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pool the embeddings of every feature: ``KeyedJaggedTensor`` -> ``KeyedTensor``."""
-        features = self._align_features(features)
-        values = features.values()
-        offsets = features.offsets()
-        if offsets.dtype != values.dtype and values.dtype in (torch.int32, torch.int64):
-            offsets = offsets.to(values.dtype)
-        per_sample_weights = None
-        if self._is_weighted:
-            per_sample_weights = features.weights_or_none()
-            if per_sample_weights is None:
-                raise ValueError("RobeEmbeddingBagCollection(is_weighted=True) got a "
-                                 "KeyedJaggedTensor without weights")
+        """Pool the embeddings of every feature: ``KeyedJaggedTensor`` -> ``KeyedTensor``.
+
+        Keys beyond the tables' features are ignored, as ``EmbeddingBagCollection`` ignores
+        them. Nothing here waits on the device: ids, offsets and lengths are checked by the op.
+        """
+        values, offsets, per_sample_weights = _lookup_inputs(
+            features, self._layout.feature_names, self._is_weighted)
         args = LookupArgs(values, offsets, per_sample_weights,
                           self._layout.op_args(self.table_meta))
-        fused = self._sync_fused_optimizer()
+        fused = self._current_fused_optimizer()
         try:
             if fused is None:
                 pooled = args.forward(self.weight)
             else:
                 pooled = fused_lookup(self.weight, fused, args)
         except (ValueError, RuntimeError) as err:
-            raise self._name_feature(err) from None
+            raise self._explain(err, features) from None
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
                            values=pooled)
 
@@ -143,7 +153,7 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
         """The in-backward optimizer, once ``apply_optimizer_in_backward`` was called on
         :attr:`weight` (``None`` while training on dense gradients)."""
-        return self._sync_fused_optimizer()
+        return self._current_fused_optimizer()
 
     def in_backward_optimizer(self) -> Optional[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]]:
         """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` recorded on
@@ -156,14 +166,29 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                              f"per ROBE array is supported, got {len(classes)}")
         return classes[0], dict(self.weight._optimizer_kwargs[0])  # type: ignore[attr-defined]
 
-    def _sync_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
-        applied = self.in_backward_optimizer()
-        if applied is None:
+    def _current_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
+        # torchrec.fx traces an inference graph: the weight is a Proxy there
+        if isinstance(self.weight, torch.fx.Proxy):
             return None
-        optimizer_class, kwargs = applied
-        if self._fused is None or self._fused.optimizer_class is not optimizer_class:
-            self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs)
+        # a compiled graph guards on what in_backward_optimizer() reads (the attributes
+        # apply_optimizer_in_backward sets on the weight): applying one later recompiles
+        if self.in_backward_optimizer() is None:
+            return None
+        self._sync_fused_optimizer()
         return self._fused
+
+    # torch.compile cannot trace the construction of an optimizer; marked constant, this
+    # runs for real when a graph is traced (before the graph reads self._fused), and as a
+    # plain call in eager mode
+    @torch.compiler.assume_constant_result
+    def _sync_fused_optimizer(self) -> bool:
+        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``."""
+        applied = self.in_backward_optimizer()
+        if applied is not None:
+            optimizer_class, kwargs = applied
+            if self._fused is None or self._fused.optimizer_class is not optimizer_class:
+                self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs)
+        return True
 
     # --- size and layout -----------------------------------------------------------------
 
@@ -192,39 +217,72 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
             self._layout.check_saved(saved)
+        # after to_empty() the non-persistent table_meta is garbage and no checkpoint has it
+        self._restore_layout_buffers()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    # --- input handling ------------------------------------------------------------------
+    # --- errors -------------------------------------------------------------------------
 
-    def _align_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"RobeEmbeddingBagCollection expects a KeyedJaggedTensor, got "
-                            f"{type(features).__name__}")
-        keys, expected = features.keys(), self._layout.feature_names
-        if keys != expected:
-            missing = [f for f in expected if f not in keys]
-            unknown = [k for k in keys if k not in expected]
-            if missing or unknown:
-                raise ValueError(f"RobeEmbeddingBagCollection: features do not match the tables: "
-                                 f"missing {missing}, unknown {unknown} (expected {expected})")
-            features = features.permute([keys.index(f) for f in expected])
-        if features.variable_stride_per_key():
-            raise ValueError("RobeEmbeddingBagCollection does not support variable batch size "
-                             "per feature")
-        if features.lengths_or_none() is not None and features.values().numel() != int(
-            features.lengths().sum()
-        ):
-            raise ValueError(f"robe: lengths sum to {int(features.lengths().sum())} but values has "
-                             f"{features.values().numel()} entries")
-        return features
-
-    def _name_feature(self, err: Exception) -> Exception:
-        """Turn an op error's feature index into the feature's name."""
+    def _explain(self, err: Exception, features: KeyedJaggedTensor) -> Exception:
+        """The op's error in the input's terms: the feature's name next to its index, and the
+        lengths the caller gave rather than the offsets computed from them."""
         message = str(err)
         found = re.search(r"of feature (\d+)", message)
         names = self._layout.feature_names
         if found and int(found.group(1)) < len(names):
             name = names[int(found.group(1))]
             message = message.replace(found.group(0), f"of feature {found.group(1)} ('{name}')")
+        if features.lengths_or_none() is not None:  # its offsets are their cumulative sum
+            message = re.sub(r"offsets\[-1\] = (\d+) but values has (\d+) entries \(.*?\)",
+                             r"lengths sum to \1 but values has \2 entries", message)
         return type(err)(message)
 
+
+# --- input handling ------------------------------------------------------------------------
+
+@torch.fx.wrap  # a leaf of torchrec.fx graphs: it reads keys and dtypes, which a Proxy lacks
+def _lookup_inputs(
+    features: KeyedJaggedTensor, feature_names: List[str], is_weighted: bool
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(values, offsets, per_sample_weights)`` of the tables' features, in the order of
+    ``feature_names``, as the op takes them.
+
+    Example::
+
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["other", "f1"], values=torch.tensor([7, 1, 2]), lengths=torch.tensor([1, 2]))
+        >>> _lookup_inputs(kjt, ["f1"], is_weighted=False)
+        (tensor([1, 2]), tensor([0, 2]), None)
+    """
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"RobeEmbeddingBagCollection expects a KeyedJaggedTensor, got "
+                        f"{type(features).__name__}")
+    features = _select_features(features, feature_names)
+    if features.variable_stride_per_key():
+        raise ValueError("RobeEmbeddingBagCollection does not support variable batch size "
+                         "per feature")
+    values, offsets = features.values(), features.offsets()
+    if offsets.dtype != values.dtype and values.dtype in (torch.int32, torch.int64):
+        offsets = offsets.to(values.dtype)
+    per_sample_weights = None
+    if is_weighted:
+        per_sample_weights = features.weights_or_none()
+        if per_sample_weights is None:
+            raise ValueError("RobeEmbeddingBagCollection(is_weighted=True) got a "
+                             "KeyedJaggedTensor without weights")
+    return values, offsets, per_sample_weights
+
+
+def _select_features(features: KeyedJaggedTensor, feature_names: List[str]) -> KeyedJaggedTensor:
+    """``features`` reduced to ``feature_names``, in that order; other keys are dropped (as
+    ``EmbeddingBagCollection`` drops them), a missing one raises ``ValueError`` naming it."""
+    keys = features.keys()
+    if keys == feature_names:  # the usual case: no copy, no read of the lengths
+        return features
+    missing = [f for f in feature_names if f not in keys]
+    if missing:
+        unknown = [k for k in keys if k not in feature_names]
+        raise ValueError(f"RobeEmbeddingBagCollection: the input lacks features of the tables: "
+                         f"missing {missing}, unknown {unknown} (expected {feature_names}; "
+                         "unknown features are ignored)")
+    return features.permute([keys.index(f) for f in feature_names])

@@ -1,0 +1,202 @@
+"""RobeEmbeddingBagCollection as a first-class TorchRec module (unsharded): meta-device
+construction and ``reset_parameters``, ``torch.compile`` (inference, dense and fused
+training), and extra input features ignored as ``EmbeddingBagCollection`` ignores them.
+
+Export, save/load and fx tracing are in ``tests/test_export.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.utils import init_parameters
+from torchrec.models.dlrm import DLRM
+from torchrec.optim import apply_optimizer_in_backward
+
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+
+BATCH = 4
+NUM_DENSE = 5
+
+
+def make_tables():
+    return [EmbeddingBagConfig(name="t_user", embedding_dim=8, num_embeddings=100,
+                               feature_names=["user", "user_hist"]),
+            EmbeddingBagConfig(name="t_item", embedding_dim=8, num_embeddings=40,
+                               feature_names=["item"], pooling=PoolingType.MEAN)]
+
+
+ROBE = RobeConfig(memory_size=120, block_size=4)
+
+
+def make_kjt(seed=0, keys=("user", "user_hist", "item"), weighted=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys) * BATCH,), generator=g)
+    values = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths, weights=weights)
+
+
+def make_dlrm(ebc=None):
+    ebc = ebc or RobeEmbeddingBagCollection(make_tables(), ROBE)
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1])
+
+
+def dense_input(seed=0):
+    return torch.rand(BATCH, NUM_DENSE, generator=torch.Generator().manual_seed(seed))
+
+
+# --- meta device ---------------------------------------------------------------------------
+
+def test_meta_then_reset_parameters_equals_direct_construction():
+    torch.manual_seed(7)
+    direct = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE, device=torch.device("meta"))
+    module.to_empty(device="cpu")
+    torch.manual_seed(7)
+    module.reset_parameters()
+    assert torch.equal(module.weight, direct.weight)
+    assert torch.equal(module.table_meta, direct.table_meta)
+    assert torch.equal(module.state_dict()["robe_layout"], direct.state_dict()["robe_layout"])
+    kjt = make_kjt()
+    assert torch.equal(module(kjt).values(), direct(kjt).values())
+
+
+def test_meta_then_load_state_dict():
+    direct = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE, device="meta")
+    module.to_empty(device="cpu")
+    module.load_state_dict(direct.state_dict())
+    kjt = make_kjt()
+    assert torch.equal(module(kjt).values(), direct(kjt).values())
+
+
+def test_dlrm_with_meta_tables_materialised_as_torchrec_does():
+    """TorchRec's pattern: the tables on meta, the dense arch on the device; the unsharded
+    tables are then materialised with to_empty and reset_parameters."""
+    torch.manual_seed(3)
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    torch.manual_seed(4)
+    direct = make_dlrm(ebc)
+
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE, device=torch.device("meta"))
+    torch.manual_seed(4)
+    model = make_dlrm(ebc)
+    torch.manual_seed(3)
+    init_parameters(ebc, torch.device("cpu"))  # to_empty, then reset_parameters
+    assert model.state_dict().keys() == direct.state_dict().keys()
+    for key, tensor in direct.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor), key
+    kjt, dense = make_kjt(), dense_input()
+    assert torch.equal(model(dense, kjt), direct(dense, kjt))
+
+
+# --- torch.compile -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_compiled_module_equals_eager(weighted):
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE, is_weighted=weighted)
+    compiled = torch.compile(module, fullgraph=True)
+    for seed in range(2):
+        kjt = make_kjt(seed, weighted=weighted)
+        out = compiled(kjt)
+        assert out.keys() == module(kjt).keys()
+        assert torch.equal(out.values(), module(kjt).values())
+
+
+def test_compiled_dlrm_equals_eager():
+    model = make_dlrm()
+    compiled = torch.compile(model, fullgraph=True)
+    kjt, dense = make_kjt(), dense_input()
+    torch.testing.assert_close(compiled(dense, kjt), model(dense, kjt))
+
+
+def _train(model, steps, compiled=False, fused=None, lrs=None):
+    """SGD steps of a fixed loss on a DLRM; the optimizer is dense unless ``fused`` is given
+    (then it updates the ROBE array in backward, and SGD the rest)."""
+    ebc = model.sparse_arch.embedding_bag_collection
+    if fused is not None:
+        apply_optimizer_in_backward(fused[0], [ebc.weight], fused[1])
+    params = [p for p in model.parameters() if fused is None or p is not ebc.weight]
+    opt = torch.optim.SGD(params, lr=0.05)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    for step in range(steps):
+        if lrs is not None:
+            ebc.fused_optimizer.param_groups[0]["lr"] = lrs[step]
+        logits = run(dense_input(step), make_kjt(step))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits.squeeze(-1), torch.arange(BATCH, dtype=torch.float32) % 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def test_compiled_dense_training_equals_eager():
+    torch.manual_seed(0)
+    eager = make_dlrm()
+    compiled = copy.deepcopy(eager)
+    _train(eager, 3)
+    _train(compiled, 3, compiled=True)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    assert not torch.equal(eager.sparse_arch.embedding_bag_collection.weight,
+                           make_dlrm().sparse_arch.embedding_bag_collection.weight)
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01}),
+])
+def test_compiled_fused_training_equals_eager(cls, kwargs):
+    """The in-backward optimizer applied before any eager step, then compiled."""
+    torch.manual_seed(0)
+    eager = make_dlrm()
+    compiled = copy.deepcopy(eager)
+    _train(eager, 3, fused=(cls, kwargs))
+    _train(compiled, 3, compiled=True, fused=(cls, kwargs))
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    state = compiled.sparse_arch.embedding_bag_collection.fused_optimizer.param_state
+    if "step" in state:
+        assert float(state["step"]) == 3
+
+
+def test_compiled_fused_learning_rate_change_takes_effect():
+    torch.manual_seed(0)
+    eager = make_dlrm()
+    compiled = copy.deepcopy(eager)
+    lrs = [0.1, 0.0, 0.3]
+    _train(eager, 3, fused=(torch.optim.Adagrad, {"lr": 0.1}), lrs=lrs)
+    _train(compiled, 3, compiled=True, fused=(torch.optim.Adagrad, {"lr": 0.1}), lrs=lrs)
+    torch.testing.assert_close(compiled.sparse_arch.embedding_bag_collection.weight,
+                               eager.sparse_arch.embedding_bag_collection.weight,
+                               rtol=0, atol=1e-6)
+
+
+# --- input features ------------------------------------------------------------------------
+
+def test_extra_features_are_ignored():
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    kjt = make_kjt(keys=("user", "user_hist", "item"))
+    g = torch.Generator().manual_seed(1)
+    extra_lengths = torch.randint(0, 3, (BATCH,), generator=g)
+    # an unknown feature first, the known ones in another order
+    order = ["item", "user", "user_hist"]
+    lengths = torch.cat([extra_lengths] + [kjt[k].lengths() for k in order])
+    values = torch.cat([torch.randint(0, 10**6, (int(extra_lengths.sum()),), generator=g)]
+                       + [kjt[k].values() for k in order])
+    wider = KeyedJaggedTensor(keys=["fx"] + order, values=values, lengths=lengths)
+    out = module(wider)
+    assert out.keys() == ["user", "user_hist", "item"]
+    assert torch.equal(out.values(), module(kjt).values())
+
+
+def test_missing_features_are_named():
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    with pytest.raises(ValueError, match=r"missing \['user_hist'\]"):
+        module(make_kjt(keys=("user", "item", "fx")))
