@@ -281,8 +281,10 @@ def _select_features(features: KeyedJaggedTensor, feature_names: List[str]) -> K
         return features
     missing = [f for f in feature_names if f not in keys]
     if missing:
+        # an unknown key next to a missing one is likely a typo of it: name both
         unknown = [k for k in keys if k not in feature_names]
+        also = f", unknown {unknown}" if unknown else ""
         raise ValueError(f"RobeEmbeddingBagCollection: the input lacks features of the tables: "
-                         f"missing {missing}, unknown {unknown} (expected {feature_names}; "
-                         "unknown features are ignored)")
+                         f"missing {missing}{also} (expected {feature_names}; unknown "
+                         "features are ignored)")
     return features.permute([keys.index(f) for f in feature_names])
