@@ -21,6 +21,13 @@ BATCH = 4
 NUM_DENSE = 5
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    """Each test compiles its own models; graphs left by earlier tests would count towards
+    dynamo's recompile limit (a new learning rate, a new optimizer, recompile)."""
+    torch.compiler.reset()
+
+
 def make_tables():
     return [EmbeddingBagConfig(name="t_user", embedding_dim=8, num_embeddings=100,
                                feature_names=["user", "user_hist"]),
