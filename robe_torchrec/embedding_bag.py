@@ -187,7 +187,8 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if applied is not None:
             optimizer_class, kwargs = applied
             if self._fused is None or self._fused.optimizer_class is not optimizer_class:
-                self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs)
+                self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
+                                                 block_size=self._layout.block_size)
         return True
 
     # --- size and layout -----------------------------------------------------------------
