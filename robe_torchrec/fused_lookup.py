@@ -76,7 +76,8 @@ class _FusedLookup(torch.autograd.Function):
             dist.all_reduce(grad, group=group)
             grad.div_(dist.get_world_size(group))
             apply_dense_update_(weights, grad, state1, state2, int(optimizer.kind),
-                                optimizer.hparams(), optimizer.advance_step())
+                                optimizer.hparams(), optimizer.advance_step(),
+                                block_size=args.layout.block_size)
         else:
             torch.ops.robe.counted_backward_fused_(
                 grad_output, weights, state1, state2, optimizer.param_state.get("step"),

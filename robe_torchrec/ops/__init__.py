@@ -120,7 +120,7 @@ def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, outp
                   block_size, hash_mode, hash_params, bounds_check) -> Tensor:
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.shape[0] - 1) // table_meta.shape[1]
-    return weights.new_empty(batch, output_dim)
+    return weights.new_empty(batch, output_dim, dtype=meta.accumulation_dtype(weights.dtype))
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -179,7 +179,7 @@ def _backward_dense_cuda(*args) -> Tensor:
 
 @backward_dense.register_fake
 def _backward_dense_fake(grad_output, weights, *rest) -> Tensor:
-    return torch.empty_like(weights)
+    return torch.empty_like(weights, dtype=meta.accumulation_dtype(weights.dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def _psw_grad_cuda(*args) -> Tensor:
 
 @per_sample_weights_grad.register_fake
 def _psw_grad_fake(grad_output, weights, values, *rest) -> Tensor:
-    return weights.new_empty(values.shape[0])
+    return weights.new_empty(values.shape[0], dtype=meta.accumulation_dtype(weights.dtype))
 
 
 # ---------------------------------------------------------------------------------------
