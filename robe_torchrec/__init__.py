@@ -14,6 +14,10 @@ from robe_torchrec.layout import FeatureLayout, RobeLayout, TableLayout
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.optim import RobeFusedOptimizer
 
+# Registers the ROBE sharder with DistributedModelParallel's default sharders, so that
+# DistributedModelParallel(model) shards a ROBE module with nothing more to import.
+from robe_torchrec import distributed  # noqa: E402,F401  isort: skip
+
 __all__ = ["FeatureLayout", "HashMode", "LayoutArgs", "LookupArgs", "RobeConfig",
            "RobeEmbeddingBagCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
 __version__ = "0.1.0"

@@ -116,3 +116,33 @@ def _bad_id(rank: int, world: int, types):
 def test_sharded_id_error_names_the_feature(world, types):
     with pytest.raises(RuntimeError, match=r"feature 'f3'"):
         run_ranks(_bad_id, world, types)
+
+
+_ONLY_THE_TOP_PACKAGE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torchrec import EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.optim import apply_optimizer_in_backward
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection   # nothing else of ours
+
+ebc = RobeEmbeddingBagCollection(
+    [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])],
+    RobeConfig(compression=10, block_size=4))
+apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+holder = torch.nn.ModuleDict({"ebc": ebc})
+dmp = DistributedModelParallel(holder, device=torch.device("cpu"))
+print(type(dmp.module["ebc"]).__name__)
+"""
+
+
+def test_importing_the_package_is_enough_for_dmp_defaults():
+    """A user who imports only ``robe_torchrec`` (not ``robe_torchrec.distributed``) still
+    gets the ROBE module sharded by ``DistributedModelParallel(model)``."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ONLY_THE_TOP_PACKAGE], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ShardedRobeEmbeddingBagCollection"
