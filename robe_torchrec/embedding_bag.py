@@ -36,7 +36,9 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     :attr:`fused_optimizer` holds the optimizer state and learning rate.
 
     Args:
-        tables: the embedding tables, as for ``EmbeddingBagCollection`` (pooling SUM or MEAN).
+        tables: the embedding tables, as for ``EmbeddingBagCollection`` (pooling SUM or MEAN;
+            data_type FP32, FP16 or BF16, one for all tables: :attr:`weight` is stored in it,
+            the output and optimizer state are float32).
         robe: the compression settings.
         is_weighted: whether the input carries per-sample weights.
         device: where the array lives (``"meta"`` allocates nothing).
@@ -77,7 +79,8 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ]
         self._lengths_per_embedding: List[int] = self._layout.dims
 
-        self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device))
+        self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device,
+                                               dtype=self._layout.weight_dtype))
         # both buffers are functions of the layout: reset_parameters() rebuilds them after
         # to_empty(), as it re-draws the weight
         self.register_buffer("table_meta", self._layout.table_meta(device=self.weight.device),

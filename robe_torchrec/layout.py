@@ -36,6 +36,12 @@ from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
 from robe_torchrec.ops.args import LayoutArgs
 from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
 
+#: the TorchRec data types a ROBE array can be stored in, and its torch dtype (the kernels
+#: accumulate in float32 and return float32 for FP16 / BF16 arrays; optimizer state is float32)
+WEIGHT_DTYPE_OF: Dict[DataType, torch.dtype] = {DataType.FP32: torch.float32,
+                                                DataType.FP16: torch.float16,
+                                                DataType.BF16: torch.bfloat16}
+
 #: the TorchRec poolings ROBE supports, as the ops encode them
 POOLING_OF: Dict[PoolingType, Pooling] = {PoolingType.SUM: Pooling.SUM,
                                           PoolingType.MEAN: Pooling.MEAN}
@@ -92,11 +98,22 @@ def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
         if table.pooling not in POOLING_OF:
             raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported "
                              "(SUM or MEAN)")
-        if table.data_type != DataType.FP32:
+        if table.data_type not in WEIGHT_DTYPE_OF:
             raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported "
-                             "(ROBE arrays are FP32)")
+                             "(ROBE arrays are FP32, FP16 or BF16)")
         if table.num_embeddings < 1 or table.embedding_dim < 1:
             raise ValueError(f"table {table.name!r}: num_embeddings and embedding_dim must be positive")
+    data_types = {t.data_type for t in tables}
+    if len(data_types) > 1:
+        found = ", ".join(f"{t.name!r}: {t.data_type.name}" for t in tables)
+        raise ValueError("RobeEmbeddingBagCollection: all tables of one module must share one "
+                         f"data_type, as they live in one flat ROBE weight (got {found}); put "
+                         "tables of another data_type in a second RobeEmbeddingBagCollection")
+
+
+def weight_dtype_of(tables: Sequence[EmbeddingBagConfig]) -> torch.dtype:
+    """The dtype of the flat ``weight`` holding ``tables`` (checked by :func:`check_tables`)."""
+    return WEIGHT_DTYPE_OF[tables[0].data_type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +130,8 @@ class RobeLayout:
         hash_params: the hash's parameters (from ``config.hash`` and ``config.seed``).
         init_scale: arrays start uniform in ``[-init_scale, init_scale]``.
         uncompressed_size: floats the tables would hold uncompressed.
+        weight_dtype: the dtype of the flat ``weight`` (the tables' ``data_type``: float32,
+            float16 or bfloat16; all tables share it).
     """
 
     config: RobeConfig
@@ -123,6 +142,7 @@ class RobeLayout:
     hash_params: Tuple[int, ...]
     init_scale: float
     uncompressed_size: int
+    weight_dtype: torch.dtype = torch.float32
 
     @classmethod
     def build(cls, tables: Sequence[EmbeddingBagConfig], robe: RobeConfig) -> "RobeLayout":
@@ -159,6 +179,7 @@ class RobeLayout:
             hash_params=tuple(hash_params(robe.hash_mode, robe.seed)),
             init_scale=float(init_scale),
             uncompressed_size=sum(table_sizes),
+            weight_dtype=weight_dtype_of(tables),
         )
 
     def __post_init__(self) -> None:
