@@ -46,8 +46,8 @@ class _LocalRobeOptimizer(RobeFusedOptimizer):
     """Per-lookup optimizer state; hyper-parameters are read from the module-level group, so
     that a change of ``dmp.fused_optimizer.param_groups[..]["lr"]`` reaches every lookup."""
 
-    def __init__(self, param, optimizer_class, kwargs) -> None:
-        super().__init__("local", param, optimizer_class, kwargs)
+    def __init__(self, param, optimizer_class, kwargs, block_size: int) -> None:
+        super().__init__("local", param, optimizer_class, kwargs, block_size=block_size)
         self._owner: Optional[FusedOptimizer] = None
 
     def follow(self, owner: FusedOptimizer) -> None:
@@ -92,9 +92,11 @@ class RobeShardedLookup(nn.Module):
         self._pg = process_group
         self._is_weighted = is_weighted
         self._output_dim = sum(f.dim for f in features)
-        self.weight = nn.Parameter(torch.zeros(local_size, device=device))
+        self.weight = nn.Parameter(torch.zeros(local_size, device=device,
+                                                dtype=layout.weight_dtype))
         self.register_buffer("table_meta", layout.table_meta(features, device), persistent=False)
-        self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs)
+        self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs,
+                                             layout.block_size)
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
         self.weight._in_backward_optimizers = [self.optimizer]  # type: ignore[attr-defined]
         self._dummy = torch.empty(0, requires_grad=True)

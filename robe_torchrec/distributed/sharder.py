@@ -36,8 +36,8 @@ from torchrec.optim.keyed import CombinedOptimizer
 from robe_torchrec.distributed.lookup import RobeShardedLookup, Segment
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
-from robe_torchrec.ops.meta import Pooling
-from robe_torchrec.optim import resolve_optimizer
+from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
+from robe_torchrec.optim import RowWiseAdagrad, resolve_optimizer
 
 DP = ShardingType.DATA_PARALLEL.value
 TW = ShardingType.TABLE_WISE.value
@@ -51,6 +51,7 @@ _EMB_OPT = {
     EmbOptimType.SGD: torch.optim.SGD,
     EmbOptimType.EXACT_ADAGRAD: torch.optim.Adagrad,
     EmbOptimType.ADAM: torch.optim.Adam,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: RowWiseAdagrad,
 }
 
 
@@ -96,14 +97,15 @@ def resolve_fused_optimizer(
     if opt is None:
         raise ValueError(
             "sharding RobeEmbeddingBagCollection needs a fused optimizer: call "
-            "torchrec.optim.apply_optimizer_in_backward(torch.optim.SGD|Adagrad|Adam, "
-            "[ebc.weight], {...}) before DistributedModelParallel, or give the sharder "
-            "fused_params={'optimizer': EmbOptimType.EXACT_SGD|EXACT_ADAGRAD|ADAM, "
+            "torchrec.optim.apply_optimizer_in_backward(torch.optim.SGD|Adagrad|Adam or "
+            "robe_torchrec.optim.RowWiseAdagrad, [ebc.weight], {...}) before "
+            "DistributedModelParallel, or give the sharder fused_params={'optimizer': "
+            "EmbOptimType.EXACT_SGD|EXACT_ADAGRAD|ADAM|EXACT_ROWWISE_ADAGRAD, "
             "'learning_rate': ...}")
     cls = _EMB_OPT.get(opt)
     if cls is None:
         raise ValueError(f"RobeEmbeddingBagCollection: fused optimizer {opt} is not supported "
-                         "(EXACT_SGD, EXACT_ADAGRAD, ADAM)")
+                         "(EXACT_SGD, EXACT_ADAGRAD, ADAM, EXACT_ROWWISE_ADAGRAD)")
     kwargs: Dict[str, Any] = {"lr": float(fused_params.get("learning_rate", 0.01))}
     if "weight_decay" in fused_params:
         kwargs["weight_decay"] = float(fused_params["weight_decay"])
@@ -201,6 +203,40 @@ def robe_sharding_constraints(model: nn.Module, constraints=None):
     return constraints
 
 
+def validate_rowwise_state(layout: RobeLayout, plan: Dict[str, ParameterSharding],
+                           optimizer_class: Type[torch.optim.Optimizer], world: int) -> None:
+    """Refuse a plan under which row-wise Adagrad's state cannot be the unsharded module's.
+
+    Row-wise Adagrad keeps one accumulator per aligned chunk of ``block_size`` floats of the
+    weight it updates. A lookup's local weight is chunked as the module's flat ``weight``
+    only if every array (ROW_WISE: every rank's slice) starts at a multiple of
+    ``block_size`` both there and in the local weight; when every table is data-parallel
+    the local weight is the flat weight and any layout works.
+    """
+    if resolve_optimizer(optimizer_class, {}) != Optimizer.ROWWISE_ADAGRAD:
+        return
+    if all(plan[n].sharding_type == DP for n in layout.table_names):
+        return
+    z = layout.block_size
+    bad: List[str] = []
+    for a, (offset, size) in enumerate(zip(layout.array_offsets, layout.array_sizes)):
+        if offset % z:
+            bad.append(f"array {a} starts at {offset}")
+    for t, table in enumerate(layout.tables):
+        if plan[table.name].sharding_type == RW:
+            base = rw_slices(layout.array_sizes[table.array], world)[0][1]
+            if world > 1 and base % z:
+                bad.append(f"table {table.name!r}'s row_wise slices are {base} floats")
+    if bad:
+        raise ValueError(
+            "RobeEmbeddingBagCollection: row-wise Adagrad (one accumulator per block_size="
+            f"{z} floats) needs every ROBE array, and every row_wise slice of one, to start at a "
+            f"multiple of block_size, else the sharded state differs from the unsharded "
+            f"module's: {'; '.join(bad)}. Use RobeConfig(shared=True) or a memory_size whose "
+            "per-table split (and row_wise slices) are multiples of block_size, plan every "
+            "table data_parallel, or use Adagrad (EXACT_ADAGRAD / torch.optim.Adagrad)")
+
+
 class _ModuleView:
     """What ``ShardedEmbeddingBagCollection.__init__`` reads from the module it shards: the
     table configs and one (meta) parameter per table, named as an EBC names them."""
@@ -253,6 +289,8 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         module_fqn: Optional[str] = None,
     ) -> None:
         validate_plan(module, table_name_to_parameter_sharding)
+        validate_rowwise_state(module.layout, table_name_to_parameter_sharding, optimizer[0],
+                               env.world_size)
         # read by _create_lookups, which runs inside the base constructor
         self.__dict__["_robe_src"] = (module, optimizer)
         super().__init__(
@@ -386,36 +424,44 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     # --- views over the local arrays -------------------------------------------------------
 
-    def _declared_local(self, tensor_of) -> List[Tuple[Segment, torch.Tensor]]:
-        """(segment, view) of every piece this rank declares in the state dict."""
+    def _declared_local(self, tensor_of, unit: int = 1) -> List[Tuple[Segment, torch.Tensor]]:
+        """(segment, view) of every piece this rank declares in the state dict; with
+        ``unit``, of a tensor with one entry per ``unit`` floats of the weight (row-wise
+        state: the segments then start at multiples of ``unit``)."""
         out = []
         for lk, st in zip(self._lookups, self._sharding_types):
             if st == DP and self._rank != 0:
                 continue
             t = tensor_of(lk)
             for s in lk.segments:
-                out.append((s, t[s.local_offset: s.local_offset + s.size]))
+                start = s.local_offset // unit
+                out.append((s, t[start: start + rowwise_state_size(s.size, unit)]))
         return out
 
-    def global_view(self, tensor_of, clone: bool = False) -> torch.Tensor:
-        """The flat array (or an optimizer state of the same shape) as the state dict shows
-        it: a plain tensor when every table is data-parallel, else a ``ShardedTensor``."""
+    def global_view(self, tensor_of, clone: bool = False, unit: int = 1) -> torch.Tensor:
+        """The flat array (or an optimizer state of the same shape; with ``unit``, one of
+        an entry per ``unit`` floats, as row-wise Adagrad's ``sum``) as the state dict shows
+        it: a plain tensor when every table is data-parallel, else a ``ShardedTensor`` of the
+        local tensors' dtype."""
         if self._all_dp:
             t = tensor_of(self._dp_lookups[0])
             return t.detach().clone() if clone else t
         device = self._lookups[0].weight.device
         def placement(rank: int) -> str:
             return f"rank:{rank}/{device.type}" if device.type == "cpu" else f"rank:{rank}/{device}"
-        shards_md = [ShardMetadata(shard_offsets=[off], shard_sizes=[size], placement=placement(r))
+        shards_md = [ShardMetadata(shard_offsets=[off // unit],
+                                   shard_sizes=[rowwise_state_size(size, unit)],
+                                   placement=placement(r))
                      for off, size, r in self._global_segments]
         by_offset = {md.shard_offsets[0]: md for md in shards_md}
         local = []
-        for s, view in self._declared_local(tensor_of):
+        for s, view in self._declared_local(tensor_of, unit):
             view = view.detach().clone() if clone else view.detach()
-            local.append(Shard(tensor=view, metadata=by_offset[s.global_offset]))
+            local.append(Shard(tensor=view, metadata=by_offset[s.global_offset // unit]))
+        size = rowwise_state_size(self._robe_layout.memory_size, unit)
         meta = ShardedTensorMetadata(
-            shards_metadata=shards_md, size=torch.Size([self._robe_layout.memory_size]),
-            tensor_properties=TensorProperties(dtype=torch.float32))
+            shards_metadata=shards_md, size=torch.Size([size]),
+            tensor_properties=TensorProperties(dtype=tensor_of(self._lookups[0]).dtype))
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local, meta, process_group=self._env.process_group)
 
@@ -512,11 +558,15 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
         group: Dict[str, Any] = {k: v for k, v in first.param_groups[0].items() if k != "params"}
         weight = owner.global_view(lambda lk: lk.weight)
         names = list(first.param_state.keys())
+        # row-wise Adagrad's sum: one entry per block_size floats (validate_rowwise_state
+        # made the local chunks the global ones)
+        unit = owner.layout.block_size if first.kind == Optimizer.ROWWISE_ADAGRAD else 1
         state: Dict[str, torch.Tensor] = {}
         for name in names:
             if name == "step":
                 continue
-            state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.param_state[n])
+            state[name] = owner.global_view(lambda lk, n=name: lk.optimizer.param_state[n],
+                                            unit=unit)
         if "step" in names:
             # the step counter of this rank's first lookup (they all count the same steps)
             state["step"] = first.param_state["step"]
@@ -565,8 +615,8 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     Args:
         fused_params: the in-backward optimizer when ``apply_optimizer_in_backward`` was not
             called on the module's weight: ``{"optimizer": EmbOptimType.EXACT_SGD |
-            EXACT_ADAGRAD | ADAM, "learning_rate": ..., "eps": ..., "beta1": ..., "beta2": ...,
-            "weight_decay": ...}``.
+            EXACT_ADAGRAD | ADAM | EXACT_ROWWISE_ADAGRAD, "learning_rate": ..., "eps": ...,
+            "beta1": ..., "beta2": ..., "weight_decay": ...}``.
         row_wise: offer ``row_wise`` to the planner too (a shared module is then planned
             row-wise only); narrow it further with ``robe_sharding_constraints``.
 
