@@ -378,17 +378,10 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._dp_lookups = [lk for lk, st in zip(self._lookups, self._sharding_types) if st == DP]
 
         # initial values: rank 0's module, so every rank starts from the same arrays
-        with torch.no_grad():
-            if module.weight.device.type != "meta":
-                src = module.weight.detach().clone().to(self._lookups[0].weight.device)
-                if pg is not None and self._world > 1:
-                    dist.broadcast(src, src=dist.get_global_rank(pg, 0), group=pg)
-                for lk in self._lookups:
-                    for s in lk.segments:
-                        lk.weight[s.local_offset: s.local_offset + s.size].copy_(
-                            src[s.global_offset: s.global_offset + s.size])
-            else:
-                self.reset_parameters()
+        if module.weight.device.type != "meta":
+            self._copy_from_rank0(module.weight.detach().clone())
+        else:
+            self.reset_parameters()
 
         self._robe_opt = ShardedRobeFusedOptimizer(self)
         for lk in self._lookups:
@@ -528,14 +521,28 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # --- misc ------------------------------------------------------------------------------
 
     def reset_parameters(self) -> None:
-        """Re-draw every local array uniformly as the unsharded module does (data-parallel
-        arrays then broadcast from rank 0). Sharding already copies rank 0's arrays; this is
-        for ``DistributedModelParallel``'s meta-device initialisation."""
-        scale = self._robe_layout.init_scale
+        """Draw the arrays exactly as the unsharded module's ``reset_parameters`` does (the
+        whole flat array, uniform in ``[-init_scale, init_scale]``, from rank 0's generator),
+        and keep this rank's pieces: a model built on the meta device and sharded starts
+        where the same model built on CPU with the same seed starts. The flat array is the
+        compressed size, so drawing all of it on every rank is cheap."""
+        layout = self._robe_layout
+        full = torch.empty(layout.memory_size, dtype=layout.weight_dtype)
         with torch.no_grad():
+            full.uniform_(-layout.init_scale, layout.init_scale)
+        self._copy_from_rank0(full)
+
+    def _copy_from_rank0(self, flat: torch.Tensor) -> None:
+        """Fill every lookup's local weight from rank 0's copy of the flat array."""
+        pg = self._env.process_group
+        with torch.no_grad():
+            src = flat.to(self._lookups[0].weight.device)
+            if pg is not None and self._world > 1:
+                dist.broadcast(src, src=dist.get_global_rank(pg, 0), group=pg)
             for lk in self._lookups:
-                lk.weight.uniform_(-scale, scale)
-            self.broadcast_data_parallel()
+                for s in lk.segments:
+                    lk.weight[s.local_offset: s.local_offset + s.size].copy_(
+                        src[s.global_offset: s.global_offset + s.size])
 
     @property
     def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
