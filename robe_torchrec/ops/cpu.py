@@ -115,10 +115,33 @@ def build(name: str, source: str, directory: Optional[str] = None):
 
     directory = directory or build_directory()
     os.makedirs(directory, exist_ok=True)
+    # Compile a copy kept in the build directory: build.ninja names the source's path, so
+    # compiling the package's own file would rebuild whenever the same kernel is loaded
+    # from another place (a checkout and a wheel install, two clones).
+    local_source = os.path.join(directory, f"{name}.cpp")
+    _write_if_changed(local_source, source)
     with _interpreter_bin_first_on_path():
-        return load(name=name, sources=[source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        return load(name=name, sources=[local_source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                     build_directory=directory,
                     verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+
+
+def _write_if_changed(path: str, source: str) -> None:
+    """Copy ``source`` to ``path`` unless it already holds the same bytes (an unchanged file
+    keeps its timestamp, so ninja does not rebuild); the write is atomic, for ranks that
+    start together."""
+    with open(source, "rb") as f:
+        text = f.read()
+    try:
+        with open(path, "rb") as f:
+            if f.read() == text:
+                return
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def extension():
