@@ -142,15 +142,7 @@ def _sharded_fp16(rank: int, world: int, plan: str):
     assert dmp.state_dict()["ebc.weight"].dtype == torch.float16
     worst_out = 0.0
     for step in range(2):
-        kjt = common.global_batch(step, world)
-        tgt = common.target(step, world * common.B, ref.layout.output_dim)
-        lo, hi = rank * common.B, (rank + 1) * common.B
-        out = dmp(common.local_slice(kjt, rank))
-        (0.5 * ((out - tgt[lo:hi]) ** 2).sum()).backward()
-        ref_out = ref(kjt).values()
-        worst_out = max(worst_out, (out.detach() - ref_out[lo:hi].detach()).abs().max().item())
-        # the sharded gradient is averaged over the ranks
-        (0.5 * ((ref_out - tgt) ** 2).sum() / world).backward()
+        worst_out = max(worst_out, common.sharded_and_unsharded_step(dmp, ref, rank, world, step))
     weight = common.full_weight(dmp)
     diff = (weight - ref.weight.float()).abs().max().item()
     moved = (ref.weight.float() - _ebc(DataType.FP16).weight.float()).abs().max().item()

@@ -138,3 +138,18 @@ def full_tensor(t) -> torch.Tensor:
 def full_weight(dmp) -> torch.Tensor:
     """The sharded module's flat array, assembled on every rank."""
     return full_tensor(dmp.state_dict()["ebc.weight"])
+
+
+def sharded_and_unsharded_step(dmp, ref: RobeEmbeddingBagCollection, rank: int, world: int,
+                               step: int) -> float:
+    """One training step of the sharded model on this rank's samples and of the unsharded
+    module ``ref`` on the global batch (loss scaled by 1/world: the sharded gradient is the
+    ranks' average); returns the largest output difference on this rank's samples."""
+    kjt = global_batch(step, world)
+    tgt = target(step, world * B, ref.layout.output_dim)
+    lo, hi = rank * B, (rank + 1) * B
+    out = dmp(local_slice(kjt, rank))
+    (0.5 * ((out - tgt[lo:hi]) ** 2).sum()).backward()
+    ref_out = ref(kjt).values()
+    (0.5 * ((ref_out - tgt) ** 2).sum() / world).backward()
+    return (out.detach() - ref_out[lo:hi].detach()).abs().max().item()

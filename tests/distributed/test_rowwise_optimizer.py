@@ -36,16 +36,7 @@ CASES = {
 }
 
 
-def _step(dmp, ref, rank, world, step):
-    kjt = common.global_batch(step, world)
-    tgt = common.target(step, world * common.B, ref.layout.output_dim)
-    lo, hi = rank * common.B, (rank + 1) * common.B
-    out = dmp(common.local_slice(kjt, rank))
-    (0.5 * ((out - tgt[lo:hi]) ** 2).sum()).backward()
-    ref_out = ref(kjt).values()
-    # the sharded gradient is the ranks' average
-    (0.5 * ((ref_out - tgt) ** 2).sum() / world).backward()
-    return (out.detach() - ref_out[lo:hi].detach()).abs().max().item()
+_step = common.sharded_and_unsharded_step
 
 
 def _run(rank, world, name):
