@@ -3,7 +3,7 @@
 Shared by the unsharded module and the sharded lookups, so the in-backward update is written
 once: per-sample-weight gradient first (it must see the weights before the update), then
 either ``robe::backward_fused_`` (scatter and update in one go, through
-``robe::counted_backward_fused_``, defined here, which also counts the step) or, for a
+``robe::counted_backward_fused_``, which also counts the step) or, for a
 data-parallel array, the dense gradient averaged over the process group and then the update
 (:func:`robe_torchrec.ops.dense_update.apply_dense_update_`).
 
@@ -19,11 +19,10 @@ Example::
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.dense_update import apply_dense_update_
@@ -79,55 +78,8 @@ class _FusedLookup(torch.autograd.Function):
                                 optimizer.hparams(), optimizer.advance_step(),
                                 block_size=args.layout.block_size)
         else:
-            torch.ops.robe.counted_backward_fused_(
-                grad_output, weights, state1, state2, optimizer.param_state.get("step"),
-                int(optimizer.kind), optimizer.hparams(), *args.flat())
+            args.counted_backward_fused_(grad_output, weights, state1, state2,
+                                         optimizer.param_state.get("step"),
+                                         int(optimizer.kind), optimizer.hparams())
         return grad_psw, None, None, None, None, None
 
-
-@torch.library.custom_op("robe::counted_backward_fused_",
-                         mutates_args=("weights", "state1", "state2", "step"))
-def counted_backward_fused_(
-    grad_output: Tensor,
-    weights: Tensor,
-    state1: Tensor,
-    state2: Tensor,
-    step: Optional[Tensor],
-    optimizer: int,
-    hparams: List[float],
-    values: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Optional[Tensor],
-    table_meta: Tensor,
-    output_dim: int,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-    bounds_check: int,
-) -> None:
-    """``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's
-    scalar step tensor (``None``: an optimizer without one, the count is 1).
-
-    The count stays a tensor up to here, so a compiled backward carries it as data; reading
-    it as the int the kernels take happens inside this op. The arguments after ``hparams``
-    are ``robe::forward``'s (``LookupArgs.flat()``).
-
-    Example::
-
-        >>> torch.ops.robe.counted_backward_fused_(grad_output, weights, state1, state2,
-        ...                                        optimizer.param_state.get("step"),
-        ...                                        int(optimizer.kind), optimizer.hparams(),
-        ...                                        *args.flat())
-    """
-    count = 1
-    if step is not None:
-        step += 1
-        count = int(step)
-    args = LookupArgs.from_flat(values, offsets, per_sample_weights, table_meta, output_dim,
-                                block_size, hash_mode, hash_params, bounds_check)
-    args.backward_fused_(grad_output, weights, state1, state2, optimizer, hparams, count)
-
-
-@counted_backward_fused_.register_fake
-def _counted_backward_fused_fake(*args) -> None:
-    return None

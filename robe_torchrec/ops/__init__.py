@@ -5,6 +5,7 @@
 ``torch.ops.robe.backward_dense``      gradient of the flat ROBE weights (size M)
 ``torch.ops.robe.per_sample_weights_grad``  gradient of the per-sample weights
 ``torch.ops.robe.backward_fused_``     scatter the gradient and apply SGD/Adagrad/Adam in place
+``torch.ops.robe.counted_backward_fused_``  the same, counting the step in a tensor first
 =====================================  ======================================================
 
 Argument conventions are documented in :mod:`robe_torchrec.ops.meta`. Each op has three
@@ -254,11 +255,52 @@ def _backward_fused_fake(*args) -> None:
     return None
 
 
+# ---------------------------------------------------------------------------------------
+# robe::counted_backward_fused_
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("robe::counted_backward_fused_",
+                         mutates_args=("weights", "state1", "state2", "step"))
+def counted_backward_fused_(
+    grad_output: Tensor,
+    weights: Tensor,
+    state1: Tensor,
+    state2: Tensor,
+    step: Optional[Tensor],
+    optimizer: int,
+    hparams: List[float],
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    table_meta: Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> None:
+    """``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's
+    scalar step tensor (``None``: an optimizer without one; the count is then 1).
+
+    The count stays a tensor up to here, so a compiled backward carries it as data instead
+    of reading it on the host; the int the kernels take is read inside this op."""
+    count = 1
+    if step is not None:
+        step += 1
+        count = int(step)
+    backward_fused_(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
+                    table_meta, block_size, hash_mode, hash_params, optimizer, hparams, count)
+
+
+@counted_backward_fused_.register_fake
+def _counted_backward_fused_fake(*args) -> None:
+    return None
+
+
 __all__ = [
     "LayoutArgs",
     "LookupArgs",
     "backward_dense",
     "backward_fused_",
+    "counted_backward_fused_",
     "cpu_backend",
     "forward",
     "meta",
