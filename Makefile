@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m robe_torchrec.train
 
+# two workers for the machine's two cores; tests/conftest.py groups them by file
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup
 
 test-fast: setup
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m "not slow"
 
 bench: setup
 	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md

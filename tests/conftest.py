@@ -10,3 +10,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # chosen before triton is first imported, for the whole process.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Each worker is one
+# of the machine's two cores: one intra-op thread keeps them from fighting over both. Tests that
+# are about thread counts set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test file is one xdist group unless its tests name their own (the docs test groups its
+    blocks by page): a module-scoped fixture is then built once, and files that share paths on
+    disk never run side by side with themselves."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -1,8 +1,9 @@
 """Every ```python and ```bash block of README.md and docs/*.md runs as written.
 
-Python blocks run in a fresh interpreter (this one, ``sys.executable``) from a file, with the
-repository root as working directory and on ``sys.path``, as if the block were pasted into a
-script there. Bash blocks run under ``bash -euo pipefail`` from the repository root with the
+Python blocks run as a script file, with the repository root as working directory and on
+``sys.path``, as if the block were pasted into a script there; each runs in a process of its own
+forked from one that has imported torch and torchrec already (tests/doc_runner.py), which saves
+those imports per block. Bash blocks run under ``bash -euo pipefail`` from the repository root with the
 virtual environment activated (its ``bin`` first on ``PATH``, ``VIRTUAL_ENV`` set).
 
 Markers, as HTML comments on the lines right before a block (blank lines may separate them):
@@ -18,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +86,11 @@ RUNNABLE = [b for b in ALL_BLOCKS if b.lang in RUN_LANGS]
 
 def _params():
     for b in RUNNABLE:
-        marks = [pytest.mark.slow] if b.slow else []
+        # one page's blocks run in order on one worker: later blocks may read what earlier
+        # ones wrote
+        marks = [pytest.mark.xdist_group(str(b.path.relative_to(ROOT)))]
+        if b.slow:
+            marks.append(pytest.mark.slow)
         if b.skip is not None:
             marks.append(pytest.mark.skip(reason=b.skip or "(no reason given)"))
         yield pytest.param(b, id=b.id, marks=marks)
@@ -136,21 +143,80 @@ def test_every_marker_belongs_to_a_block():
                 f"{path.relative_to(ROOT)}:{n + 1}: marker not right before a code block"
 
 
-@pytest.mark.parametrize("block", list(_params()))
-def test_block_runs(block: Block, tmp_path):
-    before = _results_digest()
+class BlockRunner:
+    """A tests/doc_runner.py process: runs one python block file at a time in a forked child."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "doc_runner.py")],
+                                     cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def _line(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests/doc_runner.py died (exit {self.proc.wait()})")
+        return line.split()[1]
+
+    def run(self, script: Path, out: Path, err: Path) -> int:
+        """The block's exit code; raises TimeoutError (after killing it) past TIMEOUT_S."""
+        self.proc.stdin.write(f"{script}\t{out}\t{err}\n")
+        pid = int(self._line(TIMEOUT_S))
+        try:
+            return int(self._line(TIMEOUT_S))
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._line(TIMEOUT_S)
+            raise
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def block_runner():
+    runner = BlockRunner()
+    yield runner
+    runner.close()
+
+
+def _run(block: Block, tmp_path: Path, runner: BlockRunner) -> subprocess.CompletedProcess:
     if block.lang == "python":
-        script = tmp_path / "block.py"
+        script, out, err = tmp_path / "block.py", tmp_path / "stdout", tmp_path / "stderr"
         script.write_text(block.code)
-        cmd = [sys.executable, str(script)]
-    else:
-        cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+        try:
+            rc = runner.run(script, out, err)
+        except TimeoutError:
+            pytest.fail(f"{block.id} ran past {TIMEOUT_S} s:\n{out.read_text()[-2000:]}")
+        return subprocess.CompletedProcess(script, rc, out.read_text(), err.read_text())
     try:
-        out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                             timeout=TIMEOUT_S)
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.id} ran past {TIMEOUT_S} s:\n{(e.stdout or '')[-2000:]}")
+
+
+@pytest.mark.parametrize("block", list(_params()))
+def test_block_runs(block: Block, tmp_path, block_runner):
+    before = _results_digest()
+    out = _run(block, tmp_path, block_runner)
     assert out.returncode == 0, (
         f"{block.id} exited {out.returncode}\n--- block ---\n{block.code}"
         f"--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n{out.stderr[-5000:]}")
     assert _results_digest() == before, f"{block.id} changed committed results files"
+
+
+@pytest.mark.parametrize("code, rc, stream, text", [
+    ("print('ok')\n", 0, "stdout", "ok"),
+    ("import sys\nsys.exit(3)\n", 3, "stdout", ""),
+    ("raise KeyError('boom')\n", 1, "stderr", "KeyError: 'boom'"),
+    ("import __main__, sys\nassert __name__ == '__main__' and sys.argv[0].endswith('block.py')\n",
+     0, "stdout", ""),
+])
+def test_runner_reports_what_python_would(code, rc, stream, text, tmp_path, block_runner):
+    block = Block(ROOT / "README.md", 0, "python", code, None, False)
+    out = _run(block, tmp_path, block_runner)
+    assert out.returncode == rc and text in getattr(out, stream)
