@@ -17,7 +17,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from benchmarks.train_throughput import log_line, samples_per_s
 from pipelines.report import machine, machine_line, write_report
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
@@ -40,18 +40,6 @@ def _command(args: argparse.Namespace, threads: Optional[int], run_dir: Path) ->
             f"run.log_every={args.log_every}", "run.eval_batches=0", "run.test_batches=0",
             "run.progress_bar=false", f"data.cycle={args.cycle}", f"hydra.run.dir={run_dir}",
             f"run.threads={'null' if threads is None else threads}"]
-
-
-def _samples_per_s(run_dir: Path) -> float:
-    rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
-    return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
-
-
-def _threads_line(run_dir: Path) -> str:
-    for line in open(run_dir / "train.log"):
-        if "threads: " in line:
-            return line.split("threads: ", 1)[1].strip()
-    return "?"
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -84,8 +72,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     proc = subprocess.run(cmd, capture_output=True, text=True)
                     if proc.returncode:
                         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-                    rates[name].append(_samples_per_s(run_dir))
-                    chosen[name] = _threads_line(run_dir)
+                    rates[name].append(samples_per_s(run_dir))
+                    chosen[name] = log_line(run_dir, "threads: ").removeprefix("threads: ")
                     load.append(os.getloadavg()[0])
                     print(f"round {r} {name:22s} {rates[name][-1]:9,.0f} samples/s "
                           f"(run {time.perf_counter() - start:.0f} s): {chosen[name]}",

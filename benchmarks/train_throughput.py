@@ -66,15 +66,16 @@ def _command(args, run: str, run_dir: Path) -> List[str]:
     return [sys.executable, "-m", "robe_torchrec.train", *overrides]
 
 
-def _rate(run_dir: Path) -> float:
-    """Median samples/s of the train windows after the first one."""
+def samples_per_s(run_dir: Path) -> float:
+    """Median samples/s of an app run's train windows after the first one."""
     rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
     return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
 
 
-def _plan_line(run_dir: Path) -> str:
+def log_line(run_dir: Path, marker: str) -> str:
+    """The message of the first line of an app run's log that contains ``marker``."""
     for line in open(run_dir / "train.log"):
-        if "embeddings (" in line:
+        if marker in line:
             return line.split(" - ", 1)[1].strip()
     return ""
 
@@ -111,8 +112,8 @@ def main() -> None:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 if proc.returncode:
                     sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-                rates[emb].append(_rate(run_dir))
-                lines[emb] = _plan_line(run_dir)
+                rates[emb].append(samples_per_s(run_dir))
+                lines[emb] = log_line(run_dir, "embeddings (")
                 print(f"round {r} {emb:4s}: {rates[emb][-1]:9,.0f} samples/s "
                       f"(run {time.perf_counter() - t:.0f} s)", flush=True)
                 load.append(os.getloadavg()[0])
