@@ -7,7 +7,8 @@ Each run is ``python -m robe_torchrec.train`` (ROBE-Z DLRM, synthetic data pre-g
 ``data.cycle``) in its own run directory; its samples/s is the median of its log windows after
 the first, from ``metrics.csv``. The busy loop is a Python ``while True`` pinned to the last
 CPU this process may use; runs alternate over ``--rounds`` rounds so load changes hit every
-setting alike. The app's own log line says what it chose and why.
+setting alike (each round starts with the next setting: the first run after the busy loop
+starts was the slowest). The app's own log line says what it chose and why.
 
 Usage::
 
@@ -28,7 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from benchmarks.train_throughput import log_line, samples_per_s
+from benchmarks.train_throughput import log_line, run_app
 from pipelines.report import machine, machine_line, write_report
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
@@ -65,14 +66,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         time.sleep(1.0)
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
-                for name, threads in settings.items():
+                names = list(settings)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    threads = settings[name]
                     run_dir = Path(tmp) / f"{r}_{threads}"
-                    cmd = _command(args, threads, run_dir)
                     start = time.perf_counter()
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
-                    if proc.returncode:
-                        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-                    rates[name].append(samples_per_s(run_dir))
+                    rates[name].append(run_app(_command(args, threads, run_dir), run_dir))
                     chosen[name] = log_line(run_dir, "threads: ").removeprefix("threads: ")
                     load.append(os.getloadavg()[0])
                     print(f"round {r} {name:22s} {rates[name][-1]:9,.0f} samples/s "
@@ -93,7 +92,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         "other process on the machine).", "",
         f"Setup: ROBE-Z DLRM on synthetic Criteo-like data, 1 process, batch {args.batch_size}, "
         f"{args.steps} steps; samples/s is the median of the {args.log_every}-step windows "
-        f"after the first; {args.rounds} round(s), settings alternating.", "",
+        f"after the first; {args.rounds} round(s), settings alternating, each round starting "
+        "with the next setting.", "",
         "| threads | what the app logged | samples/s (per round) | median | / run.threads=1 |",
         "|---|---|---|---:|---:|",
     ]
@@ -102,9 +102,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                       + ", ".join(f"{x:,.0f}" for x in rates[name])
                       + f" | {med[name]:,.0f} | {med[name] / one:.2f} |")
     if chosen["default (chosen)"].startswith("1 thread(s)"):
-        report += ["", "The default chose 1 thread here, the same setting as `run.threads=1`: "
-                   "the difference between those two rows is the run-to-run spread under this "
-                   "load, not a cost of the default."]
+        report += ["", "The default chose 1 thread here, as `run.threads=1` does, and runs "
+                   "the same code from then on; compare the gap between those two rows with "
+                   "each row's spread across rounds: this short measurement on a loaded "
+                   "machine does not separate them. The collapse is torch's default's."]
     text = "\n".join(report) + "\n"
     print(text)
     if args.out is not None:

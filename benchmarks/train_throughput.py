@@ -72,6 +72,15 @@ def samples_per_s(run_dir: Path) -> float:
     return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
 
 
+def run_app(cmd: List[str], run_dir: Path) -> float:
+    """Run one app command writing into ``run_dir``; its :func:`samples_per_s` (exits with the
+    command's output if it fails)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return samples_per_s(run_dir)
+
+
 def log_line(run_dir: Path, marker: str) -> str:
     """The message of the first line of an app run's log that contains ``marker``."""
     for line in open(run_dir / "train.log"):
@@ -107,12 +116,8 @@ def main() -> None:
         for r in range(args.rounds):
             for emb in runs:
                 run_dir = Path(tmp) / f"{emb}_{r}"
-                cmd = _command(args, emb, run_dir)
                 t = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode:
-                    sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-                rates[emb].append(samples_per_s(run_dir))
+                rates[emb].append(run_app(_command(args, emb, run_dir), run_dir))
                 lines[emb] = log_line(run_dir, "embeddings (")
                 print(f"round {r} {emb:4s}: {rates[emb][-1]:9,.0f} samples/s "
                       f"(run {time.perf_counter() - t:.0f} s)", flush=True)

@@ -5,7 +5,7 @@ the ranks of this node (``LOCAL_WORLD_SIZE``), at most torch's own default, at l
 Why not torch's default: it is one thread per physical core, whatever else runs. A parallel
 loop waits for its slowest thread, so when another process holds one of those cores every
 loop waits for a time slice there, and a training run on a 2-core machine with one busy core
-ran 15-60x slower than with 1 thread (``benchmarks/results/busy_machine.md``).
+ran 6-16x slower than with 1 thread (``benchmarks/results/busy_machine.md``).
 
 "Busy" is measured, not guessed: the non-idle share of each allowed CPU in ``/proc/stat``
 over a short interval while this process sleeps (Linux; elsewhere nothing counts as busy).
