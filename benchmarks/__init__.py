@@ -13,6 +13,10 @@
 * :mod:`benchmarks.interaction`: TorchRec's DLRM dot interaction against
   :class:`robe_torchrec.interaction.FastInteractionArch`.
 * :mod:`benchmarks.quality_study`: AUC against compression, Z and hash.
+* :mod:`benchmarks.gpu_check`: the Triton kernels checked and timed on a GPU in one command
+  (torch + Triton only; ``--cpu``: the interpreter smoke test CI runs).
+* :mod:`benchmarks.busy_machine`: the training app's thread default while another process
+  holds a core.
 
 Each writes its numbers with the command and the machine to ``results/`` (``--out``).
 """

@@ -66,15 +66,25 @@ def _command(args, run: str, run_dir: Path) -> List[str]:
     return [sys.executable, "-m", "robe_torchrec.train", *overrides]
 
 
-def _rate(run_dir: Path) -> float:
-    """Median samples/s of the train windows after the first one."""
+def samples_per_s(run_dir: Path) -> float:
+    """Median samples/s of an app run's train windows after the first one."""
     rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
     return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
 
 
-def _plan_line(run_dir: Path) -> str:
+def run_app(cmd: List[str], run_dir: Path) -> float:
+    """Run one app command writing into ``run_dir``; its :func:`samples_per_s` (exits with the
+    command's output if it fails)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return samples_per_s(run_dir)
+
+
+def log_line(run_dir: Path, marker: str) -> str:
+    """The message of the first line of an app run's log that contains ``marker``."""
     for line in open(run_dir / "train.log"):
-        if "embeddings (" in line:
+        if marker in line:
             return line.split(" - ", 1)[1].strip()
     return ""
 
@@ -106,13 +116,9 @@ def main() -> None:
         for r in range(args.rounds):
             for emb in runs:
                 run_dir = Path(tmp) / f"{emb}_{r}"
-                cmd = _command(args, emb, run_dir)
                 t = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode:
-                    sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-                rates[emb].append(_rate(run_dir))
-                lines[emb] = _plan_line(run_dir)
+                rates[emb].append(run_app(_command(args, emb, run_dir), run_dir))
+                lines[emb] = log_line(run_dir, "embeddings (")
                 print(f"round {r} {emb:4s}: {rates[emb][-1]:9,.0f} samples/s "
                       f"(run {time.perf_counter() - t:.0f} s)", flush=True)
                 load.append(os.getloadavg()[0])

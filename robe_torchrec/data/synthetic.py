@@ -28,13 +28,9 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
 from robe_torchrec.hashing import HashMode, block_starts, hash_params
 
-#: Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features
-CRITEO_KAGGLE_CARDINALITIES: List[int] = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]
 NUM_DENSE = 13
 _EFFECT_RESOLUTION = 1 << 20
 

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
+from robe_torchrec.threads import choose_threads
 from robe_torchrec.train.checkpoint import Checkpointer, load_unsharded
 from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.data import build_data
@@ -116,8 +117,9 @@ class Trainer:
         logging.getLogger("torchrec").setLevel(logging.ERROR)
         logging.getLogger().addFilter(_quiet_planner)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if run.threads:
-            torch.set_num_threads(run.threads)
+        threads = choose_threads(run.threads)
+        torch.set_num_threads(threads.threads)
+        self.say("threads: %s", threads)
         device = _device(run.device)
         # same seed everywhere: each rank's shards start from the same unsharded weights
         torch.manual_seed(run.seed)

@@ -40,6 +40,20 @@ class OpCase:
         return (grad_output, self.weights, self.values, self.offsets, self.table_meta,
                 self.block_size, self.hash_mode, self.hash_params)
 
+    def to(self, device) -> "OpCase":
+        """The same case with its tensors on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return OpCase(**moved)
+
+    def grad(self, seed: int = 0) -> torch.Tensor:
+        """A random output gradient ``[B, output_dim]`` (the same on every device)."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(self.batch, self.output_dim, generator=g,
+                           dtype=self.weights.dtype).to(self.weights.device)
+
 
 def random_case(
     seed: int,
@@ -147,6 +161,7 @@ def fused_steps(impl, case: OpCase, optimizer: int, hparams: List[float], states
     for step in range(1, steps + 1):
         g = torch.randn(case.batch, case.output_dim, generator=torch.Generator().manual_seed(step),
                         dtype=torch.float64 if w.dtype == torch.float64 else torch.float32)
+        g = g.to(w.device)
         impl.backward_fused_(g, w, *states, case.values, case.offsets, case.per_sample_weights,
                              case.table_meta, case.block_size, case.hash_mode, case.hash_params,
                              int(optimizer), hparams, step)

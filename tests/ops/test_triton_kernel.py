@@ -25,6 +25,8 @@ from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
 
 from .cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
+from .checks import (  # noqa: E402
+    assert_close, check_backward_dense, check_forward, check_per_sample_weights_grad)
 
 if not (tk._is_interpreted(tk)
         and type(sys.modules["triton.language"].standard.sum).__name__ == "InterpretedFunction"):
@@ -41,63 +43,39 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(tk, "POISON_EMPTY", True)
 
 
-def assert_close(actual, expected, tol):
-    """Relative to the largest reference magnitude (sums of thousands of rows)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = float(expected.abs().max()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1.0))
-
-
-def grad_for(case, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(case.batch, case.output_dim, generator=g, dtype=case.weights.dtype)
-
-
 # ---------------------------------------------------------------------------------------
 # forward / backward_dense / per_sample_weights_grad against the reference
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
 def test_forward(kw):
-    case = random_case(**kw)
-    assert_close(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()), 1e-5)
+    check_forward(random_case(**kw))
 
 
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
 def test_backward_dense(kw):
-    case = random_case(**kw)
-    g = grad_for(case)
-    assert_close(tk.backward_dense(*case.backward_args(g)),
-                 reference.backward_dense(*case.backward_args(g)), 1e-5)
+    check_backward_dense(random_case(**kw))
 
 
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
 def test_per_sample_weights_grad(kw):
-    case = random_case(**kw)
-    g = grad_for(case)
-    actual = tk.per_sample_weights_grad(*case.psw_grad_args(g))
-    assert not actual.isnan().any()  # every (poisoned) entry was written
-    assert_close(actual, reference.per_sample_weights_grad(*case.psw_grad_args(g)), 1e-5)
+    check_per_sample_weights_grad(random_case(**kw))  # every (poisoned) entry was written
 
 
 @pytest.mark.parametrize("kw", [CASES[1], CASES[2]], ids=["reference", "mix"])
 def test_float64(kw):
     case = random_case(**kw, dtype=torch.float64)
-    g = grad_for(case)
-    out = tk.forward(*case.forward_args())
-    assert out.dtype == torch.float64
-    assert_close(out, reference.forward(*case.forward_args()), 1e-12)
-    assert_close(tk.backward_dense(*case.backward_args(g)),
-                 reference.backward_dense(*case.backward_args(g)), 1e-12)
-    assert_close(tk.per_sample_weights_grad(*case.psw_grad_args(g)),
-                 reference.per_sample_weights_grad(*case.psw_grad_args(g)), 1e-12)
+    assert tk.forward(*case.forward_args()).dtype == torch.float64
+    check_forward(case)  # to 1e-12
+    check_backward_dense(case)
+    check_per_sample_weights_grad(case)
 
 
 def test_int32_and_int64_ids_agree():
     kw = dict(CASES[2], index_dtype=torch.int64, batch=4)
     a, b = random_case(**kw), random_case(**dict(kw, index_dtype=torch.int32))
     assert b.values.dtype == torch.int32
-    g = grad_for(a)
+    g = a.grad()
     assert torch.equal(tk.forward(*a.forward_args()), tk.forward(*b.forward_args()))
     assert torch.equal(tk.per_sample_weights_grad(*a.psw_grad_args(g)),
                        tk.per_sample_weights_grad(*b.psw_grad_args(g)))
@@ -109,7 +87,7 @@ def test_colliding_updates_accumulate():
     case = random_case(7, dims=[8, 3], batch=4, max_bag=5, block_size=4, memory_size=4,
                        weighted=True, empty_fraction=0.0)
     case.values[1:4] = case.values[0]
-    g = grad_for(case)
+    g = case.grad()
     assert_close(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()), 1e-5)
     assert_close(tk.backward_dense(*case.backward_args(g)),
                  reference.backward_dense(*case.backward_args(g)), 1e-5)
@@ -243,7 +221,7 @@ def test_fused_optimizer_two_steps(name, weight_decay):
     weights = case.weights.clone()
     state1, state2 = torch.zeros_like(weights), torch.zeros_like(weights)
     for step in (1, 2):
-        g = grad_for(case, seed=step)
+        g = case.grad(step)
         param.grad = reference.backward_dense(g, param.detach(), case.values, case.offsets,
                                               case.per_sample_weights, case.table_meta,
                                               case.block_size, case.hash_mode, case.hash_params)
@@ -268,7 +246,7 @@ def test_fused_matches_reference_float64():
     tensors = [case.weights.clone() for _ in range(2)]
     states = [[torch.rand_like(case.weights) for _ in range(2)] for _ in range(2)]
     states[1] = [s.clone() for s in states[0]]
-    g = grad_for(case)
+    g = case.grad()
     rest = (case.values, case.offsets, case.per_sample_weights, case.table_meta, case.block_size,
             case.hash_mode, case.hash_params, int(Optimizer.ADAM), hparams, 3)
     tk.backward_fused_(g, tensors[0], *states[0], *rest)
@@ -348,7 +326,7 @@ def test_bad_grad_output_and_optimizer_args():
     with pytest.raises(ValueError, match="grad_output"):
         tk.backward_dense(*case.backward_args(torch.zeros(case.batch + 1, case.output_dim)))
     w, s = case.weights.clone(), torch.zeros_like(case.weights)
-    g = grad_for(case)
+    g = case.grad()
     rest = (case.values, case.offsets, None, case.table_meta, case.block_size, case.hash_mode,
             case.hash_params)
     with pytest.raises(ValueError, match="unknown fused optimizer"):
@@ -372,7 +350,7 @@ def _op_forward_and_grads(case, backend):
     args[0], args[3] = w, psw
     with cpu_backend(backend):
         out = torch.ops.robe.forward(*args)
-        (out * grad_for(case)).sum().backward()
+        (out * case.grad()).sum().backward()
     return out.detach(), w.grad, psw.grad
 
 

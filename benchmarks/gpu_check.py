@@ -1,0 +1,405 @@
+"""The GPU path proven in one call: the Triton kernels checked against the reference on CUDA
+tensors, then timed at the paper's setting against ``nn.EmbeddingBag`` and a pure-PyTorch
+ROBE-Z, all written to one results file.
+
+Needs torch and Triton only (and numpy, which :mod:`robe_torchrec.hashing` uses): no torchrec,
+fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
+
+1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, dense
+   gradient, per-sample-weight gradient, each fused optimizer, int32/int64 ids, empty and
+   long bags, mixed dims, the registered op with autograd, ``torch.compile``), each reported
+   as ok/FAILED with its error;
+2. **speed** at batch 10240, dim 128, the 26 Criteo Kaggle tables (one id per bag, ids
+   uniform in each table), SUM pooling, float32, int64 ids:
+
+   * ``nn.EmbeddingBag``: 26 full tables (33.8 M rows, 17.3 GB), one call per table (the
+     outputs are not concatenated), sparse gradients;
+   * ``ROBE-Z triton``: ``torch.ops.robe.forward`` (one launch for the 26 features, output
+     ``[B, 26 * 128]``; the input checks included, as every caller pays them), one shared
+     array ``--compression`` times smaller than the tables, reference hash, Z = 32 and 128;
+     backward = ``robe::backward_dense``;
+   * ``floor``: writing the ``[B, 26 * 128]`` output once (``zero_``), the least any forward
+     costs (136 MB at this setting);
+   * ``ROBE-Z pytorch``: :mod:`robe_torchrec.ops.reference` on CUDA tensors (autograd for the
+     backward), the same array and ids.
+
+   Each row is timed with CUDA events around ``--inner`` calls, ``--reps`` samples taken
+   round-robin over the rows (interleaved, so drift hits every row alike) after ``--warmup``
+   calls; the median is reported. The first call of a row (Triton compilation, cuBLAS/
+   allocator warm-up) is reported separately. Targets: forward at most 0.5x
+   ``nn.EmbeddingBag``'s, and at least 40x faster than the pure-PyTorch ROBE-Z's.
+
+Run on a GPU (a few minutes on an H100, most of it compiling kernels for the checks)::
+
+    python -m benchmarks.gpu_check --out benchmarks/results/gpu_check_h100.md
+
+The CPU mode runs the same code on CPU tensors through Triton's interpreter at tiny sizes (a
+smoke test that CI runs; its timings mean nothing)::
+
+    python -m benchmarks.gpu_check --cpu --out /tmp/gpu_check_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+#: forward at most this fraction of nn.EmbeddingBag's time
+EMBEDDING_BAG_TARGET = 0.5
+#: the pure-PyTorch ROBE-Z forward at least this many times slower than ours
+REFERENCE_TARGET = 40.0
+
+
+@dataclasses.dataclass
+class Setting:
+    batch: int
+    dim: int
+    cardinalities: List[int]
+    block_sizes: List[int]
+    compression: float
+    reps: int
+    reference_reps: int
+    warmup: int
+    inner: int
+
+
+def gpu_setting(args: argparse.Namespace) -> Setting:
+    from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
+
+    return Setting(batch=args.batch, dim=128, cardinalities=list(CRITEO_KAGGLE_CARDINALITIES),
+                   block_sizes=[32, 128], compression=args.compression, reps=args.reps,
+                   reference_reps=max(3, args.reps // 10), warmup=3, inner=args.inner)
+
+
+def cpu_setting(args: argparse.Namespace) -> Setting:
+    # the interpreter runs each of the B * T programs in Python: a few bags only
+    return Setting(batch=4, dim=16, cardinalities=[1000, 24, 300], block_sizes=[4, 16],
+                   compression=10.0, reps=2, reference_reps=2, warmup=0, inner=1)
+
+
+# ---------------------------------------------------------------------------------------
+# part 1: correctness
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+def run_checks(device: str, quick: bool, only: Optional[str]) -> List[CheckResult]:
+    from tests.ops.checks import triton_checks
+
+    results = []
+    for name, check in triton_checks(device, quick=quick):
+        if only and only not in name:
+            continue
+        start = time.perf_counter()
+        try:
+            check()
+            results.append(CheckResult(name, True, time.perf_counter() - start))
+        except Exception as exc:  # noqa: BLE001  a failure is reported, the rest still run
+            lines = traceback.format_exception_only(type(exc), exc)
+            error = " ".join(" ".join(lines).split())[:400]
+            results.append(CheckResult(name, False, time.perf_counter() - start, error))
+        r = results[-1]
+        print(f"  check {r.name:40s} {'ok' if r.ok else 'FAILED'} ({r.seconds:.1f} s) {r.error}",
+              flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# part 2: speed
+# ---------------------------------------------------------------------------------------
+
+class Timer:
+    """Milliseconds per call of ``fn`` over ``inner`` back-to-back calls: CUDA events on a GPU
+    (the device's time, queued calls overlap with the host), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object], inner: int) -> float:
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / inner
+        start_s = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - start_s) * 1e3 / inner
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    block_size: Optional[int]
+    forward: Callable[[], object]
+    train: Callable[[], object]
+    reps: int
+    first_ms: float = float("nan")
+    forward_ms: List[float] = dataclasses.field(default_factory=list)
+    train_ms: List[float] = dataclasses.field(default_factory=list)
+
+    def median(self, which: str) -> float:
+        samples = getattr(self, f"{which}_ms")
+        return statistics.median(samples) if samples else float("nan")
+
+
+def _criteo_ids(setting: Setting, device: torch.device) -> torch.Tensor:
+    """``[T * B]`` ids, feature-major (bag ``t * B + b`` holds sample b's id of feature t)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([torch.randint(0, c, (setting.batch,), generator=g)
+                      for c in setting.cardinalities]).to(device)
+
+
+def embedding_bag_row(setting: Setting, ids: torch.Tensor, device: torch.device) -> Row:
+    tables = [torch.nn.EmbeddingBag(c, setting.dim, mode="sum", sparse=True, device=device)
+              for c in setting.cardinalities]
+    batch = setting.batch
+    per_feature = [ids[t * batch:(t + 1) * batch].contiguous() for t in range(len(tables))]
+    offsets = torch.arange(batch, device=device)
+    grads = [torch.randn(batch, setting.dim, device=device) for _ in tables]
+
+    def forward():
+        return [table(x, offsets) for table, x in zip(tables, per_feature)]
+
+    def train():
+        for table in tables:
+            table.weight.grad = None
+        torch.autograd.backward(forward(), grads)
+
+    return Row("nn.EmbeddingBag, full tables", None, forward, train, setting.reps)
+
+
+def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
+              block_size: int) -> List[Row]:
+    from robe_torchrec.hashing import HashMode, hash_params
+    from robe_torchrec.ops import cpu_backend, reference
+    from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
+
+    cards = setting.cardinalities
+    num_features = len(cards)
+    full = sum(cards) * setting.dim
+    memory_size = max(int(full / setting.compression), block_size)
+    meta = build_table_meta([setting.dim] * num_features, [0] * num_features,
+                            [memory_size] * num_features,
+                            [sum(cards[:t]) for t in range(num_features)], cards,
+                            [int(Pooling.SUM)] * num_features, device=device)
+    weights = torch.empty(memory_size, device=device).uniform_(-0.01, 0.01)
+    weights.requires_grad_(True)
+    offsets = torch.arange(ids.numel() + 1, device=device)
+    output_dim = setting.dim * num_features
+    flat = (ids, offsets, None, meta, output_dim, block_size, int(HashMode.REFERENCE),
+            hash_params(HashMode.REFERENCE, seed=1024), int(BoundsCheck.ERROR))
+    grad = torch.randn(setting.batch, output_dim, device=device)
+    # CUDA tensors always reach the Triton kernels; CPU ones (--cpu) only when asked
+    dispatch = contextlib.nullcontext if device.type == "cuda" else lambda: cpu_backend("triton")
+    rows = []
+    for name, fn, reps in [("ROBE-Z triton", torch.ops.robe.forward, setting.reps),
+                           ("ROBE-Z pytorch (reference)", reference.forward,
+                            setting.reference_reps)]:
+        def forward(fn=fn):
+            with torch.no_grad(), dispatch():
+                return fn(weights, *flat)
+
+        def train(fn=fn):
+            weights.grad = None
+            with dispatch():
+                fn(weights, *flat).backward(grad)
+
+        rows.append(Row(f"{name}, Z={block_size}", block_size, forward, train, reps))
+    return rows
+
+
+def output_floor_row(setting: Setting, device: torch.device) -> Row:
+    """Writing the pooled output ``[B, T * D]`` once: what any forward costs at least."""
+    out = torch.empty(setting.batch, setting.dim * len(setting.cardinalities), device=device)
+    return Row("floor: write the [B, T*D] output once", None, out.zero_, out.zero_,
+               setting.reps)
+
+
+def run_speed(setting: Setting, device: torch.device) -> Tuple[List[Row], str]:
+    ids = _criteo_ids(setting, device)
+    rows = [embedding_bag_row(setting, ids, device)]
+    for z in setting.block_sizes:
+        rows += robe_rows(setting, ids, device, z)
+    rows.append(output_floor_row(setting, device))
+    timer = Timer(device)
+    for row in rows:  # first call (compilation), then the warm-up, before any timing
+        row.first_ms = timer(row.train, 1)
+        for _ in range(setting.warmup):
+            row.forward()
+            row.train()
+        print(f"  warm {row.name:40s} first call {row.first_ms:.1f} ms", flush=True)
+    for rep in range(setting.reps):
+        for row in rows:
+            if rep < row.reps:
+                inner = setting.inner if row.reps == setting.reps else 1
+                row.forward_ms.append(timer(row.forward, inner))
+                row.train_ms.append(timer(row.train, inner))
+    memory = ""
+    if device.type == "cuda":
+        memory = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    return rows, memory
+
+
+# ---------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+def speed_table(rows: Sequence[Row]) -> List[str]:
+    base = rows[0]
+    out = ["| row | forward ms | forward + backward ms | forward / nn.EmbeddingBag | "
+           "forward + backward / nn.EmbeddingBag | first call ms | samples |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.name} | {_fmt(r.median('forward'))} | {_fmt(r.median('train'))} | "
+                   f"{_fmt(r.median('forward') / base.median('forward'), 2)} | "
+                   f"{_fmt(r.median('train') / base.median('train'), 2)} | "
+                   f"{_fmt(r.first_ms, 1)} | {len(r.forward_ms)} |")
+    return out
+
+
+def targets_table(rows: Sequence[Row], block_sizes: Sequence[int]) -> List[str]:
+    base = rows[0].median("forward")
+    out = ["| target | Z | value | goal | verdict |", "|---|---|---|---|---|"]
+    for z in block_sizes:
+        ours, ref = (next(r for r in rows[1:] if r.block_size == z and r.name.startswith(p))
+                     for p in ("ROBE-Z triton", "ROBE-Z pytorch"))
+        ratio = ours.median("forward") / base
+        speedup = ref.median("forward") / ours.median("forward")
+        out.append(f"| forward / nn.EmbeddingBag forward | {z} | {_fmt(ratio, 2)}x | "
+                   f"<= {EMBEDDING_BAG_TARGET}x | "
+                   f"{'met' if ratio <= EMBEDDING_BAG_TARGET else 'missed'} |")
+        out.append(f"| pure-PyTorch ROBE-Z forward / ours | {z} | {_fmt(speedup, 1)}x | "
+                   f">= {REFERENCE_TARGET:.0f}x | "
+                   f"{'met' if speedup >= REFERENCE_TARGET else 'missed'} |")
+    return out
+
+
+def versions(device: torch.device) -> List[str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not importable"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"CPU ({platform.processor() or platform.machine()}), Triton interpreter")
+    return [f"- device: {name}",
+            f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
+            f"Python {platform.python_version()}, {platform.platform()}"]
+
+
+def report(args: argparse.Namespace, device: torch.device, setting: Optional[Setting],
+           checks: List[CheckResult], rows: List[Row], memory: str, seconds: float) -> str:
+    mode = "CPU mode (Triton interpreter, tiny sizes: the timings mean nothing)" if args.cpu \
+        else "GPU"
+    lines = ["# GPU check: Triton kernels against the reference, and their speed", "",
+             f"- command: `{' '.join(shlex.quote(a) for a in ['python', '-m', 'benchmarks.gpu_check', *args.argv])}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"mode: {mode}; wall time {seconds:.0f} s",
+             *versions(device), ""]
+    failed = [c for c in checks if not c.ok]
+    lines += ["## Checks", "",
+              f"{len(checks) - len(failed)} of {len(checks)} passed"
+              + (f"; FAILED: {', '.join(c.name for c in failed)}" if failed else ""), "",
+              "| check | result | seconds | error |", "|---|---|---|---|"]
+    lines += [f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {c.seconds:.1f} | {c.error} |"
+              for c in checks]
+    if rows and setting is not None:
+        cards = setting.cardinalities
+        lines += ["", "## Speed", "",
+                  f"Batch {setting.batch}, dim {setting.dim}, {len(cards)} features "
+                  f"({sum(cards):,} rows in all), one id per bag, float32, int64 ids; ROBE "
+                  f"array {setting.compression:g}x smaller than the tables, reference hash. "
+                  f"Median of {setting.reps} samples of {setting.inner} calls each (the "
+                  f"pure-PyTorch rows: {setting.reference_reps} samples of 1 call), rows "
+                  f"interleaved. {memory}", ""]
+        lines += speed_table(rows)
+        lines += ["", "## Targets", ""] + targets_table(rows, setting.block_sizes)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU tensors through Triton's interpreter, tiny sizes (CI smoke test)")
+    p.add_argument("--out", default=None, help="results file (markdown)")
+    p.add_argument("--batch", type=int, default=10240)
+    p.add_argument("--compression", type=float, default=1000.0)
+    p.add_argument("--reps", type=int, default=30, help="timed samples per row")
+    p.add_argument("--inner", type=int, default=5, help="calls per timed sample")
+    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--only", default=None, help="run only the checks whose name contains this")
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    start = time.perf_counter()
+    if args.cpu:
+        # The interpreter is chosen when triton is first imported, for the whole process.
+        os.environ["TRITON_INTERPRET"] = "1"
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; run with --cpu for the interpreter smoke test",
+              file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda")
+    from robe_torchrec.ops import triton_kernels
+
+    if args.cpu and not triton_kernels._is_interpreted(triton_kernels):
+        print("gpu_check --cpu: triton was imported before TRITON_INTERPRET=1 could be set",
+              file=sys.stderr)
+        return 2
+    print("\n".join(versions(device)), flush=True)
+    checks = [] if args.skip_checks else run_checks(str(device), args.cpu, args.only)
+    rows, memory, setting = [], "", None
+    if not args.skip_speed:
+        setting = cpu_setting(args) if args.cpu else gpu_setting(args)
+        rows, memory = run_speed(setting, device)
+    text = report(args, device, setting, checks, rows, memory, time.perf_counter() - start)
+    print(text, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 1 if any(not c.ok for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

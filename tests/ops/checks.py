@@ -1,0 +1,204 @@
+"""The Triton kernels against the reference ops, on any device: the checks shared by the CPU
+tests (Triton's interpreter), the GPU tests (``tests/ops/test_gpu.py``) and the one-call GPU
+proof ``benchmarks/gpu_check.py``, which runs them without pytest.
+
+Every check builds fresh random inputs (:mod:`tests.ops.cases`), moves them to the device,
+runs the Triton implementation and the pure-PyTorch reference on the same tensors and raises
+``AssertionError`` on a mismatch. :func:`triton_checks` lists them by name.
+
+Example::
+
+    >>> for name, check in triton_checks("cuda"):
+    ...     check()                      # raises AssertionError naming what differs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import cpu_backend, reference
+from robe_torchrec.ops import triton_kernels as tk
+from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
+
+from .cases import OpCase, case_matrix, fused_steps, random_case
+
+#: the fused optimizers, with the op's hparams (lr, eps, beta1, beta2, weight_decay)
+OPTIMIZERS = {
+    "sgd": (Optimizer.SGD, [0.05, 1e-8, 0.9, 0.999, 0.01]),
+    "adagrad": (Optimizer.ADAGRAD, [0.05, 1e-8, 0.9, 0.999, 0.0]),
+    "rowwise_adagrad": (Optimizer.ROWWISE_ADAGRAD, [0.05, 1e-8, 0.9, 0.999, 0.01]),
+    "adam": (Optimizer.ADAM, [0.05, 1e-8, 0.9, 0.999, 0.01]),
+}
+
+#: a case at GPU scale (many programs, full column tiles, long bags, 1 Mi-float array)
+LARGE = dict(seed=300, dims=[128, 64, 128, 32], batch=512, max_bag=300, block_size=32,
+             hash_mode=int(HashMode.MIX), memory_size=1 << 20, weighted=True)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Relative to the largest reference magnitude (sums of thousands of rows)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        f"{actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}")
+    assert actual.device == expected.device, f"{actual.device} != {expected.device}"
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1.0))
+
+
+def _tol(case: OpCase) -> float:
+    return 1e-12 if case.weights.dtype == torch.float64 else 1e-5
+
+
+def check_forward(case: OpCase) -> None:
+    assert_close(tk.forward(*case.forward_args()), reference.forward(*case.forward_args()),
+                 _tol(case))
+
+
+def check_backward_dense(case: OpCase) -> None:
+    g = case.grad()
+    assert_close(tk.backward_dense(*case.backward_args(g)),
+                 reference.backward_dense(*case.backward_args(g)), _tol(case))
+
+
+def check_per_sample_weights_grad(case: OpCase) -> None:
+    g = case.grad()
+    actual = tk.per_sample_weights_grad(*case.psw_grad_args(g))
+    assert not actual.isnan().any(), "an entry was never written"
+    assert_close(actual, reference.per_sample_weights_grad(*case.psw_grad_args(g)), _tol(case))
+
+
+def fused_states(case: OpCase, optimizer: Optimizer) -> List[torch.Tensor]:
+    """``[state1, state2]`` of ``optimizer`` for the case's weights (empty where unused)."""
+    numel, device = case.weights.numel(), case.weights.device
+    empty = torch.empty(0, device=device)
+    if optimizer == Optimizer.ROWWISE_ADAGRAD:
+        return [torch.full((rowwise_state_size(numel, case.block_size),), 0.1, device=device),
+                empty]
+    if optimizer == Optimizer.ADAGRAD:
+        return [torch.full((numel,), 0.1, device=device), empty]
+    if optimizer == Optimizer.ADAM:
+        return [torch.zeros(numel, device=device), torch.zeros(numel, device=device)]
+    return [empty, empty]
+
+
+def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
+    """``steps`` fused steps of the Triton kernels and of the reference from the same state."""
+    optimizer, hparams = OPTIMIZERS[name]
+    states = [fused_states(case, optimizer) for _ in range(2)]
+    w_tk = fused_steps(tk, case, optimizer, hparams, states[0], steps=steps)
+    w_ref = fused_steps(reference, case, optimizer, hparams, states[1], steps=steps)
+    assert not torch.equal(w_tk, case.weights), "the fused step changed nothing"
+    assert_close(w_tk, w_ref, _tol(case))
+    for actual, expected in zip(*states):
+        assert_close(actual, expected, _tol(case))
+
+
+def check_index_dtypes_agree(case: OpCase) -> None:
+    """int32 and int64 ids give bitwise the same forward and per-sample-weight gradient."""
+    other = OpCase(**{**case.__dict__, "values": case.values.to(torch.int32),
+                      "offsets": case.offsets.to(torch.int32)})
+    wide = OpCase(**{**case.__dict__, "values": case.values.to(torch.int64),
+                     "offsets": case.offsets.to(torch.int64)})
+    assert torch.equal(tk.forward(*other.forward_args()), tk.forward(*wide.forward_args()))
+    if case.per_sample_weights is not None:
+        g = case.grad()
+        assert torch.equal(tk.per_sample_weights_grad(*other.psw_grad_args(g)),
+                           tk.per_sample_weights_grad(*wide.psw_grad_args(g)))
+
+
+def _triton_dispatch(device: torch.device):
+    """The registered ops reach Triton: always for CUDA tensors, for CPU tensors when asked."""
+    return contextlib.nullcontext() if device.type == "cuda" else cpu_backend("triton")
+
+
+def _op_forward_backward(case: OpCase, fn: Callable) -> Tuple[torch.Tensor, ...]:
+    w = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+    with _triton_dispatch(case.weights.device):
+        out = fn(w, psw)
+        (out * case.grad()).sum().backward()
+    return out.detach(), w.grad, psw.grad
+
+
+def _expected_forward_backward(case: OpCase) -> Tuple[torch.Tensor, ...]:
+    g = case.grad()
+    return (reference.forward(*case.forward_args()),
+            reference.backward_dense(*case.backward_args(g)),
+            reference.per_sample_weights_grad(*case.psw_grad_args(g)))
+
+
+def _registered_forward(case: OpCase, weights, per_sample_weights):
+    rest = case.forward_args()
+    return torch.ops.robe.forward(weights, rest[1], rest[2], per_sample_weights, *rest[4:])
+
+
+def check_registered_op(case: OpCase) -> None:
+    """``torch.ops.robe.forward`` with autograd (weights and per-sample weights)."""
+    actual = _op_forward_backward(case, functools.partial(_registered_forward, case))
+    for a, e in zip(actual, _expected_forward_backward(case)):
+        assert_close(a, e, _tol(case))
+
+
+def check_compiled(case: OpCase, backend: Optional[str] = None) -> None:
+    """``torch.compile(fullgraph=True)`` of a function around the op, forward and backward
+    (inductor on CUDA; ``aot_eager`` on CPU, where inductor would build C++ for minutes)."""
+    torch._dynamo.reset()
+    backend = backend or ("inductor" if case.weights.device.type == "cuda" else "aot_eager")
+
+    def model(weights, per_sample_weights):
+        return torch.relu(_registered_forward(case, weights, per_sample_weights)) * 2.0
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    actual = _op_forward_backward(case, compiled)
+    expected = _op_forward_backward(case, model)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, _tol(case))
+
+
+def check_low_precision(case: OpCase) -> None:
+    """bfloat16 storage: float32 output equal to the reference's on the same bf16 weights."""
+    low = OpCase(**{**case.__dict__, "weights": case.weights.to(torch.bfloat16)})
+    out = tk.forward(*low.forward_args())
+    assert out.dtype == torch.float32
+    assert_close(out, reference.forward(*low.forward_args()), 1e-5)
+
+
+def triton_checks(device, quick: bool = False) -> List[Tuple[str, Callable[[], None]]]:
+    """``(name, check)`` for every kernel check on ``device``; a check builds its own inputs
+    when called. ``quick``: a few small cases (Triton's interpreter runs each program in
+    Python, so the CPU mode keeps to seconds)."""
+    device = torch.device(device)
+    matrix = case_matrix()
+    # mix hash + int64 ids + per-sample weights; reference hash + int32 ids + MEAN pooling
+    weighted = [2, 1]
+    forward_cases = [1, 2, len(matrix) - 1] if quick else list(range(len(matrix)))
+
+    def case(kw, **extra):
+        return lambda: random_case(**dict(kw, **extra)).to(device)
+
+    builders = {f"case{i}": case(matrix[i]) for i in forward_cases}
+    if not quick:
+        builders["large"] = case(LARGE)
+        builders["float64"] = case(matrix[2], dtype=torch.float64)
+    checks = []
+    for label, build in builders.items():
+        checks += [(f"forward[{label}]", lambda b=build: check_forward(b())),
+                   (f"backward_dense[{label}]", lambda b=build: check_backward_dense(b()))]
+    for i in weighted if not quick else weighted[:1]:
+        checks.append((f"per_sample_weights_grad[case{i}]",
+                       lambda b=case(matrix[i]): check_per_sample_weights_grad(b())))
+    fused_case = case(matrix[1], batch=3) if quick else case(LARGE, batch=64)
+    for name in OPTIMIZERS:
+        checks.append((f"fused[{name}]", lambda n=name: check_fused(fused_case(), n)))
+    checks += [
+        ("int32_int64_ids_agree", lambda: check_index_dtypes_agree(case(matrix[2], batch=4)())),
+        ("registered_op_autograd", lambda: check_registered_op(case(matrix[1], batch=4)())),
+        ("torch_compile", lambda: check_compiled(case(matrix[1], batch=4)())),
+    ]
+    if not quick:
+        checks.append(("bfloat16_storage", lambda: check_low_precision(case(matrix[2])())))
+    return checks

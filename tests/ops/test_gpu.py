@@ -1,0 +1,17 @@
+"""The Triton kernels against the reference on CUDA tensors: every check of
+:func:`tests.ops.checks.triton_checks` (collected everywhere, skipped without a GPU).
+``python -m benchmarks.gpu_check`` runs the same checks without pytest."""
+
+import pytest
+import torch
+
+from .checks import triton_checks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHECKS = triton_checks("cuda")
+
+
+@pytest.mark.parametrize("check", [c for _, c in CHECKS], ids=[n for n, _ in CHECKS])
+def test_triton_matches_reference_on_cuda(check):
+    check()
