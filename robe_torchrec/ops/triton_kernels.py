@@ -47,7 +47,7 @@ from robe_torchrec.hashing import (
     to_signed64,
 )
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import check_inputs, check_static
+from robe_torchrec.ops.validation import check_inputs, check_optimizer_args, check_static
 
 try:
     import triton
@@ -621,35 +621,6 @@ def per_sample_weights_grad(
     return out
 
 
-def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step,
-                          block_size) -> None:
-    if optimizer not in tuple(int(o) for o in m.Optimizer):
-        raise ValueError(f"robe: unknown fused optimizer {optimizer}")
-    if len(hparams) != len(m.HPARAM_NAMES):
-        raise ValueError(f"robe: hparams must hold {len(m.HPARAM_NAMES)} floats "
-                         f"{m.HPARAM_NAMES}, got {len(hparams)}")
-    if not weights.is_contiguous():
-        raise ValueError("robe: the fused backward updates weights in place; they must be "
-                         "contiguous")
-    if block_size < 1:
-        raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
-    rows = (m.rowwise_state_size(weights.numel(), block_size),)
-    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
-              m.Optimizer.ADAM: (("state1", state1, weights.shape),
-                                 ("state2", state2, weights.shape)),
-              m.Optimizer.ROWWISE_ADAGRAD: (("state1", state1, rows),)}[m.Optimizer(optimizer)]
-    acc = m.accumulation_dtype(weights.dtype)
-    for name, state, shape in needed:
-        if state.shape != shape or not state.is_contiguous() or state.dtype != acc \
-                or state.device != weights.device:
-            raise ValueError(f"robe: {name} must be a contiguous {acc} tensor of shape "
-                             f"{tuple(shape)} on {weights.device} for {weights.dtype} weights "
-                             f"{tuple(weights.shape)}, got {state.dtype} {tuple(state.shape)} "
-                             f"on {state.device}")
-    if optimizer == m.Optimizer.ADAM and step < 1:
-        raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
-
-
 def backward_fused_(
     grad_output: torch.Tensor,
     weights: torch.Tensor,
@@ -667,7 +638,7 @@ def backward_fused_(
     step: int,
 ) -> None:
     optimizer = int(optimizer)
-    _check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
+    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                              table_meta, block_size, hash_mode, hash_params)
     kernels = _kernels_for(weights.device)
