@@ -32,6 +32,13 @@ def check_static(
     if weights.dim() != 1 or weights.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"robe: weights must be a 1-D float tensor, got {weights.dtype} "
                          f"of shape {tuple(weights.shape)}")
+    for name, tensor in (("values", values), ("offsets", offsets),
+                         ("per_sample_weights", per_sample_weights)):
+        # a meta input next to real weights reaches the fake kernel, which would return
+        # uninitialised memory on the weights' device
+        if tensor is not None and tensor.device != weights.device:
+            raise ValueError(f"robe: {name} is on {tensor.device} but weights are on "
+                             f"{weights.device}; move the input to the weights' device")
     if values.dtype not in INDEX_DTYPES:
         raise ValueError(f"robe: values (ids) must be int32 or int64, got {values.dtype}")
     if offsets.dtype != values.dtype:
