@@ -111,8 +111,8 @@ class RobeConfig:
         largest = max(range(len(sizes)), key=lambda i: table_sizes[i])
         sizes[largest] = max(self.block_size, sizes[largest] + total - sum(sizes))
         if self.memory_size is not None and sum(sizes) > total:
-            raise ValueError(f"RobeConfig: memory_size={total} split over {len(sizes)} tables "
-                             f"(shared=False) leaves some table less than one block of "
+            raise ValueError(f"RobeConfig: memory_size={total} cannot give each of the "
+                             f"{len(sizes)} tables (shared=False) an array of at least "
                              f"block_size={self.block_size} floats; raise memory_size, lower "
                              "block_size or use shared=True")
         return sizes

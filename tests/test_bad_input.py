@@ -138,8 +138,10 @@ def test_config_refused_at_construction(robe, error, match):
 
 
 def test_memory_size_is_never_exceeded():
-    # one array per table: 24 floats cannot give both tables a block of 16 in proportion
-    with pytest.raises(ValueError, match="memory_size=24 split over 2 tables .* less than one block"):
+    # one array per table: the largest table gives up floats so that each gets a block, but
+    # 24 floats cannot hold two blocks of 16
+    with pytest.raises(ValueError, match=r"memory_size=24 cannot give each of the 2 tables "
+                                         r"\(shared=False\) an array of at least block_size=16"):
         module(memory_size=24, block_size=16, shared=False)
     assert module(memory_size=200, shared=False).weight.numel() == 200
     # compression asks for a ratio, not a size: an array is rounded up to one block
