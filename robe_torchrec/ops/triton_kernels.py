@@ -47,7 +47,8 @@ from robe_torchrec.hashing import (
     to_signed64,
 )
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import check_inputs, check_optimizer_args, check_static
+from robe_torchrec.ops.validation import (check_backward_inputs, check_inputs,
+                                          check_optimizer_args)
 
 try:
     import triton
@@ -487,15 +488,6 @@ def _max_dim(table_meta: torch.Tensor) -> int:
     return int(table_meta[m.DIM].max()) if table_meta.shape[1] else 0
 
 
-def _check_grad_output(grad_output: torch.Tensor, batch: int) -> int:
-    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
-        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
-                         f"{tuple(grad_output.shape)}")
-    if not grad_output.dtype.is_floating_point:
-        raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
-    return grad_output.shape[1]
-
-
 def forward(
     weights: torch.Tensor,
     values: torch.Tensor,
@@ -542,13 +534,11 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights, table_meta,
+                          block_size, hash_mode, hash_params)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
-    output_dim = _check_grad_output(grad_output, batch)
-    # ids were checked against num_embeddings in forward; here only what memory safety needs
-    check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
-                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
@@ -598,12 +588,11 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
-    check_static(weights, values, offsets, None, table_meta, block_size, hash_mode)
+    check_backward_inputs(grad_output, weights, values, offsets, None, table_meta, block_size,
+                          hash_mode, hash_params)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
-    output_dim = _check_grad_output(grad_output, batch)
-    check_inputs(weights, values, offsets, None, table_meta, output_dim,
-                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     # every value lies in exactly one bag (offsets were checked), so every entry is written
     out = _empty(values.numel(), dtype=weights.dtype, device=weights.device)

@@ -88,8 +88,10 @@ def check_backward_inputs(
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     if grad_output.dim() != 2 or grad_output.shape[0] != batch:
-        raise ValueError(f"robe: grad_output must be [B, output_dim] with B = {batch} samples, "
-                         f"got shape {tuple(grad_output.shape)}")
+        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
+                         f"{tuple(grad_output.shape)}")
+    if not grad_output.dtype.is_floating_point:
+        raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
     check_inputs(weights, values, offsets, per_sample_weights, table_meta, grad_output.shape[1],
                  block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
 
