@@ -33,8 +33,11 @@ def _fuzz(*args: str, env: Dict[str, str] | None = None, timeout: int = 120) -> 
         how = (f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                else f"exit code {proc.returncode}")
         last_case = next((line for line in reversed(started) if line.count(" ") == 2), "?")
+        # a sanitizer's report ends in a legend: keep its headline and summary
+        report = [line for line in started if "ERROR: AddressSanitizer" in line or
+                  line.startswith("SUMMARY:")]
         pytest.fail(f"fuzz child ended with {how} during case {last_case!r}; stderr tail:\n"
-                    + "\n".join(started[-15:]))
+                    + "\n".join(report + started[-15:]))
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
