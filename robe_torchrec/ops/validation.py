@@ -67,8 +67,9 @@ def check_enum(argument: str, value: int, kind: type) -> None:
     """Refuse an integer that is no member of the IntEnum ``kind``, naming ``argument``
     (an unknown value would otherwise fall through to a kernel's default branch)."""
     if int(value) not in {int(member) for member in kind}:
-        choices = ", ".join(f"{int(member)} ({member.name.lower()})" for member in kind)
-        raise ValueError(f"robe: {argument} must be one of {choices}, got {value}")
+        names = [f"{int(member)} ({member.name.lower()})" for member in kind]
+        choices = ", ".join(names[:-1]) + f" or {names[-1]}"
+        raise ValueError(f"robe: {argument} must be {choices}, got {value}")
 
 
 def check_backward_inputs(

@@ -301,7 +301,9 @@ def use_asan_build() -> None:
     with open("/proc/self/maps", encoding="utf-8") as f:
         if "libasan" not in f.read():
             raise SystemExit("--asan needs libasan preloaded (LD_PRELOAD=$(g++ -print-file-name=libasan.so))")
-    cpu.CFLAGS = cpu.CFLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    # -O1 (ASan's recommendation) compiles this file in about half the time of -O3
+    cpu.CFLAGS = [f for f in cpu.CFLAGS if not f.startswith("-O")] + [
+        "-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
     cpu.LDFLAGS = cpu.LDFLAGS + ["-fsanitize=address"]
     if os.environ.get("ROBE_TORCHREC_BUILD_DIR"):
         os.environ["ROBE_TORCHREC_BUILD_DIR"] = os.environ["ROBE_TORCHREC_BUILD_DIR"].rstrip("/") + "-asan"
@@ -338,7 +340,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                               message=message)
                 if args.compare_reference and op == "forward" and backend != "reference":
                     with cpu_backend("reference"):
-                        record["reference"] = _outcome(lambda: call.run(op))[0]
+                        record["reference"], record["reference_message"] = _outcome(
+                        lambda: call.run(op))
                 print(json.dumps(record), flush=True)
 
 

@@ -57,13 +57,16 @@ def _check(records: List[dict]) -> None:
         elif r.get("reference", r["outcome"]) != r["outcome"]:
             problems.append(f"{where}: {r['outcome']} but reference {r['reference']} "
                             f"({r['message']})")
+        elif r.get("reference_message", r["message"]) != r["message"]:
+            problems.append(f"{where}: message {r['message']!r} but reference's "
+                            f"{r['reference_message']!r}")
     assert not problems, "\n".join(problems)
 
 
 def test_ops_refuse_adversarial_metadata():
     # ~60 targeted defects x the four ops on each backend, then 150 random mutations on the
-    # C++ ops, whose forward must end as the reference's does (ok or ValueError); one child
-    # process pays the imports once
+    # C++ ops, whose forward must end as the reference's does (ok, or ValueError with the
+    # same message); one child process pays the imports once
     records = _fuzz("--backends", "cpp,reference,triton", "--random", "150",
                     "--compare-reference")
     _check(records)
