@@ -221,6 +221,16 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
             self._layout.check_saved(saved)
+        elif prefix + "weight" in state_dict:
+            # Without the layout nothing says the array means the same embeddings: refused
+            # before anything is copied, whatever `strict` (torch hands every module
+            # strict=True here and applies the caller's only to the key lists afterwards).
+            raise ValueError(
+                f"RobeEmbeddingBagCollection: the state dict has {prefix}weight but no "
+                f"{prefix}robe_layout, so the array's layout cannot be checked (another "
+                "layout would scramble every embedding); load a state dict saved with its "
+                f"robe_layout, or, if you know the array has this module's layout, add "
+                f"state_dict['{prefix}robe_layout'] = module.robe_layout")
         # after to_empty() the non-persistent table_meta is garbage and no checkpoint has it
         self._restore_layout_buffers()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

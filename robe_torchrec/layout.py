@@ -102,7 +102,9 @@ def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             raise ValueError(f"table {table.name!r}: data_type {table.data_type} is not supported "
                              "(ROBE arrays are FP32, FP16 or BF16)")
         if table.num_embeddings < 1 or table.embedding_dim < 1:
-            raise ValueError(f"table {table.name!r}: num_embeddings and embedding_dim must be positive")
+            raise ValueError(f"table {table.name!r}: num_embeddings and embedding_dim must be "
+                             f"positive, got num_embeddings={table.num_embeddings}, "
+                             f"embedding_dim={table.embedding_dim}")
     data_types = {t.data_type for t in tables}
     if len(data_types) > 1:
         found = ", ".join(f"{t.name!r}: {t.data_type.name}" for t in tables)

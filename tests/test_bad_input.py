@@ -1,6 +1,8 @@
 """Bad input to RobeEmbeddingBagCollection: a clear error naming the problem, for every
 CPU backend; never a crash, never silent garbage."""
 
+import math
+
 import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
@@ -109,7 +111,7 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="bounds_check"):
         RobeConfig(memory_size=10, bounds_check="warn")
     with pytest.raises(ValueError, match="duplicate table name"):
-        RobeEmbeddingBagCollection(tables() + tables()[:1], RobeConfig(memory_size=10))
+        RobeEmbeddingBagCollection(tables() + tables()[:1], RobeConfig(memory_size=200))
 
 
 def test_tables_too_large_for_the_reference_hash():
@@ -117,3 +119,70 @@ def test_tables_too_large_for_the_reference_hash():
     with pytest.raises(ValueError, match=r"reference hash computes keys below .*hash='mix'"):
         RobeEmbeddingBagCollection(huge, RobeConfig(memory_size=1000), device="meta")
     RobeEmbeddingBagCollection(huge, RobeConfig(memory_size=1000, hash="mix"), device="meta")
+
+
+@pytest.mark.parametrize("robe,error,match", [
+    (dict(memory_size=16, block_size=64), ValueError, "memory_size=16 holds less than one block"),
+    (dict(memory_size=10), ValueError, "block_size=32"),  # the default block size
+    (dict(memory_size=200, block_size=2.5), TypeError, "block_size must be an integer, got 2.5"),
+    (dict(memory_size=200.0), TypeError, "memory_size must be an integer"),
+    (dict(memory_size=200, seed=1.5), TypeError, "seed must be an integer"),
+    (dict(memory_size=200, block_size=True), TypeError, "block_size must be an integer"),
+    (dict(memory_size=200, init_scale=-1), ValueError, "init_scale must be a finite number >= 0"),
+    (dict(memory_size=200, init_scale=math.nan), ValueError, "init_scale must be a finite"),
+    (dict(memory_size=200, init_scale=math.inf), ValueError, "init_scale must be a finite"),
+])
+def test_config_refused_at_construction(robe, error, match):
+    with pytest.raises(error, match=match):
+        RobeConfig(**robe)
+
+
+def test_memory_size_is_never_exceeded():
+    # one array per table: the largest table gives up floats so that each gets a block, but
+    # 24 floats cannot hold two blocks of 16
+    with pytest.raises(ValueError, match=r"memory_size=24 cannot give each of the 2 tables "
+                                         r"\(shared=False\) an array of at least block_size=16"):
+        module(memory_size=24, block_size=16, shared=False)
+    assert module(memory_size=200, shared=False).weight.numel() == 200
+    # compression asks for a ratio, not a size: an array is rounded up to one block
+    tiny = RobeConfig(compression=10**6, block_size=4)
+    assert RobeEmbeddingBagCollection(tables(), tiny).weight.numel() == 4
+
+
+def test_num_embeddings_zero_refused_with_the_table_name():
+    # TorchRec's own EmbeddingBagConfig divides by num_embeddings unless the init range is given
+    empty = EmbeddingBagConfig(name="t_empty", embedding_dim=8, num_embeddings=0,
+                               feature_names=["e"], weight_init_min=-0.1, weight_init_max=0.1)
+    with pytest.raises(ValueError, match="table 't_empty': .* got num_embeddings=0"):
+        RobeEmbeddingBagCollection([empty], RobeConfig(memory_size=200))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_state_dict_without_layout_is_refused_before_any_copy(strict):
+    source, target = module(), module()
+    before = target.weight.detach().clone()
+    only_weight = {"weight": source.weight.detach().clone()}
+    with pytest.raises(ValueError, match=r"has weight but no robe_layout.*robe_layout'\] = "):
+        target.load_state_dict(only_weight, strict=strict)
+    assert torch.equal(target.weight.detach(), before)  # untouched
+    # nested in a parent module: the same, with the key's prefix
+    parent = torch.nn.ModuleDict({"ebc": target})
+    with pytest.raises(ValueError, match="has ebc.weight but no ebc.robe_layout"):
+        parent.load_state_dict({"ebc.weight": only_weight["weight"]}, strict=strict)
+    assert torch.equal(target.weight.detach(), before)
+    # the explicit opt-out: vouch for the layout by handing the module's own
+    target.load_state_dict({**only_weight, "robe_layout": target.robe_layout}, strict=strict)
+    assert torch.equal(target.weight.detach(), source.weight.detach())
+
+
+def test_meta_input_to_a_real_module_is_refused(backend):
+    meta_kjt = kjt([1, 2, 3, 4]).to(torch.device("meta"))
+    with pytest.raises(ValueError, match="values is on meta but weights are on cpu"):
+        module()(meta_kjt)
+
+
+def test_meta_input_to_a_meta_module_gives_meta_output():
+    m = RobeEmbeddingBagCollection(tables(), RobeConfig(memory_size=200, block_size=4),
+                                   device="meta")
+    out = m(kjt([1, 2, 3, 4]).to(torch.device("meta")))
+    assert out.values().device.type == "meta" and out.values().shape == (2, 12)

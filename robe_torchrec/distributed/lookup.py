@@ -130,7 +130,35 @@ class RobeShardedLookup(nn.Module):
             return fused_lookup(self.weight, self.optimizer, args,
                                 self._pg if self._data_parallel else None)
         except (ValueError, RuntimeError) as err:
-            raise type(err)(name_feature(str(err), [f.name for f in self.features])) from None
+            message = row_wise_id_error(str(err), self.features, self._layout)
+            raise type(err)(name_feature(message, [f.name for f in self.features])) from None
+
+
+def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeLayout) -> str:
+    """An out-of-range id seen by a row-wise lookup is the rank-local id TorchRec's bucketing
+    made of it, checked against the rank's rows: say so, with the table's full range (the
+    user's id cannot be recovered here). Other messages are returned unchanged.
+
+    Example::
+
+        >>> row_wise_id_error("robe: id 500000 at position 0 of feature 0 is out of range "
+        ...                   "[0, 150)", [f3_on_rank_1], layout)
+        'robe: an id of feature 0 is out of range [0, 300) (ids must lie in [0, num_embeddings)):
+        this rank, which holds rows [150, 300) of it under row-wise sharding, got it as local
+        id 500000 at position 0 of its input'
+    """
+    found = re.match(r"robe: id (-?\d+) at position (\d+) of feature (\d+) is out of range", message)
+    if not found or int(found.group(3)) >= len(features):
+        return message
+    local = features[int(found.group(3))]
+    table = layout.feature(local.name)
+    if (local.num_rows, local.row_offset) == (table.num_rows, table.row_offset):
+        return message  # the whole table on this rank: the id is the user's
+    start = local.row_offset - table.row_offset
+    return (f"robe: an id of feature {found.group(3)} is out of range [0, {table.num_rows}) "
+            f"(ids must lie in [0, num_embeddings)): this rank, which holds rows [{start}, "
+            f"{start + local.num_rows}) of it under row-wise sharding, got it as local id "
+            f"{found.group(1)} at position {found.group(2)} of its input")
 
 
 def name_feature(message: str, names: List[str]) -> str:

@@ -21,7 +21,8 @@ import torch
 
 from robe_torchrec.hashing import block_starts
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import check_inputs
+from robe_torchrec.ops.validation import (check_backward_inputs, check_inputs,
+                                          check_optimizer_args, check_static)
 
 
 def _feature_slices(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor):
@@ -107,6 +108,8 @@ def backward_dense(
     hash_mode: int,
     hash_params: List[int],
 ) -> torch.Tensor:
+    check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights, table_meta,
+                          block_size, hash_mode, hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad_weights = torch.zeros_like(weights, dtype=acc)
     for t, vals, samples, lengths, col, span in _feature_slices(values, offsets, table_meta):
@@ -130,6 +133,8 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     """``d loss / d per_sample_weights[i]``: the looked-up row of value i dotted with its bag's
     output gradient (divided by the bag size for MEAN)."""
+    check_backward_inputs(grad_output, weights, values, offsets, None, table_meta, block_size,
+                          hash_mode, hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad = weights.new_zeros(values.numel(), dtype=acc)
     for t, vals, samples, lengths, col, span in _feature_slices(values, offsets, table_meta):
@@ -210,6 +215,8 @@ def backward_fused_(
     hparams: List[float],
     step: int,
 ) -> None:
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     # low-precision weights are read, stepped in float32 and written back rounded
     work = weights.to(m.accumulation_dtype(weights.dtype))
     grad = backward_dense(grad_output, work, values, offsets, per_sample_weights,

@@ -47,7 +47,8 @@ from robe_torchrec.hashing import (
     to_signed64,
 )
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import check_inputs, check_static
+from robe_torchrec.ops.validation import (check_backward_inputs, check_inputs,
+                                          check_optimizer_args)
 
 try:
     import triton
@@ -487,15 +488,6 @@ def _max_dim(table_meta: torch.Tensor) -> int:
     return int(table_meta[m.DIM].max()) if table_meta.shape[1] else 0
 
 
-def _check_grad_output(grad_output: torch.Tensor, batch: int) -> int:
-    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
-        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
-                         f"{tuple(grad_output.shape)}")
-    if not grad_output.dtype.is_floating_point:
-        raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
-    return grad_output.shape[1]
-
-
 def forward(
     weights: torch.Tensor,
     values: torch.Tensor,
@@ -542,13 +534,11 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights, table_meta,
+                          block_size, hash_mode, hash_params)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
-    output_dim = _check_grad_output(grad_output, batch)
-    # ids were checked against num_embeddings in forward; here only what memory safety needs
-    check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
-                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
@@ -598,12 +588,11 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
-    check_static(weights, values, offsets, None, table_meta, block_size, hash_mode)
+    check_backward_inputs(grad_output, weights, values, offsets, None, table_meta, block_size,
+                          hash_mode, hash_params)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
-    output_dim = _check_grad_output(grad_output, batch)
-    check_inputs(weights, values, offsets, None, table_meta, output_dim,
-                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     # every value lies in exactly one bag (offsets were checked), so every entry is written
     out = _empty(values.numel(), dtype=weights.dtype, device=weights.device)
@@ -619,35 +608,6 @@ def per_sample_weights_grad(
         Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), **tiles.kwargs(),
     )
     return out
-
-
-def _check_optimizer_args(weights, state1, state2, optimizer, hparams, step,
-                          block_size) -> None:
-    if optimizer not in tuple(int(o) for o in m.Optimizer):
-        raise ValueError(f"robe: unknown fused optimizer {optimizer}")
-    if len(hparams) != len(m.HPARAM_NAMES):
-        raise ValueError(f"robe: hparams must hold {len(m.HPARAM_NAMES)} floats "
-                         f"{m.HPARAM_NAMES}, got {len(hparams)}")
-    if not weights.is_contiguous():
-        raise ValueError("robe: the fused backward updates weights in place; they must be "
-                         "contiguous")
-    if block_size < 1:
-        raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
-    rows = (m.rowwise_state_size(weights.numel(), block_size),)
-    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
-              m.Optimizer.ADAM: (("state1", state1, weights.shape),
-                                 ("state2", state2, weights.shape)),
-              m.Optimizer.ROWWISE_ADAGRAD: (("state1", state1, rows),)}[m.Optimizer(optimizer)]
-    acc = m.accumulation_dtype(weights.dtype)
-    for name, state, shape in needed:
-        if state.shape != shape or not state.is_contiguous() or state.dtype != acc \
-                or state.device != weights.device:
-            raise ValueError(f"robe: {name} must be a contiguous {acc} tensor of shape "
-                             f"{tuple(shape)} on {weights.device} for {weights.dtype} weights "
-                             f"{tuple(weights.shape)}, got {state.dtype} {tuple(state.shape)} "
-                             f"on {state.device}")
-    if optimizer == m.Optimizer.ADAM and step < 1:
-        raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
 
 
 def backward_fused_(
@@ -667,7 +627,7 @@ def backward_fused_(
     step: int,
 ) -> None:
     optimizer = int(optimizer)
-    _check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
+    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                              table_meta, block_size, hash_mode, hash_params)
     kernels = _kernels_for(weights.device)

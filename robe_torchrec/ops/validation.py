@@ -32,6 +32,13 @@ def check_static(
     if weights.dim() != 1 or weights.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"robe: weights must be a 1-D float tensor, got {weights.dtype} "
                          f"of shape {tuple(weights.shape)}")
+    for name, tensor in (("values", values), ("offsets", offsets),
+                         ("per_sample_weights", per_sample_weights)):
+        # a meta input next to real weights reaches the fake kernel, which would return
+        # uninitialised memory on the weights' device
+        if tensor is not None and tensor.device != weights.device:
+            raise ValueError(f"robe: {name} is on {tensor.device} but weights are on "
+                             f"{weights.device}; move the input to the weights' device")
     if values.dtype not in INDEX_DTYPES:
         raise ValueError(f"robe: values (ids) must be int32 or int64, got {values.dtype}")
     if offsets.dtype != values.dtype:
@@ -53,7 +60,41 @@ def check_static(
                              f"but values has {values.numel()}")
     if block_size < 1:
         raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
-    HashMode(hash_mode)
+    check_enum("hash_mode", hash_mode, HashMode)
+
+
+def check_enum(argument: str, value: int, kind: type) -> None:
+    """Refuse an integer that is no member of the IntEnum ``kind``, naming ``argument``
+    (an unknown value would otherwise fall through to a kernel's default branch)."""
+    if int(value) not in {int(member) for member in kind}:
+        names = [f"{int(member)} ({member.name.lower()})" for member in kind]
+        choices = ", ".join(names[:-1]) + f" or {names[-1]}"
+        raise ValueError(f"robe: {argument} must be {choices}, got {value}")
+
+
+def check_backward_inputs(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> None:
+    """The checks of the backward ops: :func:`check_inputs` with ``grad_output``'s width as
+    ``output_dim`` and ids unbounded (the forward checked them against ``num_embeddings``;
+    any id hashes inside its array, so memory safety does not need that check again)."""
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    batch = (offsets.numel() - 1) // table_meta.shape[1]
+    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
+        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
+                         f"{tuple(grad_output.shape)}")
+    if not grad_output.dtype.is_floating_point:
+        raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
+    check_inputs(weights, values, offsets, per_sample_weights, table_meta, grad_output.shape[1],
+                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
 
 
 def check_inputs(
@@ -70,16 +111,16 @@ def check_inputs(
 ) -> None:
     """All checks, including the data-dependent ones (offsets, id bounds, NaN weights)."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    check_enum("bounds_check", bounds_check, m.BoundsCheck)
+    if len(hash_params) != 3:
+        raise ValueError(f"robe: hash_params must hold 3 integers, got {len(hash_params)}")
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
-    meta_cpu = table_meta.cpu()
-    dims = meta_cpu[m.DIM]
-    if int((meta_cpu[m.OUT_OFFSET] + dims).max()) > output_dim:
-        raise ValueError(f"robe: output_dim {output_dim} is smaller than the features' dims")
-    sizes = meta_cpu[m.W_SIZE]
-    if bool((sizes < block_size).any()) or int((meta_cpu[m.W_OFFSET] + sizes).max()) > weights.numel():
-        raise ValueError(f"robe: every ROBE array must hold at least block_size={block_size} "
-                         f"floats and lie inside weights ({weights.numel()} floats)")
+    meta_cpu = check_table_meta(table_meta, output_dim, block_size, weights.numel())
+    dims, sizes = meta_cpu[m.DIM], meta_cpu[m.W_SIZE]
+    if batch > 0 and output_dim > (2**63 - 1) // 8 // batch:
+        raise ValueError(f"robe: the output of {batch} samples x output_dim {output_dim} "
+                         "elements is too large to allocate")
     if hash_mode == HashMode.MIX and int((sizes - block_size + 1).max()) >= 2**32:
         raise ValueError("robe: the mix hash needs memory_size - block_size + 1 < 2**32")
 
@@ -111,12 +152,73 @@ def check_inputs(
         _raise_first(vals, (vals < 0) | (vals >= upper), feature,
                      lambda t: f"is out of range [0, {int(meta_cpu[m.NUM_ROWS, t])})")
     elif hash_mode == HashMode.REFERENCE:
-        max_blocks = int(((dims + block_size - 1) // block_size).max())
+        max_blocks = int((-(-dims // block_size)).max())
         limit = reference_key_limit(max_blocks, hash_params)
         keys = vals + table_meta[m.ROW_OFFSET].to(values.device)[feature]
         _raise_first(vals, (vals < 0) | (keys >= limit), feature,
                      lambda t: f"cannot be hashed by the reference hash (keys must lie in [0, {limit}); "
                                "use hash='mix' for arbitrary 64-bit ids)")
+
+
+def check_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: int,
+                     weights_numel: int) -> torch.Tensor:
+    """The metadata checks of the C++ ``parse_layout``, in its order and with its messages;
+    returns ``table_meta`` on the CPU. Every field but ROW_OFFSET is checked non-negative
+    first, so the bounds compare as ``a > limit - b``: no int64 sum can wrap and pass."""
+    meta_cpu = table_meta.cpu()
+    if output_dim < 0:
+        raise ValueError(f"robe: output_dim must be >= 0, got {output_dim}")
+    fields = torch.tensor([m.OUT_OFFSET, m.DIM, m.W_OFFSET, m.W_SIZE, m.NUM_ROWS])
+    pooling = meta_cpu[m.POOLING]
+    # one row per feature: its negative fields, then an unknown pooling (the C++ order)
+    bad = torch.cat([meta_cpu[fields].T < 0, ((pooling != m.Pooling.SUM) &
+                                              (pooling != m.Pooling.MEAN))[:, None]], dim=1)
+    if bool(bad.any()):
+        t, j = (int(v) for v in torch.nonzero(bad)[0])
+        if j < len(fields):
+            raise ValueError(f"robe: table_meta holds a negative entry (field {int(fields[j])}) "
+                             f"for feature {t}")
+        raise ValueError(f"robe: table_meta POOLING of feature {t} is {int(pooling[t])}; "
+                         "expected 0 (sum) or 1 (mean)")
+    if bool((meta_cpu[m.DIM] > output_dim - meta_cpu[m.OUT_OFFSET]).any()):
+        raise ValueError(f"robe: output_dim {output_dim} is smaller than the features' dims")
+    sizes = meta_cpu[m.W_SIZE]
+    if bool((sizes < block_size).any()) or bool((sizes > weights_numel - meta_cpu[m.W_OFFSET]).any()):
+        raise ValueError(f"robe: every ROBE array must hold at least block_size={block_size} "
+                         f"floats and lie inside weights ({weights_numel} floats)")
+    return meta_cpu
+
+
+def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+                         optimizer: int, hparams: List[float], step: int, block_size: int) -> None:
+    """The fused backward's optimizer arguments: a known optimizer, 5 hparams, contiguous
+    weights, and the state tensors that optimizer reads, of the right size and dtype."""
+    if optimizer not in tuple(int(o) for o in m.Optimizer):
+        raise ValueError(f"robe: unknown fused optimizer {optimizer}; optimizer must be 0 (sgd), "
+                         "1 (adagrad), 2 (adam) or 3 (rowwise_adagrad)")
+    if len(hparams) != len(m.HPARAM_NAMES):
+        raise ValueError(f"robe: hparams must hold {len(m.HPARAM_NAMES)} floats "
+                         f"{m.HPARAM_NAMES}, got {len(hparams)}")
+    if not weights.is_contiguous():
+        raise ValueError("robe: the fused backward updates weights in place; they must be "
+                         "contiguous")
+    if block_size < 1:
+        raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
+    rows = (m.rowwise_state_size(weights.numel(), block_size),)
+    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
+              m.Optimizer.ADAM: (("state1", state1, weights.shape),
+                                 ("state2", state2, weights.shape)),
+              m.Optimizer.ROWWISE_ADAGRAD: (("state1", state1, rows),)}[m.Optimizer(optimizer)]
+    acc = m.accumulation_dtype(weights.dtype)
+    for name, state, shape in needed:
+        if state.shape != shape or not state.is_contiguous() or state.dtype != acc \
+                or state.device != weights.device:
+            raise ValueError(f"robe: {name} must be a contiguous {acc} tensor of shape "
+                             f"{tuple(shape)} on {weights.device} for {weights.dtype} weights "
+                             f"{tuple(weights.shape)}, got {state.dtype} {tuple(state.shape)} "
+                             f"on {state.device}")
+    if optimizer == m.Optimizer.ADAM and step < 1:
+        raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
 
 
 def _raise_first(vals: torch.Tensor, bad: torch.Tensor, feature: torch.Tensor, describe) -> None:

@@ -112,9 +112,15 @@ def _bad_id(rank: int, world: int, types):
     (1, {"t0": "table_wise", "t1": "data_parallel", "t2": "table_wise"}),
     # every rank sees the bad id in its data-parallel lookup (so no rank waits on another)
     (2, {"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel"}),
-], ids=["table_wise", "data_parallel"])
+    # TorchRec buckets an id past the table to rank id % world, as a local id: the message
+    # names the feature, the table's range and the rank's rows
+    (2, {"t0": "table_wise", "t1": "table_wise", "t2": "row_wise"}),
+], ids=["table_wise", "data_parallel", "row_wise"])
 def test_sharded_id_error_names_the_feature(world, types):
-    with pytest.raises(RuntimeError, match=r"feature 'f3'"):
+    match = r"feature 'f3'.* is out of range \[0, 300\)"
+    if "row_wise" in types.values():
+        match += r".*holds rows \[\d+, \d+\) of it under row-wise sharding"
+    with pytest.raises(RuntimeError, match=match):
         run_ranks(_bad_id, world, types)
 
 

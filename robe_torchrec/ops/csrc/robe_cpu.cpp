@@ -208,7 +208,7 @@ Layout parse_layout(const at::Tensor& table_meta, int64_t out_dim, int64_t Z, in
   }
   if (Z < 1) fail(cat("robe: block_size must be >= 1, got ", Z));
   if (hash_mode != HASH_REFERENCE && hash_mode != HASH_MIX) {
-    fail(cat("robe: unknown hash mode ", hash_mode, "; expected 0 (reference) or 1 (mix)"));
+    fail(cat("robe: hash_mode must be 0 (reference) or 1 (mix), got ", hash_mode));
   }
   const at::Tensor meta = table_meta.to(at::kCPU).contiguous();
   const int64_t* m = meta.data_ptr<int64_t>();
@@ -220,19 +220,29 @@ Layout parse_layout(const at::Tensor& table_meta, int64_t out_dim, int64_t Z, in
              " features"));
   }
   L.B = (offsets_numel - 1) / L.T;
+  if (out_dim < 0) fail(cat("robe: output_dim must be >= 0, got ", out_dim));
   auto field = [&](int64_t f, int64_t t) { return m[f * L.T + t]; };
+  // Every field but ROW_OFFSET (a wrapping key offset) is checked >= 0 first, so that the
+  // bounds below can be compared as `a > limit - b` without any int64 overflow.
   for (int64_t t = 0; t < L.T; ++t) {
     for (int64_t f : {OUT_OFFSET, DIM, W_OFFSET, W_SIZE, ROW_OFFSET, NUM_ROWS}) {
       if (f != ROW_OFFSET && field(f, t) < 0) {
         fail(cat("robe: table_meta holds a negative entry (field ", f, ") for feature ", t));
       }
     }
+    const int64_t pooling = field(POOLING, t);
+    if (pooling != 0 && pooling != kPoolingMean) {
+      fail(cat("robe: table_meta POOLING of feature ", t, " is ", pooling,
+               "; expected 0 (sum) or 1 (mean)"));
+    }
   }
-  int64_t max_end = 0;
-  for (int64_t t = 0; t < L.T; ++t) max_end = std::max(max_end, field(OUT_OFFSET, t) + field(DIM, t));
-  if (max_end > out_dim) fail(cat("robe: output_dim ", out_dim, " is smaller than the features' dims"));
   for (int64_t t = 0; t < L.T; ++t) {
-    if (field(W_SIZE, t) < Z || field(W_OFFSET, t) + field(W_SIZE, t) > weights_numel) {
+    if (field(DIM, t) > out_dim - field(OUT_OFFSET, t)) {
+      fail(cat("robe: output_dim ", out_dim, " is smaller than the features' dims"));
+    }
+  }
+  for (int64_t t = 0; t < L.T; ++t) {
+    if (field(W_SIZE, t) < Z || field(W_SIZE, t) > weights_numel - field(W_OFFSET, t)) {
       fail(cat("robe: every ROBE array must hold at least block_size=", Z,
                " floats and lie inside weights (", weights_numel, " floats)"));
     }
@@ -254,13 +264,13 @@ Layout parse_layout(const at::Tensor& table_meta, int64_t out_dim, int64_t Z, in
     f.row_offset = field(ROW_OFFSET, t);
     f.num_rows = field(NUM_ROWS, t);
     f.mean = field(POOLING, t) == kPoolingMean;
-    f.nblocks = (f.dim + Z - 1) / Z;
+    f.nblocks = f.dim / Z + (f.dim % Z != 0);  // ceil without overflowing near 2**63
     f.span = static_cast<uint64_t>(f.w_size - Z + 1);
     f.ref_d = std::min<uint64_t>(f.span, kPrime);
     f.ref_magic = std::numeric_limits<uint64_t>::max() / f.ref_d + 1;  // 0 for d == 1: fine
     L.max_dim = std::max(L.max_dim, f.dim);
     L.max_blocks = std::max(L.max_blocks, f.nblocks);
-    L.sum_dim += f.dim;
+    L.sum_dim = f.dim > kI64Max - L.sum_dim ? kI64Max : L.sum_dim + f.dim;  // a work estimate only
   }
   return L;
 }
@@ -619,8 +629,15 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
   const at::Tensor values = values_in.contiguous();
   const at::Tensor offsets = offsets_in.contiguous();
   const int64_t N = values.numel();
+  if (bounds_check != BOUNDS_ERROR && bounds_check != BOUNDS_UNBOUNDED) {
+    fail(cat("robe: bounds_check must be 0 (error) or 1 (unbounded), got ", bounds_check));
+  }
   const Layout L = parse_layout(table_meta, output_dim, block_size, weights.numel(), hash_mode, offsets.numel());
   const at::ScalarType acc_st = acc_type_of(weights.scalar_type());
+  if (!kHashOnly && L.B > 0 && output_dim > kI64Max / 8 / L.B) {
+    fail(cat("robe: the output of ", L.B, " samples x output_dim ", output_dim,
+             " elements is too large to allocate"));
+  }
   at::Tensor psw;
   if (psw_in.has_value() && psw_in->defined()) {
     check_cpu(*psw_in, "per_sample_weights");
@@ -1125,7 +1142,8 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
   const at::ScalarType acc_st = acc_type_of(wst);
   if (optimizer != OPT_SGD && optimizer != OPT_ADAGRAD && optimizer != OPT_ADAM &&
       optimizer != OPT_ROWWISE_ADAGRAD) {
-    fail(cat("robe: unknown fused optimizer ", optimizer));
+    fail(cat("robe: unknown fused optimizer ", optimizer,
+             "; optimizer must be 0 (sgd), 1 (adagrad), 2 (adam) or 3 (rowwise_adagrad)"));
   }
   if (hparams.size() != 5) fail(cat("robe: hparams must hold 5 floats (lr, eps, beta1, beta2, weight_decay), got ", hparams.size()));
   if (!weights.is_contiguous()) fail("robe: the fused backward updates weights in place; they must be contiguous");
