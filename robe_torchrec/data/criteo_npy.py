@@ -78,7 +78,7 @@ def check_npy_values(dense_path: str, labels_path: str, dense: np.ndarray, label
         if bad.any():
             row = start + int(np.argmax(bad))
             raise ValueError(f"{labels_path} row {row}: labels must be 0 or 1, got "
-                             f"{lab[row - start]!r}")
+                             f"{lab[row - start].item()!r}")
 
 
 def check_npy_prefix(prefix: PathLike, check_values: bool = False) -> int:

@@ -106,7 +106,9 @@ class Trainer:
         >>> trainer.resume()
         >>> with trainer.training():
         ...     trainer.run_segment()      # up to the first validation / checkpoint step
+        ...     trainer.healthy()          # inf/NaN: raises, or rolls back and says False
         >>> trainer.step, trainer.metrics(trainer.data.eval_batches("val", 8))
+        >>> trainer.close()                # releases the run directory's lock
     """
 
     def __init__(self, cfg: DictConfig, run_dir: "str | os.PathLike") -> None:
