@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ from robe_torchrec.train.config import ConfigError
 from robe_torchrec.train.resume import ResumeMismatch, compare, fingerprint
 from robe_torchrec.train.rundir import LOCK_NAME, RunDirLocked, RunLock
 from robe_torchrec.train.trainer import NonFiniteError, Trainer, train
-from tests.train.helpers import compose, one_rank_group, read_checkpoint
+from tests.train import helpers
+from tests.train.helpers import TINY, assert_same_tensors, compose, one_rank_group, read_checkpoint
 
 # the base run: 4 steps, a checkpoint every 2, all kept
 BASE = ("run.checkpoint_every=2", "run.keep_checkpoints=0")
@@ -51,6 +53,17 @@ def _steps(run_dir: Path):
 def _metric_keys(run_dir: Path):
     with open(run_dir / "metrics.csv") as f:
         return [(r["phase"], r["step"]) for r in csv.DictReader(f)]
+
+
+def _resumed(cfg, run_dir: Path) -> Trainer:
+    """A trainer built and resumed in ``run_dir`` (its lock released again)."""
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer.build()
+        trainer.resume()
+    finally:
+        trainer.close()
+    return trainer
 
 
 def _distcp(ckpt: Path) -> Path:
@@ -102,12 +115,7 @@ def test_nonfinite_weights_roll_back_with_a_lower_learning_rate(copy, monkeypatc
     keys = _metric_keys(copy)
     assert len(keys) == len(set(keys)), keys  # step 5 was logged twice, kept once
     with one_rank_group():  # the lowered learning rates are in the checkpoint
-        trainer = Trainer(compose("run.steps=8", *every), copy)
-        try:
-            trainer.build()
-            trainer.resume()
-        finally:
-            trainer.close()
+        trainer = _resumed(compose("run.steps=8", *every), copy)
     assert {g["lr"] for g in trainer.optimizer.param_groups} == {0.025}  # 0.05 x 0.5
 
     # no rollbacks left: stop
@@ -132,12 +140,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(copy, caplog, dama
         with open(data, "r+b") as f:
             f.truncate(data.stat().st_size // 2)
     with one_rank_group(), caplog.at_level(logging.WARNING):
-        trainer = Trainer(compose("run.steps=4", *BASE), copy)
-        try:
-            trainer.build()
-            trainer.resume()
-        finally:
-            trainer.close()
+        trainer = _resumed(compose("run.steps=4", *BASE), copy)
     assert trainer.step == 2
     assert f"checkpoint {newest} is unusable" in caplog.text
     why = "checksum mismatch" if damage == "bit_flip" else "cannot be read"
@@ -154,6 +157,29 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(copy):
 
 
 # ---------------------------------------------------------------- saving
+
+@pytest.mark.slow
+def test_sigkill_during_save_then_resume_equals_uninterrupted_run(tmp_path, caplog):
+    """A real SIGKILL once DCP has written step_4.tmp (before its manifest and rename): the
+    resume (in-process; it takes over the dead process's lock) starts from step_2 and ends
+    bitwise equal to an uninterrupted run, with one metrics row per step."""
+    every = ["run.checkpoint_every=2", "run.keep_checkpoints=0"]
+    killed = subprocess.run([sys.executable, "-m", "tests.train.faulty_app", "--sigkill-in-save",
+                             "4", *TINY, "run.steps=6", *every, f"hydra.run.dir={tmp_path / 'r'}"],
+                            cwd=helpers.REPO, env=helpers.env(), timeout=300,
+                            capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert _steps(tmp_path / "r") == ["step_2", "step_4.tmp"]
+    with one_rank_group(), caplog.at_level(logging.INFO):
+        train(compose("run.steps=6", *every), tmp_path / "r")
+        train(compose("run.steps=6", *every), tmp_path / "straight")
+    assert "taking over the stale lock" in caplog.text and "at step 2" in caplog.text
+    a = read_checkpoint(tmp_path / "r" / "checkpoints" / "step_6", tmp_path)
+    b = read_checkpoint(tmp_path / "straight" / "checkpoints" / "step_6", tmp_path)
+    assert assert_same_tensors(a, b, "model.") >= 5 and assert_same_tensors(a, b, "optim.") >= 5
+    keys = _metric_keys(tmp_path / "r")
+    assert len(keys) == len(set(keys)), keys
+
 
 @pytest.mark.parametrize("code, says", [(errno.ENOSPC, "the disk is full"),
                                         (errno.EIO, "an I/O error")])
@@ -188,6 +214,7 @@ def test_manifest_records_run_config_and_checksums(base):
     ("data.seed=1", "data.seed: 0 -> 1"),
     ("run.seed=1", "run.seed: 0 -> 1"),
     ("optimizer=sgd", "optimizer.name: 'adagrad' -> 'sgd'"),
+    ("model.over_arch_layer_sizes=[32,1]", "model.over_arch_layer_sizes: [64, 32, 1] -> [32, 1]"),
 ])
 def test_resume_with_another_config_is_refused_with_the_differences(copy, change, key):
     with one_rank_group(), pytest.raises(ResumeMismatch) as err:
@@ -210,12 +237,7 @@ def test_run_steps_before_the_checkpoint_is_refused(copy):
 
 def test_learning_rate_change_on_resume_is_applied_and_logged(copy, caplog):
     with one_rank_group(), caplog.at_level(logging.WARNING):
-        trainer = Trainer(compose("run.steps=6", *BASE, "optimizer.embedding_lr=0.5"), copy)
-        try:
-            trainer.build()
-            trainer.resume()
-        finally:
-            trainer.close()
+        trainer = _resumed(compose("run.steps=6", *BASE, "optimizer.embedding_lr=0.5"), copy)
     groups = dict(trainer.optimizer.optimizers)
     assert {g["lr"] for g in groups["embedding"].param_groups} == {0.5}
     assert {g["lr"] for g in groups["dense"].param_groups} == {0.05}
