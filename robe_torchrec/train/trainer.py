@@ -282,8 +282,14 @@ class Trainer:
         dict(self.optimizer.optimizers)["embedding"].zero_grad()
 
     def load_weights(self, path: "str | os.PathLike") -> None:
-        """The model of checkpoint ``path`` (no optimizer state: nothing is trained)."""
-        self.step = self.ckpt.load_model(path, self.dmp)
+        """The model of checkpoint ``path`` (no optimizer state: nothing is trained), after
+        its checksums; refuses a damaged checkpoint or one holding inf/NaN."""
+        problem = self.ckpt.verify(path)
+        if problem is None:
+            self.step = self.ckpt.load_model(path, self.dmp)
+            problem = self.guard.check(self.dmp, self.optimizer, tensors=True)
+        if problem is not None:
+            raise CheckpointError(f"run.checkpoint={path} is unusable: {problem}")
         self.say("loaded the model of checkpoint %s (step %d)", path, self.step)
 
     @contextmanager

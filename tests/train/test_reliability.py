@@ -24,7 +24,7 @@ from robe_torchrec.train.checkpoint import CheckpointError, CheckpointSaveError,
 from robe_torchrec.train.config import ConfigError
 from robe_torchrec.train.resume import ResumeMismatch, compare, fingerprint
 from robe_torchrec.train.rundir import LOCK_NAME, RunDirLocked, RunLock
-from robe_torchrec.train.trainer import NonFiniteError, Trainer, train
+from robe_torchrec.train.trainer import NonFiniteError, Trainer, evaluate, train
 from tests.train import helpers
 from tests.train.helpers import TINY, assert_same_tensors, compose, one_rank_group, read_checkpoint
 
@@ -146,6 +146,15 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(copy, caplog, dama
     why = "checksum mismatch" if damage == "bit_flip" else "cannot be read"
     assert why in caplog.text
     assert _steps(copy) == ["step_2", "step_4.bad"]
+
+
+def test_eval_of_a_damaged_checkpoint_is_refused(copy, tmp_path):
+    ckpt = copy / "checkpoints" / "step_4"
+    data = _distcp(ckpt)
+    data.write_bytes(data.read_bytes()[:-8] + bytes(8))
+    with one_rank_group(), pytest.raises(CheckpointError, match=f"run.checkpoint={ckpt} is "
+                                                                f"unusable: .*checksum"):
+        evaluate(compose("run.mode=eval", f"run.checkpoint={ckpt}"), tmp_path / "eval")
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(copy):
