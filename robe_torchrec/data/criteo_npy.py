@@ -62,11 +62,31 @@ def _open_npy(path: str, prefix: str) -> np.ndarray:
         raise ValueError(f"{path}: not a readable .npy array (truncated or not npy?): {e}") from e
 
 
-def check_npy_prefix(prefix: PathLike) -> int:
+def check_npy_values(dense_path: str, labels_path: str, dense: np.ndarray, labels: np.ndarray,
+                     chunk_rows: int = 1 << 20) -> None:
+    """Raise ``ValueError`` naming file and row (0-based) for the first non-finite dense
+    value or label other than 0 / 1 (read in chunks: the arrays may be memory maps)."""
+    for start in range(0, len(dense), chunk_rows):
+        d = np.asarray(dense[start:start + chunk_rows])
+        bad = ~np.isfinite(d).all(axis=1)
+        if bad.any():
+            row = start + int(np.argmax(bad))
+            raise ValueError(f"{dense_path} row {row}: dense values must be finite, got "
+                             f"{np.asarray(dense[row]).tolist()}")
+        lab = np.asarray(labels[start:start + chunk_rows]).reshape(-1)
+        bad = (lab != 0) & (lab != 1)
+        if bad.any():
+            row = start + int(np.argmax(bad))
+            raise ValueError(f"{labels_path} row {row}: labels must be 0 or 1, got "
+                             f"{lab[row - start].item()!r}")
+
+
+def check_npy_prefix(prefix: PathLike, check_values: bool = False) -> int:
     """Checks one prefix's three files against torchrec's layout; returns the row count.
 
     Raises ``ValueError`` naming the file for a wrong shape or dtype, unreadable file or
-    differing row counts, ``FileNotFoundError`` for a missing file.
+    differing row counts, ``FileNotFoundError`` for a missing file. ``check_values``: also
+    read every dense value and label (:func:`check_npy_values`).
     """
     prefix = os.fspath(prefix)
     dense_path, sparse_path, labels_path = npy_paths(prefix)
@@ -88,6 +108,8 @@ def check_npy_prefix(prefix: PathLike) -> int:
         )
     if len(dense) == 0:
         raise ValueError(f"{prefix}: the npy files have no rows")
+    if check_values:
+        check_npy_values(dense_path, labels_path, dense, labels)
     return len(dense)
 
 
@@ -108,6 +130,9 @@ class CriteoNpy(IterableDataset):
             half of a single prefix (torchrec's split of the 1TB set's day 23).
         mmap_mode: map the files instead of loading them (each rank then touches only its
             own batches; without it each rank loads all files into memory).
+        check_values: read every dense value and label once at construction and refuse a
+            non-finite value or a label other than 0 / 1, naming file and row (costs one
+            pass over the dense and label files).
 
     Dense features are used as stored: files from :func:`tsv_to_npy` hold DLRM's
     ``log(1 + max(x, 0))``; torchrec's script writes ``log(x - min + 2)`` (``min`` over the
@@ -131,6 +156,7 @@ class CriteoNpy(IterableDataset):
         drop_last: bool = False,
         stage: Literal["train", "val", "test"] = "train",
         mmap_mode: bool = False,
+        check_values: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(prefixes, (str, os.PathLike)):
@@ -141,7 +167,7 @@ class CriteoNpy(IterableDataset):
         _check_shard(batch_size, rank, world_size)
         if stage not in ("train", "val", "test"):
             raise ValueError(f'stage must be "train", "val" or "test", got {stage!r}')
-        self.rows_per_prefix = [check_npy_prefix(p) for p in self.prefixes]
+        self.rows_per_prefix = [check_npy_prefix(p, check_values) for p in self.prefixes]
         if stage != "train" and len(self.prefixes) != 1:
             # torchrec halves only the first file and would read the others whole
             raise ValueError(f'stage="{stage}" reads half of one prefix; got {len(self.prefixes)} prefixes')
@@ -174,6 +200,7 @@ class CriteoNpy(IterableDataset):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.rows = rows  # of this stage, all ranks together
         self.num_embeddings = num_embeddings
         self.keys: List[str] = list(SPARSE_KEYS)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import IO, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -66,6 +67,10 @@ class CriteoRowError(ValueError):
         self.problem = problem
 
 
+class CriteoFileError(ValueError):
+    """A Criteo file cannot be read (the message names it and says why)."""
+
+
 @dataclass
 class TsvReadStats:
     """Counts of one pass over the files (rows of this shard only)."""
@@ -89,6 +94,24 @@ def _open_text(path: str) -> IO[str]:
         return gzip.open(path, "rt", **kw)  # type: ignore[return-value]
     _, handle = next(iter(LoadFiles([path], mode="r", **kw)))
     return handle
+
+
+def _lines(f: IO[str], path: str) -> Iterator[str]:
+    """The lines of ``f``; a read error (a cut-off or corrupt ``.gz``, an I/O error) is
+    raised as :class:`CriteoFileError` naming the file and the last line read."""
+    count = 0
+    it = iter(f)
+    while True:
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except (EOFError, OSError, zlib.error) as e:
+            what = ("the compressed stream ends early: truncated .gz file?"
+                    if isinstance(e, EOFError) else f"{type(e).__name__}: {e}")
+            raise CriteoFileError(f"{path}: cannot read past line {count}: {what}") from e
+        count += 1
+        yield line
 
 
 def _diagnose(fields: List[str], strict_width: bool) -> Optional[str]:
@@ -140,7 +163,7 @@ def iter_tsv_rows(
     global_line = 0
     for path in paths:
         with _open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(_lines(f, path), 1):
                 owned = global_line % num_shards == shard
                 global_line += 1
                 if not owned:

@@ -7,7 +7,7 @@ group itself, so ``python -m robe_torchrec.train`` and a 64-rank job run the sam
 Hydra creates its output directory in every process, named by each process's clock. To get
 one directory per run, the name is decided once (the elastic run id, which stays the same
 across ``max_restarts`` restarts so a restarted job finds its checkpoints; otherwise rank 0's
-clock, broadcast) and handed to Hydra through ``ROBE_RUN_STAMP`` (see ``configs/config.yaml``);
+clock plus a random suffix, broadcast) and handed to Hydra through ``ROBE_RUN_STAMP`` (see ``configs/config.yaml``);
 only rank 0 writes Hydra's ``.hydra/`` files and log file there.
 
 Example::
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from datetime import timedelta
 from typing import Any, Dict, Optional
 
@@ -60,7 +61,8 @@ def agree_on_run_stamp() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return run_id
-    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S")]
+    # the suffix keeps two launches within one second apart
+    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S") + "-" + uuid.uuid4().hex[:6]]
     dist.broadcast_object_list(stamp, src=0)
     return stamp[0]
 

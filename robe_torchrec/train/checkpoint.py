@@ -5,11 +5,19 @@ A checkpoint is written to ``step_N.tmp`` and renamed to ``step_N`` by rank 0 on
 has written (DCP writes its metadata last), so a run killed mid-save leaves no half
 checkpoint behind that a restart could pick. Checkpoints go on a file system every rank sees.
 
+Each checkpoint also holds ``manifest.json``: the run id, the step, what the caller passes
+(the app: its resume-relevant config) and a SHA-256 of every file, so a checkpoint changed
+after it was written (truncated, bit-flipped, half-copied) is told apart before DCP reads
+it (:meth:`Checkpointer.verify`). Rotation only removes older checkpoints of the same run.
+A failed save (disk full, I/O error) removes its ``step_N.tmp`` and raises
+:class:`CheckpointSaveError` saying why; the checkpoints before it stay.
+
 Example::
 
-    >>> ckpt = Checkpointer(run_dir / "checkpoints", keep=2)
-    >>> ckpt.save(100, dmp, optimizer)                # collective
+    >>> ckpt = Checkpointer(run_dir / "checkpoints", keep=2, run_id="3f2a9c1b7d4e")
+    >>> ckpt.save(100, dmp, optimizer, meta={"config": {...}})   # collective
     >>> path = ckpt.latest()                          # same answer on every rank
+    >>> ckpt.verify(path)                             # None, or what is wrong (collective)
     >>> step = ckpt.load(path, dmp, optimizer)        # collective; returns the step
     >>> step = ckpt.load_model(path, dmp)             # the weights only (eval), any world size
     >>> step = load_unsharded(path, predict_model)    # one process, no process group needed
@@ -17,21 +25,29 @@ Example::
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+#: a save failing with less free space than this is reported as a full disk
+_FULL_BYTES = 1 << 20
 
 
 def _rng_key(rank: int) -> str:
@@ -51,12 +67,123 @@ def _state(model: nn.Module, optimizer: KeyedOptimizer, step: int, rank: int) ->
     }
 
 
-class Checkpointer:
-    """Saves, finds and loads the run's checkpoints (collective methods: call on every rank)."""
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (the message names it and says why)."""
 
-    def __init__(self, directory: "str | os.PathLike", keep: int = 2) -> None:
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (the message says why: disk full, I/O error ...);
+    its partial ``step_N.tmp`` is removed and the earlier checkpoints are kept."""
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result on every rank; an exception there is raised on every
+    rank (a copy of it off rank 0), so no rank is left waiting in a collective."""
+    out: List[Any] = [None, None]
+    err: Optional[BaseException] = None
+    if dist.get_rank() == 0:
+        try:
+            out[0] = fn()
+        except Exception as e:  # noqa: BLE001 - handed to every rank below
+            err = e
+            try:
+                pickle.dumps(e)
+                out[1] = e
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                out[1] = RuntimeError(f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        raise err if err is not None else out[1]
+    return out[0]
+
+
+def _errno(exc: BaseException) -> Optional[int]:
+    """The errno of the first OSError in ``exc``, its causes, or DCP's per-rank failures."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        if isinstance(e, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
+        todo.extend([e.__cause__, e.__context__])
+    return None
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return None
+
+
+def _why_save_failed(exc: BaseException, directory: Path) -> str:
+    code, free = _errno(exc), _free_bytes(directory)
+    if code == errno.ENOSPC or (free is not None and free < _FULL_BYTES):
+        return (f"the disk is full (no space left on device, ENOSPC; {free} bytes free on "
+                f"the file system of {directory})")
+    if code == errno.EDQUOT:
+        return "the disk quota is exceeded (EDQUOT)"
+    if code == errno.EIO:
+        return "an I/O error (EIO) on the checkpoint file system"
+    if code is not None:
+        return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _checksums(directory: Path, names: List[str]) -> Dict[str, Optional[str]]:
+    """SHA-256 of ``directory/name`` for every name, each rank hashing its share
+    (collective); None for a file that cannot be read."""
+    mine: Dict[str, Optional[str]] = {}
+    for name in names[dist.get_rank()::dist.get_world_size()]:
+        try:
+            mine[name] = _sha256(directory / name)
+        except OSError:
+            mine[name] = None
+    every: List[Optional[Dict[str, Optional[str]]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in (part or {}).items()}
+
+
+def read_manifest(path: "str | os.PathLike") -> Optional[Dict[str, Any]]:
+    """The manifest of checkpoint ``path`` (None when it has none: written by an older
+    version); raises :class:`CheckpointError` when it is there but unreadable."""
+    file = Path(path) / MANIFEST
+    if not file.exists():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable manifest ({e})") from e
+
+
+class Checkpointer:
+    """Saves, finds, checks and loads the run's checkpoints (collective methods: call on
+    every rank). ``run_id``: recorded in each checkpoint; rotation keeps the newest ``keep``
+    checkpoints of this run id (``keep=0``: all) and never touches another run's."""
+
+    def __init__(self, directory: "str | os.PathLike", keep: int = 2,
+                 run_id: Optional[str] = None) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0 (0: keep all), got {keep}")
         self.dir = Path(directory)
         self.keep = keep
+        self.run_id = run_id
         self.rank = dist.get_rank()
 
     def _complete(self) -> Dict[int, Path]:
@@ -69,28 +196,121 @@ class Checkpointer:
                 found[int(m.group(1))] = p
         return found
 
+    def candidates(self) -> List[Path]:
+        """Every complete checkpoint, newest first (rank 0 looks, every rank gets it)."""
+        found = [[str(p) for _, p in sorted(self._complete().items(), reverse=True)]
+                 if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return [Path(p) for p in found[0]]
+
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint (rank 0 looks, every rank gets its answer)."""
-        found = [str(max(self._complete().items())[1]) if self._complete() else None]
-        dist.broadcast_object_list(found, src=0)
-        return Path(found[0]) if found[0] else None
+        found = self.candidates()
+        return found[0] if found else None
 
-    def save(self, step: int, model: nn.Module, optimizer: KeyedOptimizer) -> Path:
+    def verify(self, path: "str | os.PathLike") -> Optional[str]:
+        """What is wrong with checkpoint ``path`` (collective), or None: its files must be
+        the ones its manifest lists, with the same SHA-256. A checkpoint without a manifest
+        (an older version's) passes unchecked, with a warning."""
+        path = Path(path)
+
+        def listing():
+            manifest = read_manifest(path)
+            present = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+            return manifest, present
+
+        try:
+            manifest, present = on_rank0(listing)
+        except (CheckpointError, OSError) as e:
+            return str(e)
+        if manifest is None:
+            if self.rank == 0:
+                log.warning("checkpoint %s has no %s (written by an older version): its "
+                            "files are not verified", path, MANIFEST)
+            return None
+        expected: Dict[str, str] = manifest.get("files", {})
+        missing = sorted(set(expected) - set(present))
+        if missing:
+            return f"file(s) missing: {', '.join(missing)}"
+        got = _checksums(path, sorted(expected))
+        changed = [n for n in sorted(expected) if got.get(n) != expected[n]]
+        if changed:
+            return (f"{', '.join(changed)}: checksum mismatch or unreadable (changed after it "
+                    f"was written: truncated, overwritten or copied in part?)")
+        return None
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Rename a bad checkpoint to ``step_N.bad`` (kept for inspection, never picked or
+        rotated again); collective."""
+        def move():
+            target = path.with_name(path.name + ".bad")
+            shutil.rmtree(target, ignore_errors=True)
+            path.rename(target)
+            (target / "WHY").write_text(reason + "\n")
+            return target
+
+        try:
+            target = on_rank0(move)
+            if self.rank == 0:
+                log.warning("moved the unusable checkpoint %s to %s", path, target)
+        except OSError as e:
+            log.warning("could not move the unusable checkpoint %s aside: %s", path, e)
+
+    def save(self, step: int, model: nn.Module, optimizer: KeyedOptimizer,
+             meta: Optional[Dict[str, Any]] = None) -> Path:
+        """Write checkpoint ``step_N`` (collective); ``meta`` goes into its manifest."""
         final = self.dir / f"step_{step}"
         tmp = self.dir / f"step_{step}.tmp"
-        if self.rank == 0:
+
+        def start():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(_state(model, optimizer, step, self.rank), checkpoint_id=str(tmp))
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            for old in sorted(self._complete())[:-self.keep] if self.keep > 0 else []:
-                shutil.rmtree(self._complete()[old], ignore_errors=True)
-        dist.barrier()
+
+        def finish():
+            present = sorted(p.name for p in tmp.iterdir())
+            return present
+
+        try:
+            on_rank0(start)
+            dcp.save(_state(model, optimizer, step, self.rank), checkpoint_id=str(tmp))
+            files = _checksums(tmp, on_rank0(finish))
+            manifest = {"run_id": self.run_id, "step": step,
+                        "world_size": dist.get_world_size(), **(meta or {}), "files": files}
+            on_rank0(lambda: self._publish(tmp, final, manifest))
+        except (Exception, CheckpointException) as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = [str(p) for p in self.candidates() if p != final]
+            raise CheckpointSaveError(
+                f"saving checkpoint {final} failed: {_why_save_failed(e, self.dir)}. The "
+                f"partial {tmp.name} was removed; "
+                + (f"the newest checkpoint kept is {kept[0]}" if kept else
+                   "there is no earlier checkpoint")) from e
+        on_rank0(lambda: self._rotate(step))
         return final
+
+    def _publish(self, tmp: Path, final: Path, manifest: Dict[str, Any]) -> None:
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+
+    def _rotate(self, saved: int) -> None:
+        """Remove this run's checkpoints older than ``saved`` beyond the newest ``keep``."""
+        if self.keep <= 0:
+            return
+        ours = []
+        for step, path in sorted(self._complete().items()):
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError:
+                continue
+            if step < saved and manifest is not None and manifest.get("run_id") == self.run_id:
+                ours.append(path)
+        for path in ours[:max(len(ours) - (self.keep - 1), 0)]:
+            shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: "str | os.PathLike", model: nn.Module, optimizer: KeyedOptimizer) -> int:
         """Load a checkpoint into ``model`` and ``optimizer`` in place; returns its step."""
@@ -109,7 +329,6 @@ class Checkpointer:
             torch.set_rng_state(state[rng_key]["torch"])
         return int(state["trainer"]["step"])
 
-
     def load_model(self, path: "str | os.PathLike", model: nn.Module) -> int:
         """Load only the model of a checkpoint into ``model`` (collective; saved on any world
         size and plan, DCP reshards); returns its step."""
@@ -117,7 +336,6 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path))
         model.load_state_dict(state["model"])
         return int(state["trainer"]["step"])
-
 
 def load_unsharded(path: "str | os.PathLike", model: nn.Module, prefix: str = "model.") -> int:
     """Load the trained weights of a checkpoint into an unsharded ``model`` in this process

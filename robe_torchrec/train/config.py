@@ -90,6 +90,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"run.batch_size must be positive, got {run.batch_size}")
     if str(run.resume).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"run.resume must be auto, true or false, got {run.resume!r}")
+    _reliability(run)
+    if cfg.data.name == "synthetic" and not cfg.data.cardinality_scale > 0:
+        raise ConfigError(f"data.cardinality_scale must be > 0 (it multiplies the Criteo "
+                          f"table sizes), got {cfg.data.cardinality_scale}")
 
     mode = run.get("mode", "train")
     _choice(mode, MODES, "run.mode")
@@ -107,3 +111,19 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"run.predictions must be true or false, got {run.predictions!r}")
     if run.get("predictions") and mode != "eval":
         raise ConfigError("run.predictions=true needs run.mode=eval")
+
+
+def _reliability(run: DictConfig) -> None:
+    """The checkpoint-keeping and non-finite-guard settings of ``run``."""
+    for key in ("keep_checkpoints", "check_every", "max_rollbacks"):
+        if run.get(key, 0) < 0:
+            raise ConfigError(f"run.{key} must be >= 0, got {run[key]}"
+                              + (" (0 keeps every checkpoint)" if key == "keep_checkpoints"
+                                 else ""))
+    _choice(run.get("on_nonfinite", "stop"), ("stop", "rollback"), "run.on_nonfinite")
+    _choice(run.get("existing_checkpoints", "refuse"), ("refuse", "move"),
+            "run.existing_checkpoints")
+    scale = run.get("rollback_lr_scale", 0.5)
+    if not 0 < scale < 1:
+        raise ConfigError(f"run.rollback_lr_scale must be in (0, 1) (the learning rates are "
+                          f"multiplied by it on each rollback), got {scale}")

@@ -92,7 +92,16 @@ class FileSource:
                 empty = False
                 yield batch
             if empty:
-                raise ConfigError(f"data.{split}: no batches for this rank")
+                raise _no_batch(split, loader)
+
+    def check_inputs(self) -> None:
+        """Read the first batch of every split that is set, so a missing, empty, short or
+        malformed file fails before the first training step (not after the last)."""
+        for split in ("train", "val", "test"):
+            if self._splits.get(split):
+                loader = self._train_loader if split == "train" else self._make(split)
+                if next(iter(loader), None) is None:
+                    raise _no_batch(split, loader)
 
     def train_batches(self, start: int, count: int) -> Iterator[Batch]:
         if self._train is None or start != self._train_position:
@@ -111,6 +120,18 @@ class FileSource:
         if not self._splits.get(split):
             return None
         return itertools.islice(self._repeat(split, self._make(split)), count)
+
+
+def _no_batch(split: str, loader) -> ConfigError:
+    """A split too small for one batch on this rank, with its files and row count."""
+    files = ", ".join(getattr(loader, "paths", None) or getattr(loader, "prefixes", []))
+    rows = getattr(loader, "rows", None)  # npy: known up front, all ranks together
+    count = f"{rows} row(s)" if rows is not None else \
+        f"{loader.rows_read} good row(s) for rank {loader.rank}"
+    need = loader.batch_size * loader.world_size
+    return ConfigError(f"data.{split}: {files}: {count}, fewer than one batch per rank "
+                       f"(run.batch_size={loader.batch_size} x {loader.world_size} rank(s) "
+                       f"needs {need} rows)")
 
 
 def _paths(value, key: str) -> List[str]:
@@ -146,8 +167,11 @@ def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
             # a val/test prefix is halved by CriteoNpy (torchrec's split of the last day)
             stage = split if split != "train" and d.get("split_eval_prefix", True) else "train"
             return CriteoNpy(prefixes, batch, sizes, rank, world_size, drop_last=True,
-                             stage=stage, mmap_mode=d.mmap_mode)
-    return FileSource(make, splits, make("train"))
+                             stage=stage, mmap_mode=d.mmap_mode,
+                             check_values=d.get("check_values", True))
+    source = FileSource(make, splits, make("train"))
+    source.check_inputs()
+    return source
 
 
 def build_data(cfg: DictConfig, rank: int, world_size: int) -> DataSource:

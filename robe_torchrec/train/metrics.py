@@ -1,5 +1,6 @@
 """Metrics of a phase (AUC, log loss: torchmetrics, synced over ranks at ``compute``) and the
-run's ``metrics.csv`` (written by rank 0; a resumed run appends).
+run's ``metrics.csv`` (written by rank 0; a resumed run drops the rows past its checkpoint
+and appends, so each phase has at most one row per step).
 
 Example::
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +59,39 @@ class MetricsCsv:
         self.path = Path(path)
         self.enabled = enabled
 
+    def _rows(self) -> List[List[str]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, newline="") as f:
+            return list(csv.reader(f))[1:]
+
+    def _rewrite(self, keep: Callable[[List[str]], bool]) -> int:
+        """Keep the rows ``keep`` accepts; returns how many were dropped."""
+        rows = self._rows()
+        kept = [r for r in rows if keep(r)]
+        if len(kept) != len(rows):
+            tmp = self.path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(self.FIELDS)
+                w.writerows(kept)
+            os.replace(tmp, self.path)
+        return len(rows) - len(kept)
+
+    def rewind(self, step: int) -> int:
+        """Drop the rows past ``step`` (a run resumed or rolled back there writes them
+        again); returns how many were dropped."""
+        if not self.enabled:
+            return 0
+        return self._rewrite(lambda r: len(r) > 1 and r[1].isdigit() and int(r[1]) <= step)
+
     def write(self, phase: str, step: int, samples: Optional[int] = None,
               auc: Optional[float] = None, log_loss: Optional[float] = None,
               samples_per_s: Optional[float] = None, elapsed_s: Optional[float] = None) -> None:
+        """Append a row; one already there for the same phase and step is replaced."""
         if not self.enabled:
             return
+        self._rewrite(lambda r: r[:2] != [phase, str(step)])
         new = not self.path.exists()
         with open(self.path, "a", newline="") as f:
             w = csv.writer(f)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -32,14 +33,23 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
 from robe_torchrec.threads import choose_threads
-from robe_torchrec.train.checkpoint import Checkpointer, load_unsharded
+from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException, Checkpointer,
+                                            load_unsharded, on_rank0, read_manifest)
 from robe_torchrec.train.config import ConfigError, validate
+from robe_torchrec.train.guard import NonFiniteGuard
+from robe_torchrec.train.resume import compare, fingerprint, refusal
+from robe_torchrec.train.rundir import RunLock
 from robe_torchrec.train.data import build_data
 from robe_torchrec.train.metrics import MetricsCsv, PhaseMetrics
 from robe_torchrec.train.model import build_model, build_optimizer, build_predict_model, shard
 from robe_torchrec.train.pipeline import make_pipeline
 
 log = logging.getLogger("robe_torchrec.train")
+
+
+class NonFiniteError(RuntimeError):
+    """Training met inf / NaN (the message names the step and the tensors); no checkpoint
+    was written from that state."""
 
 
 def run(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
@@ -53,15 +63,20 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     validation and test metrics and the training throughput."""
     validate(cfg)
     trainer = Trainer(cfg, run_dir)
-    trainer.build()
-    trainer.resume()
-    with trainer.training():
-        while not trainer.done:
-            trainer.run_segment()
-            trainer.checkpoint()
-            trainer.evaluate()
-    results = trainer.finish()
-    trainer.export()
+    try:
+        trainer.build()
+        trainer.resume()
+        with trainer.training():
+            while not trainer.done:
+                trainer.run_segment()
+                if not trainer.healthy():  # rolled back to the last good checkpoint
+                    continue
+                trainer.checkpoint()
+                trainer.evaluate()
+        results = trainer.finish()
+        trainer.export()
+    finally:
+        trainer.close()
     return results
 
 
@@ -71,10 +86,13 @@ def evaluate(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     as :func:`train` does. Every rank calls it; one process is enough."""
     validate(cfg)
     trainer = Trainer(cfg, run_dir)
-    trainer.build()
-    trainer.load_weights(cfg.run.checkpoint)
-    results = trainer.finish()
-    trainer.export()
+    try:
+        trainer.build()
+        trainer.load_weights(cfg.run.checkpoint)
+        results = trainer.finish()
+        trainer.export()
+    finally:
+        trainer.close()
     return results
 
 
@@ -89,7 +107,9 @@ class Trainer:
         >>> trainer.resume()
         >>> with trainer.training():
         ...     trainer.run_segment()      # up to the first validation / checkpoint step
+        ...     trainer.healthy()          # inf/NaN: raises, or rolls back and says False
         >>> trainer.step, trainer.metrics(trainer.data.eval_batches("val", 8))
+        >>> trainer.close()                # releases the run directory's lock
     """
 
     def __init__(self, cfg: DictConfig, run_dir: "str | os.PathLike") -> None:
@@ -103,6 +123,14 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.run.keep_checkpoints)
         self.window = _Window()
         self.bar: Optional[tqdm] = None
+        self.lock = RunLock(self.run_dir)
+        self.guard = NonFiniteGuard()
+        self.rollbacks = 0
+        self.fingerprint = fingerprint(cfg, self.world)
+
+    def close(self) -> None:
+        """Release the run directory (every rank; rank 0 holds its lock)."""
+        self.lock.release()
 
     @property
     def done(self) -> bool:
@@ -116,7 +144,8 @@ class Trainer:
         # TorchRec logs several warnings per table while sharding; keep the run's log readable
         logging.getLogger("torchrec").setLevel(logging.ERROR)
         logging.getLogger().addFilter(_quiet_planner)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one run per directory; taking the lock also shows the directory is writable
+        on_rank0(self.lock.acquire)
         threads = choose_threads(run.threads)
         torch.set_num_threads(threads.threads)
         self.say("threads: %s", threads)
@@ -143,23 +172,126 @@ class Trainer:
                         "update (resume is not bitwise exact)")
 
     def resume(self) -> None:
-        """Continue from the run directory's last checkpoint, as ``run.resume`` says."""
+        """Continue from the run directory's last good checkpoint, as ``run.resume`` says;
+        a new run gets a new run id."""
         mode = str(self.run.resume).lower()
-        path = self.ckpt.latest() if mode != "false" else None
-        if path is None:
-            if mode == "true":
-                raise ConfigError(f"run.resume=true but there is no checkpoint in "
-                                  f"{self.ckpt.dir}")
-            return
-        self.step = self.ckpt.load(path, self.dmp, self.optimizer)
-        if isinstance(self.pipeline, SemiSyncPipeline):
-            # its start_batch counts batches: continue the count of the run we resume
-            self.pipeline.set_next_batch_index(self.step)
-        self.say("resumed from checkpoint %s at step %d", path, self.step)
+        found = self.ckpt.candidates()
+        if mode == "false" and found:
+            self.set_aside(found)
+            found = []
+        if found and self.load_good(found):
+            self.say("resumed from checkpoint %s at step %d (run %s)", self.resumed_from,
+                     self.step, self.ckpt.run_id)
+        elif mode == "true":
+            raise ConfigError(f"run.resume=true but there is no checkpoint in "
+                              f"{self.ckpt.dir}")
+        else:
+            self.ckpt.run_id = on_rank0(lambda: uuid.uuid4().hex[:12])
+            self.say("new run %s", self.ckpt.run_id)
+        dropped = on_rank0(lambda: self.csv.rewind(self.step))
+        if dropped:
+            log.warning("metrics.csv: dropped %d row(s) past step %d (written after the "
+                        "checkpoint this run starts from)", dropped, self.step)
+
+    def set_aside(self, found: List[Path]) -> None:
+        """``run.resume=false`` in a directory holding checkpoints: refuse, or with
+        ``run.existing_checkpoints=move`` rename them (and metrics.csv) aside."""
+        if self.run.get("existing_checkpoints", "refuse") != "move":
+            raise ConfigError(
+                f"run.resume=false but {self.ckpt.dir} holds checkpoints "
+                f"({', '.join(p.name for p in found)}) of an earlier run: use another run dir, "
+                f"resume it (run.resume=auto), or move them aside with "
+                f"run.existing_checkpoints=move")
+
+        def move() -> Path:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            target = self.ckpt.dir.with_name(f"{self.ckpt.dir.name}.old-{stamp}")
+            self.ckpt.dir.rename(target)
+            if self.csv.path.exists():
+                self.csv.path.rename(self.csv.path.with_name(f"metrics.old-{stamp}.csv"))
+            return target
+
+        target = on_rank0(move)
+        log.warning("run.resume=false: moved the earlier run's checkpoints %s to %s",
+                    ", ".join(p.name for p in found), target)
+
+    def load_good(self, found: List[Path]) -> bool:
+        """Load the newest of ``found`` that verifies, loads and holds finite values,
+        skipping (and renaming to ``step_N.bad``) each that does not, with a warning;
+        False when ``found`` is empty. A config mismatch is refused, not skipped."""
+        skipped = []
+        for path in found:
+            problem = self.ckpt.verify(path)
+            manifest = None if problem else on_rank0(lambda: read_manifest(path))
+            if manifest is not None:
+                self.check_compatible(path, manifest)
+            if problem is None:
+                try:
+                    step = self.ckpt.load(path, self.dmp, self.optimizer)
+                except (Exception, CheckpointException) as e:  # DCP: BaseException
+                    problem = f"cannot be read: {_last_line(e)}"
+            if problem is None:
+                problem = self.guard.check(self.dmp, self.optimizer, tensors=True)
+            if problem is not None:
+                log.warning("checkpoint %s is unusable (%s): trying the one before", path,
+                            problem)
+                skipped.append(f"{path.name}: {problem}")
+                self.ckpt.quarantine(path, problem)
+                continue
+            self.step, self.resumed_from = step, path
+            self.ckpt.run_id = (manifest or {}).get("run_id") or self.ckpt.run_id \
+                or on_rank0(lambda: uuid.uuid4().hex[:12])
+            if manifest is not None:
+                self.apply_overrides(compare(manifest.get("config", {}), self.fingerprint))
+            if isinstance(self.pipeline, SemiSyncPipeline):
+                # its start_batch counts batches: continue the count of the run we resume
+                self.pipeline.set_next_batch_index(self.step)
+            return True
+        if skipped:
+            raise CheckpointError(f"no usable checkpoint in {self.ckpt.dir}: "
+                                  + "; ".join(skipped))
+        return False
+
+    def check_compatible(self, path: Path, manifest: Dict) -> None:
+        """Refuse a checkpoint made with another resume-relevant config or past run.steps."""
+        saved = manifest.get("config")
+        if saved is not None:
+            refused = compare(saved, self.fingerprint).refused
+            if refused:
+                raise refusal(str(path), refused)
+        step = int(manifest.get("step", 0))
+        if step > self.run.steps:
+            raise ConfigError(
+                f"checkpoint {path} is at step {step}, past run.steps={self.run.steps}: "
+                f"resuming would report that model as this run's result. Raise run.steps to "
+                f"train on, or score it with run.mode=eval run.checkpoint={path}")
+
+    def apply_overrides(self, changes) -> None:
+        """Apply the learning rates of the config where they differ from the checkpoint's
+        config (the param groups hold the checkpoint's); logged."""
+        parts = dict(self.optimizer.optimizers)
+        for key, (then, now) in changes.allowed.items():
+            part = parts["dense" if key == "optimizer.dense_lr" else "embedding"]
+            for group in part.param_groups:
+                group["lr"] = now
+            log.warning("resume: %s changed from %s (checkpoint) to %s: applied", key, then, now)
+        if changes.allowed:
+            parts["embedding"].zero_grad()  # FBGEMM's fused optimizer picks up lr there
+
+    def scale_lrs(self, factor: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        dict(self.optimizer.optimizers)["embedding"].zero_grad()
 
     def load_weights(self, path: "str | os.PathLike") -> None:
-        """The model of checkpoint ``path`` (no optimizer state: nothing is trained)."""
-        self.step = self.ckpt.load_model(path, self.dmp)
+        """The model of checkpoint ``path`` (no optimizer state: nothing is trained), after
+        its checksums; refuses a damaged checkpoint or one holding inf/NaN."""
+        problem = self.ckpt.verify(path)
+        if problem is None:
+            self.step = self.ckpt.load_model(path, self.dmp)
+            problem = self.guard.check(self.dmp, self.optimizer, tensors=True)
+        if problem is not None:
+            raise CheckpointError(f"run.checkpoint={path} is unusable: {problem}")
         self.say("loaded the model of checkpoint %s (step %d)", path, self.step)
 
     @contextmanager
@@ -183,7 +315,8 @@ class Trainer:
         """Train up to the next validation / checkpoint step (or the last step)."""
         run = self.run
         ends = [run.steps] + [(self.step // every + 1) * every
-                              for every in (run.eval_every, run.checkpoint_every) if every]
+                              for every in (run.eval_every, run.checkpoint_every,
+                                            run.get("check_every", 0)) if every]
         end = min(ends)
         run_to_end(self.pipeline, self.data.train_batches(self.step, end - self.step),
                    self.on_step)
@@ -192,8 +325,9 @@ class Trainer:
 
     def on_step(self, output) -> None:
         """Called by the pipeline with each step's ``(loss, logits, labels)``."""
-        _loss, logits, labels = output
+        loss, logits, labels = output
         self.step += 1
+        self.guard.observe_loss(loss, self.step)
         self.window.update(logits, labels)
         self.bar.update(1)
         if (self.run.log_every and self.step % self.run.log_every == 0) \
@@ -211,13 +345,60 @@ class Trainer:
         self.csv.write("train", self.step, m["samples"], m["auc"], m["log_loss"], rate, elapsed)
         self.window.restart()
 
-    def checkpoint(self) -> None:
-        """Save a checkpoint if this step is a checkpoint step, or the last step (always
-        with ``run.export``: the export reads the final weights from it)."""
+    def checkpoint_due(self) -> bool:
+        """Whether this step is a checkpoint step, or the last step (always with
+        ``run.export``: the export reads the final weights from it)."""
         every = self.run.checkpoint_every
-        if (every and self.step % every == 0) or (self.done and (every or self.run.get("export"))):
-            path = self.ckpt.save(self.step, self.dmp, self.optimizer)
+        return bool((every and self.step % every == 0)
+                    or (self.done and (every or self.run.get("export"))))
+
+    def checkpoint(self) -> None:
+        """Save a checkpoint if :meth:`checkpoint_due`."""
+        if self.checkpoint_due():
+            path = self.ckpt.save(self.step, self.dmp, self.optimizer,
+                                  meta={"config": self.fingerprint})
             self.say("checkpoint %s", path)
+
+    def healthy(self) -> bool:
+        """At a segment end: True if the losses so far were finite (and the parameters and
+        optimizer state, scanned every ``run.check_every`` steps and before a checkpoint).
+        Otherwise, as ``run.on_nonfinite`` says: raise :class:`NonFiniteError` (``stop``),
+        or go back to the last good checkpoint with the learning rates scaled by
+        ``run.rollback_lr_scale`` and return False (``rollback``, at most
+        ``run.max_rollbacks`` times)."""
+        every = self.run.get("check_every", 0)
+        scan = self.checkpoint_due() or bool(every and self.step % every == 0)
+        problem = self.guard.check(self.dmp, self.optimizer, tensors=scan)
+        if problem is None:
+            return True
+        what = f"non-finite values at step {self.step}: {problem}"
+        good = self.ckpt.candidates()
+        if self.run.get("on_nonfinite", "stop") != "rollback":
+            raise NonFiniteError(
+                f"{what}. Training stopped; no checkpoint was written from this state (last "
+                f"good checkpoint: {good[0] if good else 'none'}). Lower the learning rates "
+                f"(optimizer.dense_lr / optimizer.embedding_lr), or set "
+                f"run.on_nonfinite=rollback")
+        limit = self.run.get("max_rollbacks", 3)
+        if self.rollbacks >= limit:
+            raise NonFiniteError(f"{what}. Training stopped: {self.rollbacks} rollback(s) done "
+                                 f"already (run.max_rollbacks={limit})")
+        if not good:
+            raise NonFiniteError(f"{what}. Training stopped: there is no checkpoint to roll "
+                                 f"back to (set run.checkpoint_every)")
+        self.guard.reset()
+        self.load_good(good)
+        self.rollbacks += 1
+        scale = self.run.get("rollback_lr_scale", 0.5)
+        self.scale_lrs(scale)
+        on_rank0(lambda: self.csv.rewind(self.step))
+        log.warning("%s: rolled back to checkpoint %s (step %d) with the learning rates x %g "
+                    "(rollback %d of at most %d)", what, self.resumed_from, self.step, scale,
+                    self.rollbacks, limit)
+        self.bar.n = self.step
+        self.bar.refresh()
+        self.window.discard()
+        return False
 
     def evaluate(self) -> None:
         """Validate if this step is a validation step before the last (which
@@ -364,9 +545,20 @@ class _Window:
         self.steps = 0
         return elapsed, steps, m
 
+    def discard(self) -> None:
+        """Forget the steps since the last log line (they were rolled back)."""
+        self.metrics.reset()
+        self.steps = 0
+        self.restart()
+
     def samples_per_s(self, samples_per_step: int) -> float:
         """The training rate over the timed windows (there must be one)."""
         return self.timed_steps * samples_per_step / self.timed_s
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def _quiet_planner(record: logging.LogRecord) -> bool:

@@ -179,3 +179,22 @@ def test_converter_bad_rows_error_or_skip(tmp_path):
     assert (result.rows, result.skipped_rows) == (5, 1)
     assert result.skipped_examples == [f"{tsv} line 5: expected 40 tab-separated fields, got 17"]
     assert _row_numbers(CriteoNpy(tmp_path / "out", batch_size=8)) == [0, 1, 2, 3, 5]
+
+
+@pytest.mark.parametrize("part, value, message", [
+    ("dense", np.nan, "{p}_dense.npy row 2: dense values must be finite"),
+    ("dense", np.inf, "{p}_dense.npy row 2: dense values must be finite"),
+    ("labels", 2, "{p}_labels.npy row 2: labels must be 0 or 1, got 2"),
+    ("labels", -1, "{p}_labels.npy row 2: labels must be 0 or 1, got -1"),
+    ("labels", 0.5, "{p}_labels.npy row 2: labels must be 0 or 1, got 0.5"),
+])
+def test_nonfinite_dense_and_bad_labels_name_file_and_row(tmp_path, part, value, message):
+    prefix = tmp_path / "x"
+    arrays = {"dense": np.zeros((4, 13), np.float32),
+              "labels": np.zeros((4, 1), np.float32 if value == 0.5 else np.int32)}
+    arrays[part][2, 0] = value
+    _write_prefix(prefix, **arrays)
+    with pytest.raises(ValueError) as err:
+        CriteoNpy(prefix, batch_size=2)
+    assert str(err.value).startswith(message.format(p=prefix))
+    CriteoNpy(prefix, batch_size=2, check_values=False)  # the check can be turned off

@@ -228,3 +228,17 @@ def test_shared_kaggle_sample():
             v = b.sparse_features[f"cat_{j}"].values()
             assert 0 <= v.min() and v.max() < n
         assert (b.dense_features >= 0).all()
+
+
+def test_truncated_and_corrupt_gzip_name_the_file(tmp_path):
+    rows = random_rows(2000)
+    data = gzip.compress(write_tsv(tmp_path / "a.tsv", rows).read_bytes())
+    cut = tmp_path / "cut.tsv.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"^{cut}: cannot read past line \d+: the compressed "
+                                         r"stream ends early: truncated .gz file\?"):
+        list(CriteoTsv(cut, batch_size=64))
+    bad = tmp_path / "bad.tsv.gz"
+    bad.write_bytes(b"this is not gzip\n" * 4)
+    with pytest.raises(ValueError, match=rf"^{bad}: cannot read past line 0: BadGzipFile"):
+        list(CriteoTsv(bad, batch_size=64))

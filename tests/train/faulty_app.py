@@ -7,6 +7,11 @@ Rank ``kill-rank`` exits (``os._exit(1)``) once the pipeline has trained step
 ``kill-at-step``, before that step is counted or logged, on the first attempt only
 (``TORCHELASTIC_RESTART_COUNT=0``): the restart resumes from the last checkpoint. The other
 arguments are the app's Hydra overrides.
+
+``--sigkill-in-save N`` instead SIGKILLs the process while it saves checkpoint ``step_N``:
+after DCP has written every file of ``step_N.tmp``, before the manifest and the rename::
+
+    python -m tests.train.faulty_app --sigkill-in-save 4 run.steps=6 run.checkpoint_every=2
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
-from robe_torchrec.train import app
+from robe_torchrec.train import app, checkpoint
 from robe_torchrec.train.trainer import Trainer
 
 log = logging.getLogger("robe_torchrec.train")
@@ -37,13 +43,32 @@ def inject_fault(kill_rank: int, kill_at_step: int) -> None:
     Trainer.on_step = on_step_or_crash
 
 
+def sigkill_in_save(step: int) -> None:
+    """Make the save of checkpoint ``step_<step>`` end in SIGKILL once DCP has written it."""
+    save = checkpoint.dcp.save
+
+    def save_then_die(state, checkpoint_id):
+        out = save(state, checkpoint_id=checkpoint_id)
+        if str(checkpoint_id).endswith(f"step_{step}.tmp"):
+            log.error("fault injection: SIGKILL while saving %s", checkpoint_id)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    checkpoint.dcp.save = save_then_die
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kill-rank", type=int, required=True)
-    parser.add_argument("--kill-at-step", type=int, required=True)
+    parser.add_argument("--kill-rank", type=int)
+    parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--sigkill-in-save", type=int)
     args, overrides = parser.parse_known_args()
     sys.argv = [sys.argv[0], *overrides]  # the rest is Hydra's
-    inject_fault(args.kill_rank, args.kill_at_step)
+    if args.sigkill_in_save is not None:
+        sigkill_in_save(args.sigkill_in_save)
+    else:
+        inject_fault(args.kill_rank, args.kill_at_step)
     app.main()
 
 

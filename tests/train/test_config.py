@@ -48,6 +48,11 @@ def test_every_group_option_is_valid(overrides):
     (["sharding.types=[diagonal]"], "sharding.types: unknown value 'diagonal'"),
     (["model.fast_interaction=maybe"], "model.fast_interaction must be true or false"),
     (["model=dcn", "+model.fast_interaction=true"], "fast_interaction=true needs model=dlrm"),
+    (["data.cardinality_scale=0"], "data.cardinality_scale must be > 0"),
+    (["run.keep_checkpoints=-1"], r"run.keep_checkpoints must be >= 0, got -1 \(0 keeps every"),
+    (["run.on_nonfinite=ignore"], "run.on_nonfinite: unknown value 'ignore'"),
+    (["run.rollback_lr_scale=2"], r"run.rollback_lr_scale must be in \(0, 1\)"),
+    (["run.existing_checkpoints=delete"], "run.existing_checkpoints: unknown value 'delete'"),
 ])
 def test_bad_config_is_refused_with_the_key_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

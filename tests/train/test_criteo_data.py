@@ -64,3 +64,29 @@ def test_file_source_continues_segments_and_rereads_only_on_resume():
     # a resume at step 2: read from the start again, drop two batches
     assert list(source.train_batches(2, 2)) == [2, 3]
     assert loader.produced == 7 + 4
+
+
+def _tsv_cfg(tmp_path, **splits):
+    return compose("data=criteo_tsv", "data.num_embeddings_per_feature=1000",
+                   *(f"data.{k}={v}" for k, v in splits.items()))
+
+
+def test_inputs_are_checked_before_the_first_step(tmp_path):
+    """A mistyped val/test path, an empty or short file fail while the source is built
+    (before training), naming the file and the row count."""
+    from robe_torchrec.train.data import build_data
+
+    good = write_tsv(tmp_path / "good.tsv", random_rows(40))
+    empty = write_tsv(tmp_path / "empty.tsv", [])
+    short = write_tsv(tmp_path / "short.tsv", random_rows(20))
+    build_data(_tsv_cfg(tmp_path, train=good, val=good), 0, 1)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope.tsv'} does not exist"):
+        build_data(_tsv_cfg(tmp_path, train=good, test=tmp_path / "nope.tsv"), 0, 1)
+    with pytest.raises(ConfigError, match=f"data.val: {empty}: 0 good row"):
+        build_data(_tsv_cfg(tmp_path, train=good, val=empty), 0, 1)
+    with pytest.raises(ConfigError, match=rf"data.train: {short}: 20 good row\(s\) for rank 0, "
+                                          r"fewer than one batch per rank \(run.batch_size=32 "
+                                          r"x 1 rank\(s\) needs 32 rows\)"):
+        build_data(_tsv_cfg(tmp_path, train=short), 0, 1)
+    with pytest.raises(ConfigError, match=rf"{good}: 20 good row\(s\) for rank 1"):
+        build_data(_tsv_cfg(tmp_path, train=good), 1, 2)

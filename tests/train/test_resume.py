@@ -58,11 +58,13 @@ def test_resume_true_without_checkpoint_is_an_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_false_starts_over_and_old_checkpoints_are_pruned(tmp_path):
+def test_resume_false_moves_old_checkpoints_aside_and_rotation_prunes_this_runs(tmp_path):
     with one_rank_group():
         train(compose("run.steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=2"),
               tmp_path / "r")
         kept = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
         assert kept == ["step_4", "step_6"]
-        out = train(compose("run.steps=2", "run.resume=false"), tmp_path / "r")
+        out = train(compose("run.steps=2", "run.resume=false", "run.existing_checkpoints=move"),
+                    tmp_path / "r")
     assert out["step"] == 2
+    assert not (tmp_path / "r" / "checkpoints").exists()  # this run saved none
