@@ -482,13 +482,24 @@ def test_large_memory_and_block_spanning_ranges():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_output_takes_the_streaming_store(dtype):
-    """Outputs of 2 MiB and more are written with non-temporal stores (AVX builds): an odd row
-    width makes rows start unaligned and end in a tail, both of which take the scalar path."""
+def test_large_output_with_unaligned_rows(dtype):
+    """A 2 MiB output whose odd row width makes rows start unaligned and end in a tail."""
     batch = 4096
     case = random_case(83, dims=[67, 64], batch=batch, block_size=8, dtype=dtype, max_bag=2)
     assert case.output_dim % 2 == 1 and batch * case.output_dim * dtype.itemsize >= 2 << 20
     assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_tile_buffers_grow_with_long_bags(weighted):
+    """The forward's per-tile buffers start empty and grow bag by bag: bags of up to 600 ids
+    among short and empty ones make them grow many times inside one tile (and on 2 threads,
+    in each thread's own buffers)."""
+    case = random_case(91, dims=[16, 5], batch=40, max_bag=600, block_size=4, weighted=weighted)
+    expected = reference.forward(*case.forward_args())
+    for threads in (1, 2):
+        with num_threads(threads):
+            assert_close(cpu.forward(*case.forward_args()), expected)
 
 
 # ---------------------------------------------------------------------------------------

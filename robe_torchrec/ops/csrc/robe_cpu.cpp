@@ -12,10 +12,6 @@
 
 #include <torch/extension.h>
 
-#ifdef __AVX__
-#include <immintrin.h>
-#endif
-
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -403,39 +399,6 @@ inline void add_scaled(acc_t* __restrict__ dst, const scalar_t* __restrict__ src
   for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;
 }
 
-// Copies a finished output row out of the thread's row buffer. Large outputs use
-// non-temporal stores: they do not fit in cache anyway, and streaming them skips the read
-// for ownership that a plain store of a cold line costs (half of the output traffic).
-#ifdef __AVX__
-inline void stream_vector(float* dst, const float* src) { _mm256_stream_ps(dst, _mm256_loadu_ps(src)); }
-inline void stream_vector(double* dst, const double* src) { _mm256_stream_pd(dst, _mm256_loadu_pd(src)); }
-#endif
-
-template <typename scalar_t, typename acc_t>
-inline void store_row(scalar_t* __restrict__ dst, const acc_t* __restrict__ src, int64_t n, bool stream) {
-#ifdef __AVX__
-  if constexpr (std::is_same_v<scalar_t, acc_t> &&
-                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
-    if (stream) {
-      constexpr int64_t kWidth = 32 / sizeof(scalar_t);  // one 256-bit vector
-      int64_t j = 0;
-      for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
-      for (; j + kWidth <= n; j += kWidth) stream_vector(dst + j, src + j);
-      for (; j < n; ++j) dst[j] = src[j];
-      return;
-    }
-  }
-#endif
-  (void)stream;
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
-}
-
-inline void store_fence() {
-#ifdef __AVX__
-  _mm_sfence();
-#endif
-}
-
 // at::parallel_for with dynamic load balancing: f(begin, end) runs on consecutive chunks of
 // `chunk` indices, handed to the pool's threads as they become free, so a thread slowed by
 // another process (shared cores) does not hold the whole call back. No result depends on
@@ -468,8 +431,31 @@ inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
 // prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
 // overlap instead of each one stalling the loop.
 constexpr int64_t kTileEntries = 64;
-// Outputs at least this large are written with non-temporal stores.
-constexpr int64_t kStreamBytes = int64_t(1) << 21;
+
+// One tile's hashed lookups (pass 1 of the forward), read back by pass 2. The arrays only
+// grow: room is made once per bag, so the per-block loop writes through raw pointers.
+template <typename acc_t>
+struct TileBuf {
+  std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
+  std::vector<acc_t> scales;    // scale of each valid value
+  std::vector<int64_t> counts;  // valid values of each bag (sample-major)
+  int64_t n_starts = 0, n_scales = 0;
+  void start_tile(int64_t bags) {
+    n_starts = n_scales = 0;
+    if (static_cast<int64_t>(counts.size()) < bags) counts.resize(static_cast<size_t>(bags));
+  }
+  // room for `values` more values of `blocks` blocks each
+  void make_room(int64_t values, int64_t blocks) {
+    grow(scales, n_scales + values);
+    grow(starts, n_starts + values * blocks);
+  }
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t need) {
+    if (static_cast<int64_t>(v.size()) < need) {
+      v.resize(std::max<size_t>(static_cast<size_t>(need), 2 * v.size()));
+    }
+  }
+};
 
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, bool kHashOnly>
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
@@ -483,31 +469,17 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t grain = std::max<int64_t>(1, 32768 / work_per_sample);
   const int64_t entries_per_sample = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(B, 1));
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
-  const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
-    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
-    acc_t* __restrict__ row = row_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
     // this one is gathered, so every prefetch has a whole tile of work to land.
-    struct TileBuf {
-      std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
-      std::vector<acc_t> scales;    // scale of each valid value
-      std::vector<int64_t> counts;  // valid values of each bag (sample-major)
-    };
-    TileBuf bufs[2];
-    for (TileBuf& tb : bufs) {
-      tb.starts.reserve(4 * kTileEntries);
-      tb.scales.reserve(2 * kTileEntries);
-      tb.counts.reserve(static_cast<size_t>(tile * T));
-    }
+    TileBuf<acc_t> bufs[2];
     uint64_t local_sum = 0;
 
     // pass 1 of samples [tb0, tb1): checks, scales, hashing, prefetch
-    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf& buf) {
-      buf.starts.clear();
-      buf.scales.clear();
-      buf.counts.clear();
+    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
+      buf.start_tile((tb1 - tb0) * T);
+      int64_t* cn = buf.counts.data();
       for (int64_t b = tb0; b < tb1; ++b) {
         for (int64_t t = 0; t < T; ++t) {
           const Feature& f = L.feats[t];
@@ -519,6 +491,9 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
           } else if (s >= 0 && e <= N) {  // else: offsets decrease elsewhere, reported there
             const acc_t len = static_cast<acc_t>(e - s);
             const scalar_t* wf = w + f.w_offset;
+            if constexpr (!kHashOnly) buf.make_room(e - s, f.nblocks);
+            int64_t* __restrict__ st = buf.starts.data() + buf.n_starts;
+            acc_t* __restrict__ sc = buf.scales.data() + buf.n_scales;
             for (int64_t p = s; p < e; ++p) {
               const int64_t id = static_cast<int64_t>(vals[p]);
               const uint64_t key = f.key(id);
@@ -546,25 +521,32 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
               if constexpr (kHashOnly) {
                 hash.blocks(key, f, [&](int64_t, uint64_t start) { local_sum += start; });
               } else {
-                buf.scales.push_back(scale);
+                *sc++ = scale;
                 hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
                   prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
-                  buf.starts.push_back(f.w_offset + static_cast<int64_t>(start));
+                  *st++ = f.w_offset + static_cast<int64_t>(start);
                 });
               }
             }
+            if constexpr (!kHashOnly) {
+              buf.n_starts = st - buf.starts.data();
+              buf.n_scales = sc - buf.scales.data();
+            }
           }
-          buf.counts.push_back(valid);
+          *cn++ = valid;
         }
       }
     };
 
-    // pass 2 of samples [tb0, tb1): gather and pool each row in the row buffer, store it
-    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf& buf) {
+    // pass 2 of samples [tb0, tb1): gather and pool each row straight into the output (a
+    // row buffer copied out with non-temporal stores measured ~10% slower at 1 thread, and
+    // no faster at 2: benchmarks/results/cpu_ops.md, "Forward against its floor")
+    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf<acc_t>& buf) {
       const int64_t* st = buf.starts.data();
       const acc_t* sc = buf.scales.data();
       const int64_t* cn = buf.counts.data();
       for (int64_t b = tb0; b < tb1; ++b) {
+        acc_t* __restrict__ row = out + b * out_dim;
         std::fill(row, row + out_dim, acc_t(0));
         for (int64_t t = 0; t < T; ++t) {
           const Feature& f = L.feats[t];
@@ -580,7 +562,6 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
             }
           }
         }
-        store_row(out + b * out_dim, row, out_dim, stream);
       }
     };
 
@@ -596,7 +577,6 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         gather_tile(tb0, tb1, bufs[cur]);
         cur ^= 1;
       }
-      store_fence();
     }
   });
   return checksum.load();
