@@ -482,8 +482,9 @@ def test_large_memory_and_block_spanning_ranges():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_output_with_unaligned_rows(dtype):
-    """A 2 MiB output whose odd row width makes rows start unaligned and end in a tail."""
+def test_large_output_takes_the_streaming_store(dtype):
+    """Outputs of 2 MiB and more are written with non-temporal stores (AVX builds): an odd row
+    width makes rows start unaligned and end in a tail, both of which take the scalar path."""
     batch = 4096
     case = random_case(83, dims=[67, 64], batch=batch, block_size=8, dtype=dtype, max_bag=2)
     assert case.output_dim % 2 == 1 and batch * case.output_dim * dtype.itemsize >= 2 << 20

@@ -12,6 +12,10 @@
 
 #include <torch/extension.h>
 
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -399,6 +403,39 @@ inline void add_scaled(acc_t* __restrict__ dst, const scalar_t* __restrict__ src
   for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;
 }
 
+// Copies a finished output row out of the thread's row buffer. Large outputs use
+// non-temporal stores: they do not fit in cache anyway, and streaming them skips the read
+// for ownership that a plain store of a cold line costs (half of the output traffic).
+#ifdef __AVX__
+inline void stream_vector(float* dst, const float* src) { _mm256_stream_ps(dst, _mm256_loadu_ps(src)); }
+inline void stream_vector(double* dst, const double* src) { _mm256_stream_pd(dst, _mm256_loadu_pd(src)); }
+#endif
+
+template <typename scalar_t, typename acc_t>
+inline void store_row(scalar_t* __restrict__ dst, const acc_t* __restrict__ src, int64_t n, bool stream) {
+#ifdef __AVX__
+  if constexpr (std::is_same_v<scalar_t, acc_t> &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+    if (stream) {
+      constexpr int64_t kWidth = 32 / sizeof(scalar_t);  // one 256-bit vector
+      int64_t j = 0;
+      for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0; ++j) dst[j] = src[j];
+      for (; j + kWidth <= n; j += kWidth) stream_vector(dst + j, src + j);
+      for (; j < n; ++j) dst[j] = src[j];
+      return;
+    }
+  }
+#endif
+  (void)stream;
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
+}
+
+inline void store_fence() {
+#ifdef __AVX__
+  _mm_sfence();
+#endif
+}
+
 // at::parallel_for with dynamic load balancing: f(begin, end) runs on consecutive chunks of
 // `chunk` indices, handed to the pool's threads as they become free, so a thread slowed by
 // another process (shared cores) does not hold the whole call back. No result depends on
@@ -431,6 +468,8 @@ inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
 // prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
 // overlap instead of each one stalling the loop.
 constexpr int64_t kTileEntries = 64;
+// Outputs at least this large are written with non-temporal stores.
+constexpr int64_t kStreamBytes = int64_t(1) << 21;
 
 // One tile's hashed lookups (pass 1 of the forward), read back by pass 2. The arrays only
 // grow: room is made once per bag, so the per-block loop writes through raw pointers.
@@ -469,8 +508,11 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t grain = std::max<int64_t>(1, 32768 / work_per_sample);
   const int64_t entries_per_sample = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(B, 1));
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
+  const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
+    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
+    acc_t* __restrict__ row = row_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
     // this one is gathered, so every prefetch has a whole tile of work to land.
     TileBuf<acc_t> bufs[2];
@@ -538,15 +580,12 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
       }
     };
 
-    // pass 2 of samples [tb0, tb1): gather and pool each row straight into the output (a
-    // row buffer copied out with non-temporal stores measured ~10% slower at 1 thread, and
-    // no faster at 2: benchmarks/results/cpu_ops.md, "Forward against its floor")
+    // pass 2 of samples [tb0, tb1): gather and pool each row in the row buffer, store it
     auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf<acc_t>& buf) {
       const int64_t* st = buf.starts.data();
       const acc_t* sc = buf.scales.data();
       const int64_t* cn = buf.counts.data();
       for (int64_t b = tb0; b < tb1; ++b) {
-        acc_t* __restrict__ row = out + b * out_dim;
         std::fill(row, row + out_dim, acc_t(0));
         for (int64_t t = 0; t < T; ++t) {
           const Feature& f = L.feats[t];
@@ -562,6 +601,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
             }
           }
         }
+        store_row(out + b * out_dim, row, out_dim, stream);
       }
     };
 
@@ -577,6 +617,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         gather_tile(tb0, tb1, bufs[cur]);
         cur ^= 1;
       }
+      store_fence();
     }
   });
   return checksum.load();
