@@ -471,31 +471,6 @@ constexpr int64_t kTileEntries = 64;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
 
-// One tile's hashed lookups (pass 1 of the forward), read back by pass 2. The arrays only
-// grow: room is made once per bag, so the per-block loop writes through raw pointers.
-template <typename acc_t>
-struct TileBuf {
-  std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
-  std::vector<acc_t> scales;    // scale of each valid value
-  std::vector<int64_t> counts;  // valid values of each bag (sample-major)
-  int64_t n_starts = 0, n_scales = 0;
-  void start_tile(int64_t bags) {
-    n_starts = n_scales = 0;
-    if (static_cast<int64_t>(counts.size()) < bags) counts.resize(static_cast<size_t>(bags));
-  }
-  // room for `values` more values of `blocks` blocks each
-  void make_room(int64_t values, int64_t blocks) {
-    grow(scales, n_scales + values);
-    grow(starts, n_starts + values * blocks);
-  }
-  template <typename V>
-  static void grow(std::vector<V>& v, int64_t need) {
-    if (static_cast<int64_t>(v.size()) < need) {
-      v.resize(std::max<size_t>(static_cast<size_t>(need), 2 * v.size()));
-    }
-  }
-};
-
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, bool kHashOnly>
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
@@ -515,13 +490,24 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
     acc_t* __restrict__ row = row_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
     // this one is gathered, so every prefetch has a whole tile of work to land.
-    TileBuf<acc_t> bufs[2];
+    struct TileBuf {
+      std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
+      std::vector<acc_t> scales;    // scale of each valid value
+      std::vector<int64_t> counts;  // valid values of each bag (sample-major)
+    };
+    TileBuf bufs[2];
+    for (TileBuf& tb : bufs) {
+      tb.starts.reserve(4 * kTileEntries);
+      tb.scales.reserve(2 * kTileEntries);
+      tb.counts.reserve(static_cast<size_t>(tile * T));
+    }
     uint64_t local_sum = 0;
 
     // pass 1 of samples [tb0, tb1): checks, scales, hashing, prefetch
-    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
-      buf.start_tile((tb1 - tb0) * T);
-      int64_t* cn = buf.counts.data();
+    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf& buf) {
+      buf.starts.clear();
+      buf.scales.clear();
+      buf.counts.clear();
       for (int64_t b = tb0; b < tb1; ++b) {
         for (int64_t t = 0; t < T; ++t) {
           const Feature& f = L.feats[t];
@@ -533,9 +519,6 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
           } else if (s >= 0 && e <= N) {  // else: offsets decrease elsewhere, reported there
             const acc_t len = static_cast<acc_t>(e - s);
             const scalar_t* wf = w + f.w_offset;
-            if constexpr (!kHashOnly) buf.make_room(e - s, f.nblocks);
-            int64_t* __restrict__ st = buf.starts.data() + buf.n_starts;
-            acc_t* __restrict__ sc = buf.scales.data() + buf.n_scales;
             for (int64_t p = s; p < e; ++p) {
               const int64_t id = static_cast<int64_t>(vals[p]);
               const uint64_t key = f.key(id);
@@ -563,25 +546,21 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
               if constexpr (kHashOnly) {
                 hash.blocks(key, f, [&](int64_t, uint64_t start) { local_sum += start; });
               } else {
-                *sc++ = scale;
+                buf.scales.push_back(scale);
                 hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
                   prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
-                  *st++ = f.w_offset + static_cast<int64_t>(start);
+                  buf.starts.push_back(f.w_offset + static_cast<int64_t>(start));
                 });
               }
             }
-            if constexpr (!kHashOnly) {
-              buf.n_starts = st - buf.starts.data();
-              buf.n_scales = sc - buf.scales.data();
-            }
           }
-          *cn++ = valid;
+          buf.counts.push_back(valid);
         }
       }
     };
 
     // pass 2 of samples [tb0, tb1): gather and pool each row in the row buffer, store it
-    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf<acc_t>& buf) {
+    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf& buf) {
       const int64_t* st = buf.starts.data();
       const acc_t* sc = buf.scales.data();
       const int64_t* cn = buf.counts.data();
