@@ -48,9 +48,11 @@ Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
 * ``total``: the median of the per-iteration sum forward + backward + optimizer;
 * ``model MB``: the learned weights (optimizer state not counted).
 
-Every row uses the same pre-generated batches; each model is built just before it is timed and
-freed after. All thread counts of a row run back to back in one process, so every ratio in the
-"targets" section comes from one run.
+Every row uses the same pre-generated batches. The rows of one loss and optimizer whose
+arrays hold at most 10M floats (floors, pytorch ROBE-Z, ours) are built together and timed
+interleaved, one train step of each in turn (in alternating order), so the load of other
+processes hits a row and its floor alike; full tables (hundreds of MB each) run alone. All
+thread counts run in one process, so every ratio in the "targets" sections comes from one run.
 
 Run::
 
@@ -140,6 +142,7 @@ def make_batches(sizes: Sizes, count: int, seed: int = 0) -> List[Batch]:
 
 
 LOSSES = ("pair", "sum")
+INTERLEAVE_MAX_FLOATS = 10_000_000  # rows of arrays up to this size are timed interleaved
 LOSS_TEXT = {"pair": "sum(e1*e2)", "sum": "sum(outputs)"}
 
 
@@ -168,7 +171,7 @@ class Runner:
 
     size_floats: int = 0
     split: str = ""  # "exact" | "estimate" | "" (no hashing/lookup split)
-    loss: str = "pair"  # one of LOSSES, set by run_spec
+    loss: str = "pair"  # one of LOSSES, set by run_specs
 
     def prepare(self, batches: Sequence[Batch]) -> None:
         pass
@@ -554,28 +557,42 @@ class Result:
     unavailable: Optional[str] = None
 
 
-def time_runner(runner: Runner, batches: Sequence[Batch], warmup: int, iters: int
-                ) -> Dict[str, float]:
-    samples: Dict[str, List[float]] = {}
+def one_iteration(runner: Runner, batch: Batch, index: int) -> Dict[str, float]:
+    """One timed train step of ``runner`` (seconds per phase) and its forward split."""
+    t0 = time.perf_counter()
+    out = runner.forward(batch)
+    t1 = time.perf_counter()
+    runner.backward(out)
+    t2 = time.perf_counter()
+    runner.step()
+    t3 = time.perf_counter()
+    del out
+    row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0}
+    row.update(runner.extra(index, batch))
+    return row
+
+
+def backend_of(spec: "RowSpec") -> Callable[[], contextlib.AbstractContextManager]:
+    """A fresh context (each is single-use) running the ops on the row's CPU backend."""
+    return (lambda: cpu_backend(spec.backend)) if spec.backend else contextlib.nullcontext
+
+
+def time_runners(runners: Sequence[Tuple[Runner, Callable[[], contextlib.AbstractContextManager]]],
+                 batches: Sequence[Batch], warmup: int, iters: int) -> List[Dict[str, float]]:
+    """Median ms per phase of each runner; every iteration steps all runners back to back
+    (in alternating order, each under its own backend), so load hits them alike."""
+    samples: List[Dict[str, List[float]]] = [{} for _ in runners]
     for it in range(warmup + iters):
         index = it % len(batches)
-        batch = batches[index]
-        t0 = time.perf_counter()
-        out = runner.forward(batch)
-        t1 = time.perf_counter()
-        runner.backward(out)
-        t2 = time.perf_counter()
-        runner.step()
-        t3 = time.perf_counter()
-        del out
-        split = runner.extra(index, batch)
-        if it < warmup:
-            continue
-        row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0}
-        row.update(split)
-        for k, v in row.items():
-            samples.setdefault(k, []).append(v)
-    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+        order = list(range(len(runners)))
+        for i in order if it % 2 == 0 else reversed(order):
+            runner, backend = runners[i]
+            with backend():
+                row = one_iteration(runner, batches[index], index)
+            if it >= warmup:
+                for k, v in row.items():
+                    samples[i].setdefault(k, []).append(v)
+    return [{k: statistics.median(v) * 1e3 for k, v in s.items()} for s in samples]
 
 
 def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optional[str]:
@@ -595,38 +612,58 @@ def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optio
     return None
 
 
-def run_spec(spec: RowSpec, threads: Sequence[int], batches: Sequence[Batch], sizes: Sizes,
-             warmup: int, iters: int) -> List[Result]:
-    results = [Result(spec, k) for k in threads]
-    try:
-        backend = cpu_backend(spec.backend) if spec.backend else contextlib.nullcontext()
-        with backend:
-            runner = spec.build()
-            runner.loss = spec.loss
-            try:
+def _error_text(exc: Exception) -> str:
+    if isinstance(exc, Unavailable):
+        return str(exc)
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequence[Batch],
+              sizes: Sizes, warmup: int, iters: int) -> List[Result]:
+    """Times the rows of ``specs`` together, interleaved iteration by iteration, at each
+    thread count; a row that cannot be built or fails is reported and the others go on."""
+    results = {id(spec): [Result(spec, k) for k in threads] for spec in specs}
+    live: List[Tuple[RowSpec, Runner, Callable[[], contextlib.AbstractContextManager]]] = []
+
+    def fail(spec: RowSpec, exc: Exception) -> None:
+        for res in results[id(spec)]:
+            res.unavailable = _error_text(exc)
+
+    for spec in specs:
+        backend = backend_of(spec)
+        try:
+            with backend():
+                runner = spec.build()
+                runner.loss = spec.loss
                 runner.prepare(batches)
                 warning = check_against_reference(runner, batches[0], sizes)
-                for res in results:
-                    torch.set_num_threads(res.threads)
-                    res.phases = time_runner(runner, batches, warmup, iters)
-                    res.split = runner.split
-                    if warning:
-                        res.notes.append(warning)
-                if not runner.finite():
-                    for res in results:
-                        res.notes.append("non-finite weights after training")
-            finally:
-                big = runner.size_floats > 10_000_000
-                del runner
-                if big:
-                    gc.collect()
-    except Unavailable as exc:
-        for res in results:
-            res.unavailable = str(exc)
-    except Exception as exc:  # a row failing must not lose the others
-        for res in results:
-            res.unavailable = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return results
+        except Exception as exc:  # a row failing must not lose the others
+            fail(spec, exc)
+            continue
+        for res in results[id(spec)]:
+            res.split = runner.split
+            if warning:
+                res.notes.append(warning)
+        live.append((spec, runner, backend))
+    try:
+        for j, k in enumerate(threads):
+            torch.set_num_threads(k)
+            phases = time_runners([(r, b) for _, r, b in live], batches, warmup, iters)
+            for (spec, _, _), p in zip(live, phases):
+                results[id(spec)][j].phases = p
+        for spec, runner, backend in live:
+            if not runner.finite():
+                for res in results[id(spec)]:
+                    res.notes.append("non-finite weights after training")
+    except Exception as exc:  # the group's timing failed: report it on every row of the group
+        for spec, _, _ in live:
+            fail(spec, exc)
+    finally:
+        big = any(r.size_floats > 10_000_000 for _, r, _ in live)
+        live.clear()
+        if big:
+            gc.collect()
+    return [res for spec in specs for res in results[id(spec)]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1024,15 +1061,23 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         print(f"[{time.perf_counter() - t0:6.1f}s] forward floor section", file=sys.stderr, flush=True)
     results: List[Result] = []
     for opt, loss in [(o, x) for x in args.losses for o in args.optimizers]:
-        for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend):
-            spec = dataclasses.replace(spec, loss=loss)
+        specs = [dataclasses.replace(spec, loss=loss)
+                 for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend)]
+        # rows of ROBE-sized arrays run interleaved; full tables (hundreds of MB each) alone
+        small = [spec for spec in specs if spec.floats <= INTERLEAVE_MAX_FLOATS]
+        groups = [small] + [[spec] for spec in specs if spec.floats > INTERLEAVE_MAX_FLOATS]
+        for group in filter(None, groups):
             t0 = time.perf_counter()
-            rs = run_spec(spec, threads, batches, sizes, warmup, iters)
+            rs = run_specs(group, threads, batches, sizes, warmup, iters)
             results.extend(rs)
-            status = rs[0].unavailable or ", ".join(
-                f"{r.threads}t total {r.phases.get('total', float('nan')):.1f} ms" for r in rs)
-            print(f"[{time.perf_counter() - t0:6.1f}s] {spec.key} {opt} {loss}: {status}",
-                  file=sys.stderr, flush=True)
+            for r in rs:
+                status = r.unavailable or f"total {r.phases.get('total', float('nan')):.1f} ms"
+                print(f"[{time.perf_counter() - t0:6.1f}s] {r.spec.key} {opt} {loss} "
+                      f"{r.threads}t: {status}", file=sys.stderr, flush=True)
+    # the tables list rows in row_specs' order within each (loss, optimizer)
+    order = {(loss, opt): i for i, (opt, loss) in enumerate(
+        [(o, x) for x in args.losses for o in args.optimizers])}
+    results.sort(key=lambda r: order[(r.spec.loss, r.spec.optimizer)])
 
     load_end = loadavg()
     command = "python -m benchmarks.cpu_ops " + " ".join(

@@ -44,3 +44,20 @@ def test_quick_report_states_the_floor_targets():
     floor_rows = [line for line in report.splitlines() if line.startswith("| floor |")]
     assert len(floor_rows) == 2 * len(sizes.robe_sizes)
     assert all("| 1.00x | 1.00x |" in line for line in floor_rows)
+
+
+def test_interleaved_rows_report_a_failing_row_and_keep_the_others():
+    sizes = cpu_ops.QUICK_SIZES
+    batches = cpu_ops.make_batches(sizes, count=2)
+
+    def broken() -> cpu_ops.Runner:
+        raise cpu_ops.Unavailable("not here")
+
+    floor = cpu_ops.RowSpec("floor-1", "floor", "sgd", "dense", 4096, None,
+                            lambda: cpu_ops.Floor(sizes, "sgd", 4096), loss="sum")
+    bad = cpu_ops.RowSpec("bad", "bad", "sgd", "dense", 4096, None, broken)
+    results = cpu_ops.run_specs([floor, bad], [1], batches, sizes, warmup=0, iters=2)
+    assert [r.spec.key for r in results] == ["floor-1", "bad"]
+    assert results[0].unavailable is None and results[0].phases["total"] > 0
+    assert "read" in results[0].phases  # the floor's one read of a gradient, timed apart
+    assert results[1].unavailable == "not here" and not results[1].phases
