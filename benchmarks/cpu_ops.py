@@ -558,7 +558,10 @@ class Result:
 
 
 def one_iteration(runner: Runner, batch: Batch, index: int) -> Dict[str, float]:
-    """One timed train step of ``runner`` (seconds per phase) and its forward split."""
+    """One timed train step of ``runner`` (seconds per phase) and its forward split.
+    ``cpu total`` is the calling thread's CPU time for the step: at 1 thread all of the
+    step's work, and not inflated by time spent descheduled on a busy machine."""
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     out = runner.forward(batch)
     t1 = time.perf_counter()
@@ -566,8 +569,10 @@ def one_iteration(runner: Runner, batch: Batch, index: int) -> Dict[str, float]:
     t2 = time.perf_counter()
     runner.step()
     t3 = time.perf_counter()
+    c3 = time.thread_time()
     del out
-    row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0}
+    row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
+           "cpu total": c3 - c0}
     row.update(runner.extra(index, batch))
     return row
 
@@ -672,9 +677,9 @@ def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequenc
 
 COLUMNS = ("model", "loss", "optimizer", "gradient", "floats", "Z", "forward", "hashing", "lookup",
            "other", "backward", "optimizer step", "total", "forward / floor", "total / floor",
-           "model MB", "notes")
+           "CPU total", "CPU total / floor", "model MB", "notes")
 TEXT_COLUMNS = ("model", "loss", "optimizer", "gradient", "floats", "Z", "forward / floor",
-                "total / floor", "model MB", "notes")
+                "total / floor", "CPU total / floor", "model MB", "notes")
 
 
 def fmt(value: Optional[float], prefix: str = "") -> str:
@@ -710,7 +715,7 @@ def result_cells(res: Result, floor: Optional[Result] = None) -> List[str]:
             str(s.block_size or "-")]
     notes = [n for n in [s.note] + res.notes if n]
     if res.unavailable is not None:
-        return head + ["n/a"] * 9 + [f"{mb(s.floats):.1f}", "; ".join(notes + [res.unavailable])]
+        return head + ["n/a"] * 11 + [f"{mb(s.floats):.1f}", "; ".join(notes + [res.unavailable])]
     p = res.phases
     hashing = lookup = other = None
     prefix = ""
@@ -734,6 +739,7 @@ def result_cells(res: Result, floor: Optional[Result] = None) -> List[str]:
                    fmt(p["backward"]), fmt(optimizer), fmt(p["total"]),
                    ratio_text(_div(p["forward"], fp.get("forward"))),
                    ratio_text(_div(p["total"], fp.get("total"))),
+                   fmt(p.get("cpu total")), ratio_text(_div(p.get("cpu total"), fp.get("cpu total"))),
                    f"{mb(s.floats):.1f}", "; ".join(notes)]
 
 
@@ -880,12 +886,13 @@ def time_forwards(sizes: Sizes, threads: Sequence[int], batches: Sequence[Batch]
                     torch.set_num_threads(k)
                     order = list(fns.items())
                     for name, fn in order if it % 2 == 0 else reversed(order):
-                        t0 = time.perf_counter()
+                        c0, t0 = time.thread_time(), time.perf_counter()
                         out = fn(batch)
-                        elapsed = time.perf_counter() - t0
+                        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
                         del out
                         if it >= warmup:
                             samples.setdefault((k, name), []).append(elapsed)
+                            samples.setdefault((k, f"cpu {name}"), []).append(cpu)
     return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
 
 
@@ -894,8 +901,12 @@ def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[i
     header = ["case"] + [f"{c} ({k}t)" for k in threads for c in ("ms", "/ floor")]
     if 1 in threads and len(threads) > 1:
         header += [f"{k}t / 1t" for k in threads if k != 1]
+    if 1 in threads:
+        header += ["CPU ms (1t)", "CPU / floor (1t)"]
+    cpu_floor = fwd.get((1, "cpu floor"))
     rows = [["forward floor"] + [x for k in threads for x in (fmt(fwd.get((k, "floor"))), "1.00x")]
-            + ["" for k in threads if k != 1 and 1 in threads and len(threads) > 1]]
+            + ["" for k in threads if k != 1 and 1 in threads and len(threads) > 1]
+            + ([fmt(cpu_floor), "1.00x"] if 1 in threads else [])]
     for case in forward_cases(sizes):
         row = [case.name]
         for k in threads:
@@ -904,6 +915,9 @@ def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[i
         if 1 in threads and len(threads) > 1:
             row += [ratio_text(_div(fwd.get((k, case.name)), fwd.get((1, case.name))))
                     for k in threads if k != 1]
+        if 1 in threads:
+            cpu = fwd.get((1, f"cpu {case.name}"))
+            row += [fmt(cpu), ratio_text(_div(cpu, cpu_floor))]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -934,9 +948,10 @@ def floor_targets_section(fwd: Dict[Tuple[int, str], float], results: Sequence[R
                           threads: Sequence[int], sizes: Sizes) -> str:
     table = Targets()
     for case in forward_cases(sizes):
-        if 1 in threads:
-            table.add("forward / forward floor", case.name, 1, "-",
-                      _div(fwd.get((1, case.name)), fwd.get((1, "floor"))), FWD_FLOOR_RATIO, False)
+        if 1 in threads:  # CPU time: at 1 thread all the work, not inflated by descheduling
+            table.add("forward / forward floor (CPU time)", case.name, 1, "-",
+                      _div(fwd.get((1, f"cpu {case.name}")), fwd.get((1, "cpu floor"))),
+                      FWD_FLOOR_RATIO, False)
         for k in threads:
             if k != 1 and 1 in threads:
                 table.add("forward / our 1-thread forward", case.name, k, "-",
@@ -947,9 +962,11 @@ def floor_targets_section(fwd: Dict[Tuple[int, str], float], results: Sequence[R
         if r.spec.model != "ours" or r.spec.loss != "sum" or not r.phases:
             continue
         floor = floor_of(r, floors, sizes)
-        table.add("step / step floor, sum(outputs)",
+        # 1 thread: CPU time of the step (see one_iteration); more threads: wall time
+        phase = "cpu total" if r.threads == 1 else "total"
+        table.add(f"step / step floor, sum(outputs) ({'CPU' if r.threads == 1 else 'wall'} time)",
                   f"ours {r.spec.gradient} M={r.spec.floats:,} Z={r.spec.block_size}", r.threads,
-                  r.spec.optimizer, _div(r.phases["total"], floor.phases["total"] if floor else None),
+                  r.spec.optimizer, _div(r.phases[phase], floor.phases[phase] if floor else None),
                   STEP_FLOOR_RATIO, False)
     return table.render()
 
@@ -1102,7 +1119,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "hashing = the C++ kernel's forward_hash_only (its loops, id checks and hashes without "
         "gathers and writes), `~` lookup = forward - hashing); backward = loss + autograd backward "
         "(includes the update for fused rows); optimizer step = step + zero_grad; "
-        "total = forward + backward + optimizer step (median of per-iteration sums). "
+        "total = forward + backward + optimizer step (median of per-iteration sums); CPU "
+        "total = the calling thread's CPU time for the step (at 1 thread all of its work, and "
+        "not inflated by time spent descheduled: on a busy machine wall time inflates a call "
+        "longer than a scheduler slice more than a short one, which biases wall-time ratios "
+        "against the slower row; at 2 threads it misses the worker thread's share). "
         "forward / floor and total / floor: the row's forward over the forward floor's, its "
         "total over the step floor's (the `floor` row of the same loss, optimizer, threads and "
         "array; rows of another size: the smallest array's floor).",
