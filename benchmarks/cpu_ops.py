@@ -878,6 +878,8 @@ def time_forwards(sizes: Sizes, threads: Sequence[int], batches: Sequence[Batch]
         for case in forward_cases(sizes):
             runner = Robe(sizes, "sgd", case.memory, case.block_size, "dense", case.hash_mode, "")
             fns[case.name] = lambda batch, runner=runner: runner.lookup(batch.values, batch.offsets)
+            if backend == "cpp" and _cpp_hash_only():  # the kernel's loops and hashing alone
+                fns[f"hash {case.name}"] = lambda batch, runner=runner: runner._hash_only(batch)
         samples: Dict[Tuple[int, str], List[float]] = {}
         with torch.no_grad():
             for it in range(warmup + iters):
@@ -902,11 +904,11 @@ def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[i
     if 1 in threads and len(threads) > 1:
         header += [f"{k}t / 1t" for k in threads if k != 1]
     if 1 in threads:
-        header += ["CPU ms (1t)", "CPU / floor (1t)"]
+        header += ["CPU ms (1t)", "CPU / floor (1t)", "hashing CPU ms (1t)", "hashing / floor (1t)"]
     cpu_floor = fwd.get((1, "cpu floor"))
     rows = [["forward floor"] + [x for k in threads for x in (fmt(fwd.get((k, "floor"))), "1.00x")]
             + ["" for k in threads if k != 1 and 1 in threads and len(threads) > 1]
-            + ([fmt(cpu_floor), "1.00x"] if 1 in threads else [])]
+            + ([fmt(cpu_floor), "1.00x", "", ""] if 1 in threads else [])]
     for case in forward_cases(sizes):
         row = [case.name]
         for k in threads:
@@ -917,7 +919,9 @@ def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[i
                     for k in threads if k != 1]
         if 1 in threads:
             cpu = fwd.get((1, f"cpu {case.name}"))
-            row += [fmt(cpu), ratio_text(_div(cpu, cpu_floor))]
+            hashing = fwd.get((1, f"cpu hash {case.name}"))
+            row += [fmt(cpu), ratio_text(_div(cpu, cpu_floor)), fmt(hashing),
+                    ratio_text(_div(hashing, cpu_floor))]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -1136,6 +1140,14 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "thread count back to back, medians in ms.",
         "",
         forward_floor_section(fwd, threads, sizes) if fwd else "(not run: needs the 'ours' rows)",
+        "",
+        f"Bytes per forward: the output is {2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB, "
+        "written once (the floor's whole work); the gathers read "
+        f"{2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB of weights in "
+        f"{2 * sizes.batch:,} x dim/Z random blocks of Z floats (each block spans 1-3 cache "
+        "lines, anywhere in the array). hashing = `forward_hash_only` (the kernel's loops, id "
+        "checks and hashes without gathers and writes); the rest of CPU ms is the gathers, "
+        "the pooling and the stores.",
         "",
         "## Step rows",
         "",
