@@ -17,7 +17,18 @@ SGD, Adagrad and Adam:
 * ``ours``: the C++ ops (``cpu_backend("cpp")``), dense gradient + ``torch.optim`` and fused
   (the package's :func:`robe_torchrec.fused_lookup.fused_lookup`, whose
   ``robe::backward_fused_`` applies the optimizer inside backward), same arrays, Z = 32, plus
-  Z = 8 rows at 2,621,440 floats.
+  Z = 8 rows at 2,621,440 floats;
+* ``floor``: the step floor of each array size: the same loss and ``torch.optim`` optimizer
+  around an embedding whose forward only writes its output from a cache-resident source
+  (the forward floor) and whose backward only reads its gradient once.
+
+Every row runs with each loss of ``--losses``: ``sum(e1*e2)`` (the seed benchmarks') and
+``sum(outputs)`` (whose backward is little more than the embedding's own). Each row reports
+its forward and total over the floor's; a separate section times our forward alone against
+the forward floor for both hashes, Z = 8 and 32 and both arrays, interleaved; another sets
+our backward against one read of its gradient. The targets against the floors (forward <=
+1.5x its floor at 1 thread, 2 threads <= 0.6x our 1-thread forward, step <= 1.5x the step
+floor with ``sum(outputs)``) are reported met or missed with margins.
 
 Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
 
@@ -37,21 +48,25 @@ Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
 * ``total``: the median of the per-iteration sum forward + backward + optimizer;
 * ``model MB``: the learned weights (optimizer state not counted).
 
-Every row uses the same pre-generated batches; each model is built just before it is timed and
-freed after. All thread counts of a row run back to back in one process, so every ratio in the
-"targets" section comes from one run.
+Every row uses the same pre-generated batches. The rows of one loss and optimizer whose
+arrays hold at most 10M floats (floors, pytorch ROBE-Z, ours) are built together and timed
+interleaved, one train step of each in turn (in alternating order), so the load of other
+processes hits a row and its floor alike; full tables (hundreds of MB each) run alone. All
+thread counts run in one process, so every ratio in the "targets" sections comes from one run.
 
 Run::
 
     python -m benchmarks.cpu_ops                      # threads 1 and 2
     python -m benchmarks.cpu_ops --quick              # tiny sizes (smoke test)
     python -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
+    python -m benchmarks.cpu_ops --rows floor ours    # only what the floor targets need
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import math
@@ -126,8 +141,21 @@ def make_batches(sizes: Sizes, count: int, seed: int = 0) -> List[Batch]:
     return batches
 
 
+LOSSES = ("pair", "sum")
+INTERLEAVE_MAX_FLOATS = 10_000_000  # rows of arrays up to this size are timed interleaved
+LOSS_TEXT = {"pair": "sum(e1*e2)", "sum": "sum(outputs)"}
+
+
 def pair_loss(first: Tensor, second: Tensor) -> Tensor:
     return (first * second).sum()
+
+
+def loss_of(name: str, out: Tensor, halves: Callable[[Tensor], Tuple[Tensor, Tensor]]) -> Tensor:
+    """``pair``: sum(e1 * e2) over the two pooled embeddings; ``sum``: sum(outputs), whose
+    gradient is all ones, so the embedding's own backward is most of the step's."""
+    if name == "pair":
+        return pair_loss(*halves(out))
+    return out.sum()
 
 
 def mb(floats: int) -> float:
@@ -143,6 +171,7 @@ class Runner:
 
     size_floats: int = 0
     split: str = ""  # "exact" | "estimate" | "" (no hashing/lookup split)
+    loss: str = "pair"  # one of LOSSES, set by run_specs
 
     def prepare(self, batches: Sequence[Batch]) -> None:
         pass
@@ -150,8 +179,13 @@ class Runner:
     def forward(self, batch: Batch) -> Tensor:
         raise NotImplementedError
 
+    def halves(self, out: Tensor) -> Tuple[Tensor, Tensor]:
+        """The two lookups' pooled embeddings in ``out`` (default: [2B, D], feature-major)."""
+        half = out.shape[0] // 2
+        return out[:half], out[half:]
+
     def backward(self, out: Tensor) -> None:
-        raise NotImplementedError
+        loss_of(self.loss, out, self.halves).backward()
 
     def step(self) -> None:
         pass
@@ -191,10 +225,6 @@ class FullTable(Runner):
 
     def forward(self, batch: Batch) -> Tensor:
         return self.emb(batch.values, batch.offsets)  # [2B, D], feature-major
-
-    def backward(self, out: Tensor) -> None:
-        half = out.shape[0] // 2
-        pair_loss(out[:half], out[half:]).backward()
 
     def step(self) -> None:
         self.opt.step()
@@ -259,8 +289,8 @@ class Fbgemm(Runner):
     def forward(self, batch: Batch) -> Tensor:
         return self.tbe(batch.values, batch.offsets)  # [B, 2D]
 
-    def backward(self, out: Tensor) -> None:
-        pair_loss(out[:, : self.dim], out[:, self.dim :]).backward()  # fused update
+    def halves(self, out: Tensor) -> Tuple[Tensor, Tensor]:
+        return out[:, : self.dim], out[:, self.dim :]  # [B, 2D]; backward runs the fused update
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(w).all()) for w in self.tbe.split_embedding_weights())
@@ -314,10 +344,6 @@ class Robe(Runner):
             return self.lookup(batch.values, batch.offsets)
         args = LookupArgs(batch.values, batch.offsets, None, self.layout_args)
         return fused_lookup(self.weights, self.fused_opt, args)
-
-    def backward(self, out: Tensor) -> None:
-        b = self.sizes.batch
-        pair_loss(out[:b], out[b:]).backward()
 
     def step(self) -> None:
         if self.mode == "dense":
@@ -389,6 +415,64 @@ class Robe(Runner):
 
 
 # ---------------------------------------------------------------------------------------
+# the floors
+# ---------------------------------------------------------------------------------------
+
+FLOOR_SOURCE_ROWS = 256  # 64 KB at dim 64: the floor's source stays in L1/L2
+
+
+def floor_forward(source: Tensor, rows: int) -> Tensor:
+    """The forward floor: a fresh [rows, D] float output written from the cache-resident
+    ``source`` (what any lookup must at least do: allocate and write its output)."""
+    out = source.new_empty(rows, source.shape[1])
+    k = math.gcd(rows, source.shape[0])
+    out.view(rows // k, k, -1).copy_(source[:k].expand(rows // k, k, source.shape[1]))
+    return out
+
+
+class _FloorLookup(torch.autograd.Function):
+    """An embedding whose forward is :func:`floor_forward` and whose backward reads its
+    gradient once (one sum) and hands the optimizer an all-zero gradient but for one entry."""
+
+    @staticmethod
+    def forward(ctx, weights: Tensor, source: Tensor, rows: int) -> Tensor:  # type: ignore[override]
+        ctx.numel = weights.numel()
+        return floor_forward(source, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        grad_weights = grad.new_zeros(ctx.numel)
+        grad_weights[0] = grad.sum()
+        return grad_weights, None, None
+
+
+class Floor(Runner):
+    """The step floor: the same loss and optimizer (``torch.optim``, on an array of
+    ``memory`` floats) as the other rows around the :class:`_FloorLookup` embedding. Its
+    ``read`` split is one read of a materialised [2B, D] gradient (``sum``)."""
+
+    def __init__(self, sizes: Sizes, optimizer: str, memory: int):
+        self.rows = 2 * sizes.batch
+        self.source = torch.randn(FLOOR_SOURCE_ROWS, sizes.dim)
+        self.weights = nn.Parameter(torch.zeros(memory))
+        self.opt = torch_optimizer(optimizer, [self.weights], sparse=False)
+        self.size_floats = memory
+        self._grad = torch.randn(self.rows, sizes.dim)
+
+    def forward(self, batch: Batch) -> Tensor:
+        return _FloorLookup.apply(self.weights, self.source, self.rows)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def extra(self, index: int, batch: Batch) -> Dict[str, float]:
+        t0 = time.perf_counter()
+        float(self._grad.sum())
+        return {"read": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------
 # row specs
 # ---------------------------------------------------------------------------------------
 
@@ -403,16 +487,26 @@ class RowSpec:
     build: Callable[[], Runner]
     backend: Optional[str] = None  # cpu_backend for ROBE rows
     note: str = ""
+    loss: str = "pair"
 
 
 def robe_key(kind: str, memory: int, z: int) -> str:
     return f"{kind}-{memory}-z{z}"
 
 
+def floor_key(memory: int) -> str:
+    return f"floor-{memory}"
+
+
 def row_specs(sizes: Sizes, optimizer: str, groups: Sequence[str], hash_mode: HashMode,
               ours_backend: str) -> List[RowSpec]:
     full = sizes.num_embeddings * sizes.dim
     specs: List[RowSpec] = []
+    if "floor" in groups:
+        for memory in sizes.robe_sizes:
+            specs.append(RowSpec(floor_key(memory), "floor", optimizer, "dense", memory, None,
+                                 (lambda memory=memory: Floor(sizes, optimizer, memory)),
+                                 note="write the output; backward reads its gradient once"))
     if "full" in groups:
         sparse_note = "torch.optim.SparseAdam" if optimizer == "adam" else ""
         specs.append(RowSpec("full-sparse", "full table", optimizer, "sparse", full, None,
@@ -463,28 +557,47 @@ class Result:
     unavailable: Optional[str] = None
 
 
-def time_runner(runner: Runner, batches: Sequence[Batch], warmup: int, iters: int
-                ) -> Dict[str, float]:
-    samples: Dict[str, List[float]] = {}
+def one_iteration(runner: Runner, batch: Batch, index: int) -> Dict[str, float]:
+    """One timed train step of ``runner`` (seconds per phase) and its forward split.
+    ``cpu total`` is the calling thread's CPU time for the step: at 1 thread all of the
+    step's work, and not inflated by time spent descheduled on a busy machine."""
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    out = runner.forward(batch)
+    t1 = time.perf_counter()
+    runner.backward(out)
+    t2 = time.perf_counter()
+    runner.step()
+    t3 = time.perf_counter()
+    c3 = time.thread_time()
+    del out
+    row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
+           "cpu total": c3 - c0}
+    row.update(runner.extra(index, batch))
+    return row
+
+
+def backend_of(spec: "RowSpec") -> Callable[[], contextlib.AbstractContextManager]:
+    """A fresh context (each is single-use) running the ops on the row's CPU backend."""
+    return (lambda: cpu_backend(spec.backend)) if spec.backend else contextlib.nullcontext
+
+
+def time_runners(runners: Sequence[Tuple[Runner, Callable[[], contextlib.AbstractContextManager]]],
+                 batches: Sequence[Batch], warmup: int, iters: int) -> List[Dict[str, float]]:
+    """Median ms per phase of each runner; every iteration steps all runners back to back
+    (in alternating order, each under its own backend), so load hits them alike."""
+    samples: List[Dict[str, List[float]]] = [{} for _ in runners]
     for it in range(warmup + iters):
         index = it % len(batches)
-        batch = batches[index]
-        t0 = time.perf_counter()
-        out = runner.forward(batch)
-        t1 = time.perf_counter()
-        runner.backward(out)
-        t2 = time.perf_counter()
-        runner.step()
-        t3 = time.perf_counter()
-        del out
-        split = runner.extra(index, batch)
-        if it < warmup:
-            continue
-        row = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0}
-        row.update(split)
-        for k, v in row.items():
-            samples.setdefault(k, []).append(v)
-    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+        order = list(range(len(runners)))
+        for i in order if it % 2 == 0 else reversed(order):
+            runner, backend = runners[i]
+            with backend():
+                row = one_iteration(runner, batches[index], index)
+            if it >= warmup:
+                for k, v in row.items():
+                    samples[i].setdefault(k, []).append(v)
+    return [{k: statistics.median(v) * 1e3 for k, v in s.items()} for s in samples]
 
 
 def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optional[str]:
@@ -504,45 +617,69 @@ def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optio
     return None
 
 
-def run_spec(spec: RowSpec, threads: Sequence[int], batches: Sequence[Batch], sizes: Sizes,
-             warmup: int, iters: int) -> List[Result]:
-    results = [Result(spec, k) for k in threads]
-    try:
-        backend = cpu_backend(spec.backend) if spec.backend else contextlib.nullcontext()
-        with backend:
-            runner = spec.build()
-            try:
+def _error_text(exc: Exception) -> str:
+    if isinstance(exc, Unavailable):
+        return str(exc)
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequence[Batch],
+              sizes: Sizes, warmup: int, iters: int) -> List[Result]:
+    """Times the rows of ``specs`` together, interleaved iteration by iteration, at each
+    thread count; a row that cannot be built or fails is reported and the others go on."""
+    results = {id(spec): [Result(spec, k) for k in threads] for spec in specs}
+    live: List[Tuple[RowSpec, Runner, Callable[[], contextlib.AbstractContextManager]]] = []
+
+    def fail(spec: RowSpec, exc: Exception) -> None:
+        for res in results[id(spec)]:
+            res.unavailable = _error_text(exc)
+
+    for spec in specs:
+        backend = backend_of(spec)
+        try:
+            with backend():
+                runner = spec.build()
+                runner.loss = spec.loss
                 runner.prepare(batches)
                 warning = check_against_reference(runner, batches[0], sizes)
-                for res in results:
-                    torch.set_num_threads(res.threads)
-                    res.phases = time_runner(runner, batches, warmup, iters)
-                    res.split = runner.split
-                    if warning:
-                        res.notes.append(warning)
-                if not runner.finite():
-                    for res in results:
-                        res.notes.append("non-finite weights after training")
-            finally:
-                big = runner.size_floats > 10_000_000
-                del runner
-                if big:
-                    gc.collect()
-    except Unavailable as exc:
-        for res in results:
-            res.unavailable = str(exc)
-    except Exception as exc:  # a row failing must not lose the others
-        for res in results:
-            res.unavailable = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return results
+        except Exception as exc:  # a row failing must not lose the others
+            fail(spec, exc)
+            continue
+        for res in results[id(spec)]:
+            res.split = runner.split
+            if warning:
+                res.notes.append(warning)
+        live.append((spec, runner, backend))
+    try:
+        for j, k in enumerate(threads):
+            torch.set_num_threads(k)
+            phases = time_runners([(r, b) for _, r, b in live], batches, warmup, iters)
+            for (spec, _, _), p in zip(live, phases):
+                results[id(spec)][j].phases = p
+        for spec, runner, backend in live:
+            if not runner.finite():
+                for res in results[id(spec)]:
+                    res.notes.append("non-finite weights after training")
+    except Exception as exc:  # the group's timing failed: report it on every row of the group
+        for spec, _, _ in live:
+            fail(spec, exc)
+    finally:
+        big = any(r.size_floats > 10_000_000 for _, r, _ in live)
+        live.clear()
+        if big:
+            gc.collect()
+    return [res for spec in specs for res in results[id(spec)]]
 
 
 # ---------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------
 
-COLUMNS = ("model", "optimizer", "gradient", "floats", "Z", "forward", "hashing", "lookup",
-           "other", "backward", "optimizer step", "total", "model MB", "notes")
+COLUMNS = ("model", "loss", "optimizer", "gradient", "floats", "Z", "forward", "hashing", "lookup",
+           "other", "backward", "optimizer step", "total", "forward / floor", "total / floor",
+           "CPU total", "CPU total / floor", "model MB", "notes")
+TEXT_COLUMNS = ("model", "loss", "optimizer", "gradient", "floats", "Z", "forward / floor",
+                "total / floor", "CPU total / floor", "model MB", "notes")
 
 
 def fmt(value: Optional[float], prefix: str = "") -> str:
@@ -555,12 +692,30 @@ def fmt(value: Optional[float], prefix: str = "") -> str:
     return f"{prefix}{value:.3f}"
 
 
-def result_cells(res: Result) -> List[str]:
+def floor_of(res: Result, floors: Dict[Tuple[int, str, str, int], Result],
+             sizes: Sizes) -> Optional[Result]:
+    """The floor row of ``res``: same threads, optimizer, loss and array size (rows without
+    an array of one of the ROBE sizes: the smallest one's)."""
+    memory = res.spec.floats if res.spec.floats in sizes.robe_sizes else min(sizes.robe_sizes)
+    return floors.get((res.threads, res.spec.optimizer, res.spec.loss, memory))
+
+
+def floor_index(results: Sequence[Result]) -> Dict[Tuple[int, str, str, int], Result]:
+    return {(r.threads, r.spec.optimizer, r.spec.loss, r.spec.floats): r for r in results
+            if r.spec.model == "floor" and r.unavailable is None and r.phases}
+
+
+def ratio_text(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def result_cells(res: Result, floor: Optional[Result] = None) -> List[str]:
     s = res.spec
-    head = [s.model, s.optimizer, s.gradient, f"{s.floats:,}", str(s.block_size or "-")]
+    head = [s.model, LOSS_TEXT[s.loss], s.optimizer, s.gradient, f"{s.floats:,}",
+            str(s.block_size or "-")]
     notes = [n for n in [s.note] + res.notes if n]
     if res.unavailable is not None:
-        return head + ["n/a"] * 7 + [f"{mb(s.floats):.1f}", "; ".join(notes + [res.unavailable])]
+        return head + ["n/a"] * 11 + [f"{mb(s.floats):.1f}", "; ".join(notes + [res.unavailable])]
     p = res.phases
     hashing = lookup = other = None
     prefix = ""
@@ -579,8 +734,12 @@ def result_cells(res: Result) -> List[str]:
     if s.gradient == "fused":
         notes.append("update fused in backward")
     hashing_prefix = "" if res.split == "kernel" else prefix
+    fp = floor.phases if floor is not None else {}
     return head + [fmt(p["forward"]), fmt(hashing, hashing_prefix), fmt(lookup, prefix), fmt(other),
                    fmt(p["backward"]), fmt(optimizer), fmt(p["total"]),
+                   ratio_text(_div(p["forward"], fp.get("forward"))),
+                   ratio_text(_div(p["total"], fp.get("total"))),
+                   fmt(p.get("cpu total")), ratio_text(_div(p.get("cpu total"), fp.get("cpu total"))),
                    f"{mb(s.floats):.1f}", "; ".join(notes)]
 
 
@@ -590,39 +749,27 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def results_tables(results: Sequence[Result], threads: Sequence[int]) -> str:
+def results_tables(results: Sequence[Result], threads: Sequence[int], sizes: Sizes) -> str:
+    floors = floor_index(results)
     parts = []
     for k in threads:
-        rows = [result_cells(r) for r in results if r.threads == k]
-        header = [c if c in ("model", "optimizer", "gradient", "floats", "Z", "model MB", "notes")
-                  else f"{c} (ms)" for c in COLUMNS]
+        rows = [result_cells(r, floor_of(r, floors, sizes)) for r in results if r.threads == k]
+        header = [c if c in TEXT_COLUMNS else f"{c} (ms)" for c in COLUMNS]
         parts.append(f"### {k} thread{'s' if k > 1 else ''}\n\n" + markdown_table(header, rows))
     return "\n\n".join(parts)
 
 
 def targets_section(results: Sequence[Result], threads: Sequence[int], sizes: Sizes) -> str:
+    # the targets of this section are stated for the loss sum(e1*e2)
     index = {(r.threads, r.spec.optimizer, r.spec.key): r for r in results
-             if r.unavailable is None and r.phases}
+             if r.unavailable is None and r.phases and r.spec.loss == "pair"}
 
     def get(k, opt, key, phase):
         r = index.get((k, opt, key))
         return None if r is None else r.phases.get(phase)
 
-    rows: List[List[str]] = []
-    counts = {"PASS": 0, "MISS": 0}
-
-    def add(target: str, case: str, k: int, opt: str, value: Optional[float], goal: float,
-            higher_is_better: bool, unit: str = "x"):
-        if value is None:
-            rows.append([target, case, str(k), opt, "n/a", "", "n/a", ""])
-            return
-        margin = value / goal if higher_is_better else (goal / value if value > 0 else math.inf)
-        verdict = "PASS" if margin >= 1 else "MISS"
-        counts[verdict] += 1
-        goal_text = (">= " if higher_is_better else "<= ") + (f"{goal:g}{unit}" if unit == "x"
-                                                               else f"{goal:.0%}")
-        value_text = f"{value:.2f}x" if unit == "x" else f"{value:.1%}"
-        rows.append([target, case, str(k), opt, value_text, goal_text, verdict, f"{margin:.2f}"])
+    table = Targets()
+    add = table.add
 
     z = sizes.block_size
     opts = [o for o in OPTIMIZERS if any(r.spec.optimizer == o for r in results)]
@@ -662,10 +809,170 @@ def targets_section(results: Sequence[Result], threads: Sequence[int], sizes: Si
                         shares.append(max(fwd - r.phases["lookup"], 0.0) / fwd)
             add("our hashing share of forward (~)", f"M={memory:,} Z={zz}", k, "all",
                 statistics.median(shares) if shares else None, HASHING_SHARE, False, unit="%")
-    header = ["target", "case", "threads", "optimizer", "value", "goal", "verdict", "margin"]
-    summary = (f"{counts['PASS']} PASS, {counts['MISS']} MISS. margin = how far past the goal "
-               "(value/goal for speedups, goal/value for ratios and shares): >= 1 passes.")
-    return summary + "\n\n" + markdown_table(header, rows)
+    return table.render()
+
+
+class Targets:
+    """Rows of target checks: value, goal, verdict and margin (how far past the goal)."""
+
+    def __init__(self) -> None:
+        self.rows: List[List[str]] = []
+        self.counts = {"PASS": 0, "MISS": 0}
+
+    def add(self, target: str, case: str, k: int, opt: str, value: Optional[float], goal: float,
+            higher_is_better: bool, unit: str = "x") -> None:
+        if value is None:
+            self.rows.append([target, case, str(k), opt, "n/a", "", "n/a", ""])
+            return
+        margin = value / goal if higher_is_better else (goal / value if value > 0 else math.inf)
+        verdict = "PASS" if margin >= 1 else "MISS"
+        self.counts[verdict] += 1
+        goal_text = (">= " if higher_is_better else "<= ") + (f"{goal:g}{unit}" if unit == "x"
+                                                               else f"{goal:.0%}")
+        value_text = f"{value:.2f}x" if unit == "x" else f"{value:.1%}"
+        self.rows.append([target, case, str(k), opt, value_text, goal_text, verdict, f"{margin:.2f}"])
+
+    def render(self) -> str:
+        header = ["target", "case", "threads", "optimizer", "value", "goal", "verdict", "margin"]
+        summary = (f"{self.counts['PASS']} PASS, {self.counts['MISS']} MISS. margin = how far "
+                   "past the goal (value/goal for speedups, goal/value for ratios and shares): "
+                   ">= 1 passes (met), < 1 misses.")
+        return summary + "\n\n" + markdown_table(header, self.rows)
+
+
+# ---------------------------------------------------------------------------------------
+# against the floors
+# ---------------------------------------------------------------------------------------
+
+FWD_FLOOR_RATIO = 1.5  # our 1-thread forward / the 1-thread forward floor
+FWD_TWO_THREADS = 0.6  # our 2-thread forward / our 1-thread forward
+STEP_FLOOR_RATIO = 1.5  # our step / the step floor, loss sum(outputs)
+
+
+@dataclass(frozen=True)
+class ForwardCase:
+    hash_mode: HashMode
+    memory: int
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.hash_mode.name.lower()} hash, M={self.memory:,} Z={self.block_size}"
+
+
+def forward_cases(sizes: Sizes) -> List[ForwardCase]:
+    zs = sorted({sizes.small_block_size, sizes.block_size})
+    return [ForwardCase(h, memory, z) for h in (HashMode.REFERENCE, HashMode.MIX)
+            for memory in sizes.robe_sizes for z in zs]
+
+
+def time_forwards(sizes: Sizes, threads: Sequence[int], batches: Sequence[Batch], warmup: int,
+                  iters: int, backend: str) -> Dict[Tuple[int, str], float]:
+    """Median ms of the forward floor (``"floor"``) and of our forward in every
+    :func:`forward_cases` case, per thread count. Each iteration runs all of them at every
+    thread count back to back (in alternating order), so load hits them alike."""
+    source = torch.randn(FLOOR_SOURCE_ROWS, sizes.dim)
+    fns: Dict[str, Callable[[Batch], Tensor]] = {
+        "floor": lambda batch: floor_forward(source, 2 * sizes.batch)}
+    with cpu_backend(backend):
+        for case in forward_cases(sizes):
+            runner = Robe(sizes, "sgd", case.memory, case.block_size, "dense", case.hash_mode, "")
+            fns[case.name] = lambda batch, runner=runner: runner.lookup(batch.values, batch.offsets)
+            if backend == "cpp" and _cpp_hash_only():  # the kernel's loops and hashing alone
+                fns[f"hash {case.name}"] = lambda batch, runner=runner: runner._hash_only(batch)
+        samples: Dict[Tuple[int, str], List[float]] = {}
+        with torch.no_grad():
+            for it in range(warmup + iters):
+                batch = batches[it % len(batches)]
+                for k in threads:
+                    torch.set_num_threads(k)
+                    order = list(fns.items())
+                    for name, fn in order if it % 2 == 0 else reversed(order):
+                        c0, t0 = time.thread_time(), time.perf_counter()
+                        out = fn(batch)
+                        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                        del out
+                        if it >= warmup:
+                            samples.setdefault((k, name), []).append(elapsed)
+                            samples.setdefault((k, f"cpu {name}"), []).append(cpu)
+    return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+
+
+def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[int],
+                          sizes: Sizes) -> str:
+    header = ["case"] + [f"{c} ({k}t)" for k in threads for c in ("ms", "/ floor")]
+    if 1 in threads and len(threads) > 1:
+        header += [f"{k}t / 1t" for k in threads if k != 1]
+    if 1 in threads:
+        header += ["CPU ms (1t)", "CPU / floor (1t)", "hashing CPU ms (1t)", "hashing / floor (1t)"]
+    cpu_floor = fwd.get((1, "cpu floor"))
+    rows = [["forward floor"] + [x for k in threads for x in (fmt(fwd.get((k, "floor"))), "1.00x")]
+            + ["" for k in threads if k != 1 and 1 in threads and len(threads) > 1]
+            + ([fmt(cpu_floor), "1.00x", "", ""] if 1 in threads else [])]
+    for case in forward_cases(sizes):
+        row = [case.name]
+        for k in threads:
+            ms = fwd.get((k, case.name))
+            row += [fmt(ms), ratio_text(_div(ms, fwd.get((k, "floor"))))]
+        if 1 in threads and len(threads) > 1:
+            row += [ratio_text(_div(fwd.get((k, case.name)), fwd.get((1, case.name))))
+                    for k in threads if k != 1]
+        if 1 in threads:
+            cpu = fwd.get((1, f"cpu {case.name}"))
+            hashing = fwd.get((1, f"cpu hash {case.name}"))
+            row += [fmt(cpu), ratio_text(_div(cpu, cpu_floor)), fmt(hashing),
+                    ratio_text(_div(hashing, cpu_floor))]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def backward_read_section(results: Sequence[Result], sizes: Sizes) -> str:
+    """Our backward against the floor's (same loss, optimizer, threads, array) and against
+    one read of the gradient: own = ours - floor's backward + read."""
+    floors = floor_index(results)
+    header = ["row", "loss", "optimizer", "threads", "backward (ms)", "floor backward (ms)",
+              "read once (ms)", "own backward (ms)", "own / read"]
+    rows = []
+    for r in results:
+        if r.spec.model != "ours" or r.unavailable is not None or not r.phases:
+            continue
+        floor = floor_of(r, floors, sizes)
+        if floor is None:
+            continue
+        read = floor.phases.get("read")
+        own = r.phases["backward"] - floor.phases["backward"] + (read or 0.0)
+        rows.append([f"ours {r.spec.gradient} M={r.spec.floats:,} Z={r.spec.block_size}",
+                     LOSS_TEXT[r.spec.loss], r.spec.optimizer, str(r.threads),
+                     fmt(r.phases["backward"]), fmt(floor.phases["backward"]), fmt(read), fmt(own),
+                     ratio_text(_div(own, read))])
+    return markdown_table(header, rows)
+
+
+def floor_targets_section(fwd: Dict[Tuple[int, str], float], results: Sequence[Result],
+                          threads: Sequence[int], sizes: Sizes) -> str:
+    table = Targets()
+    for case in forward_cases(sizes):
+        if 1 in threads:  # CPU time: at 1 thread all the work, not inflated by descheduling
+            table.add("forward / forward floor (CPU time)", case.name, 1, "-",
+                      _div(fwd.get((1, f"cpu {case.name}")), fwd.get((1, "cpu floor"))),
+                      FWD_FLOOR_RATIO, False)
+        for k in threads:
+            if k != 1 and 1 in threads:
+                table.add("forward / our 1-thread forward", case.name, k, "-",
+                          _div(fwd.get((k, case.name)), fwd.get((1, case.name))),
+                          FWD_TWO_THREADS, False)
+    floors = floor_index(results)
+    for r in results:
+        if r.spec.model != "ours" or r.spec.loss != "sum" or not r.phases:
+            continue
+        floor = floor_of(r, floors, sizes)
+        # 1 thread: CPU time of the step (see one_iteration); more threads: wall time
+        phase = "cpu total" if r.threads == 1 else "total"
+        table.add(f"step / step floor, sum(outputs) ({'CPU' if r.threads == 1 else 'wall'} time)",
+                  f"ours {r.spec.gradient} M={r.spec.floats:,} Z={r.spec.block_size}", r.threads,
+                  r.spec.optimizer, _div(r.phases[phase], floor.phases[phase] if floor else None),
+                  STEP_FLOOR_RATIO, False)
+    return table.render()
 
 
 def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -737,12 +1044,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch.set_num_threads values (default: 1 2; --quick: 1)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10; quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="warmup iterations (default 3; quick 1)")
+    p.add_argument("--forward-iters", type=int, default=None,
+                   help="timed iterations of the forward-floor section (default 3 x --iters)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, a few seconds)")
     p.add_argument("--hash", default="reference", choices=["reference", "mix"],
                    help="ROBE hash for the ROBE rows (default: the paper's)")
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    p.add_argument("--rows", nargs="+", default=["full", "fbgemm", "pytorch", "ours"],
-                   choices=["full", "fbgemm", "pytorch", "ours"], help="row groups to run")
+    p.add_argument("--rows", nargs="+", default=["floor", "full", "fbgemm", "pytorch", "ours"],
+                   choices=["floor", "full", "fbgemm", "pytorch", "ours"],
+                   help="row groups to run (the forward-floor section runs with 'ours')")
+    p.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES,
+                   help="pair: sum(e1*e2); sum: sum(outputs) (default: both)")
     p.add_argument("--ours-backend", default="cpp", choices=["cpp", "triton", "reference"],
                    help="implementation behind the 'ours' rows (default cpp; others for testing)")
     p.add_argument("--out", default=None, help="also write a markdown report to this file")
@@ -762,22 +1074,38 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     load_start = loadavg()
     batches = make_batches(sizes, count=max(1, min(warmup + iters, 8)))
 
+    fwd: Dict[Tuple[int, str], float] = {}
+    if "ours" in args.rows:
+        t0 = time.perf_counter()
+        fwd = time_forwards(sizes, threads, batches, warmup, args.forward_iters or 3 * iters,
+                            args.ours_backend)
+        print(f"[{time.perf_counter() - t0:6.1f}s] forward floor section", file=sys.stderr, flush=True)
     results: List[Result] = []
-    for opt in args.optimizers:
-        for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend):
+    for opt, loss in [(o, x) for x in args.losses for o in args.optimizers]:
+        specs = [dataclasses.replace(spec, loss=loss)
+                 for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend)]
+        # rows of ROBE-sized arrays run interleaved; full tables (hundreds of MB each) alone
+        small = [spec for spec in specs if spec.floats <= INTERLEAVE_MAX_FLOATS]
+        groups = [small] + [[spec] for spec in specs if spec.floats > INTERLEAVE_MAX_FLOATS]
+        for group in filter(None, groups):
             t0 = time.perf_counter()
-            rs = run_spec(spec, threads, batches, sizes, warmup, iters)
+            rs = run_specs(group, threads, batches, sizes, warmup, iters)
             results.extend(rs)
-            status = rs[0].unavailable or ", ".join(
-                f"{r.threads}t total {r.phases.get('total', float('nan')):.1f} ms" for r in rs)
-            print(f"[{time.perf_counter() - t0:6.1f}s] {spec.key} {opt}: {status}",
-                  file=sys.stderr, flush=True)
+            for r in rs:
+                status = r.unavailable or f"total {r.phases.get('total', float('nan')):.1f} ms"
+                print(f"[{time.perf_counter() - t0:6.1f}s] {r.spec.key} {opt} {loss} "
+                      f"{r.threads}t: {status}", file=sys.stderr, flush=True)
+    # the tables list rows in row_specs' order within each (loss, optimizer)
+    order = {(loss, opt): i for i, (opt, loss) in enumerate(
+        [(o, x) for x in args.losses for o in args.optimizers])}
+    results.sort(key=lambda r: order[(r.spec.loss, r.spec.optimizer)])
 
     load_end = loadavg()
     command = "python -m benchmarks.cpu_ops " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     setup = (f"batch {sizes.batch}, pair model (two lookups of one id per sample into one table or array, done as one call over 2B bags for every row, SUM), "
-             f"dim {sizes.dim}, ids uniform in [0, {sizes.num_embeddings:,}), loss sum(e1*e2), "
+             f"dim {sizes.dim}, ids uniform in [0, {sizes.num_embeddings:,}), losses "
+             f"{', '.join(LOSS_TEXT[x] for x in args.losses)}, "
              f"lr {LR}; ROBE hash {hash_mode.name.lower()} (seed {HASH_SEED}); "
              f"{warmup} warmup + {iters} timed iterations, medians, {len(batches)} distinct batches")
     report = "\n".join([
@@ -795,14 +1123,54 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "hashing = the C++ kernel's forward_hash_only (its loops, id checks and hashes without "
         "gathers and writes), `~` lookup = forward - hashing); backward = loss + autograd backward "
         "(includes the update for fused rows); optimizer step = step + zero_grad; "
-        "total = forward + backward + optimizer step (median of per-iteration sums).",
+        "total = forward + backward + optimizer step (median of per-iteration sums); CPU "
+        "total = the calling thread's CPU time for the step (at 1 thread all of its work, and "
+        "not inflated by time spent descheduled: on a busy machine wall time inflates a call "
+        "longer than a scheduler slice more than a short one, which biases wall-time ratios "
+        "against the slower row; at 2 threads it misses the worker thread's share). "
+        "forward / floor and total / floor: the row's forward over the forward floor's, its "
+        "total over the step floor's (the `floor` row of the same loss, optimizer, threads and "
+        "array; rows of another size: the smallest array's floor).",
         "",
-        results_tables(results, threads),
+        "## Forward against its floor",
         "",
-        "## Targets (same run)",
+        "The forward floor writes a fresh [2B, D] float output from a cache-resident "
+        f"[{FLOOR_SOURCE_ROWS}, D] source (`floor_forward`). Our forward (C++ kernel, dense, "
+        "no autograd) in each case; every iteration runs the floor and all cases at every "
+        "thread count back to back, medians in ms.",
         "",
-        targets_section(results, threads, sizes),
+        forward_floor_section(fwd, threads, sizes) if fwd else "(not run: needs the 'ours' rows)",
         "",
+        f"Bytes per forward: the output is {2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB, "
+        "written once (the floor's whole work); the gathers read "
+        f"{2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB of weights in "
+        f"{2 * sizes.batch:,} x dim/Z random blocks of Z floats (each block spans 1-3 cache "
+        "lines, anywhere in the array). hashing = `forward_hash_only` (the kernel's loops, id "
+        "checks and hashes without gathers and writes); the rest of CPU ms is the gathers, "
+        "the pooling and the stores.",
+        "",
+        "## Step rows",
+        "",
+        results_tables(results, threads, sizes),
+        "",
+        "## Backward against one read of its gradient",
+        "",
+        "own backward = our backward - the floor's backward (same loss, optimizer, threads, "
+        "array: it holds the loss's own backward and one read of the gradient) + read once "
+        "(one `sum` over a materialised [2B, D] float gradient, timed in the floor row).",
+        "",
+        backward_read_section(results, sizes),
+        "",
+        "## Targets against the floors (same run)",
+        "",
+        floor_targets_section(fwd, results, threads, sizes),
+        "",
+        *([] if not {"full", "pytorch"} & set(args.rows) else [
+            "## Targets against the other rows (same run, loss sum(e1*e2))",
+            "",
+            targets_section(results, threads, sizes),
+            "",
+        ]),
     ])
     print(report, flush=True)
     if args.out:

@@ -140,7 +140,7 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
     mutated = tmp_path / "robe_cpu.cpp"
     mutated.write_text(source.replace(full_block, full_block.replace("scale)", "scale + scale)")))
     run_example("-m", "benchmarks.kernel_ab", "--baseline-source", str(mutated),
-                "--small", "--iters", "2", "--out", str(tmp_path))
+                "--small", "--iters", "2", "--clock", "cpu", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]
     assert len(rows) == 2
     for row in rows:
@@ -149,6 +149,15 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
         assert all(t["baseline_ms"] > 0 and t["current_ms"] > 0 for t in row["ops"].values())
     text = (tmp_path / "kernel_ab.md").read_text()
     assert text.count("| max abs difference") == 6  # each op's row states it
+    assert "calling thread's CPU time" in text
+
+
+def test_kernel_ab_cpu_clock_needs_one_thread(capsys):
+    from benchmarks.kernel_ab import main
+
+    with pytest.raises(SystemExit):
+        main(["--clock", "cpu", "--threads", "2", "--small"])
+    assert "use it with --threads 1" in capsys.readouterr().err
 
 
 def test_kernel_ab_names_a_bad_baseline(tmp_path):

@@ -491,6 +491,18 @@ def test_large_output_takes_the_streaming_store(dtype):
     assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_tile_buffers_grow_with_long_bags(weighted):
+    """The forward's per-tile buffers grow with the bags: bags of up to 600 ids among short
+    and empty ones make them grow inside one tile (and on 2 threads, in each thread's own
+    buffers)."""
+    case = random_case(91, dims=[16, 5], batch=40, max_bag=600, block_size=4, weighted=weighted)
+    expected = reference.forward(*case.forward_args())
+    for threads in (1, 2):
+        with num_threads(threads):
+            assert_close(cpu.forward(*case.forward_args()), expected)
+
+
 # ---------------------------------------------------------------------------------------
 # row-wise Adagrad
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""The CPU op benchmark's floors and the targets it states against them (tiny sizes)."""
+
+import re
+
+import torch
+
+from benchmarks import cpu_ops
+
+
+def test_floor_forward_writes_every_row_from_the_source():
+    source = torch.randn(cpu_ops.FLOOR_SOURCE_ROWS, 8)
+    for rows in (512, 100):  # a multiple of the source's rows, and one that is not
+        out = cpu_ops.floor_forward(source, rows)
+        k = torch.gcd(torch.tensor(rows), torch.tensor(source.shape[0])).item()
+        assert out.shape == (rows, 8)
+        assert torch.equal(out, source[:k].repeat(rows // k, 1))
+
+
+def test_floor_backward_reads_the_gradient_once():
+    weights = torch.zeros(10, requires_grad=True)
+    out = cpu_ops._FloorLookup.apply(weights, torch.randn(4, 3), 8)
+    grad = torch.randn(8, 3)
+    out.backward(grad)
+    expected = torch.zeros(10)
+    expected[0] = grad.sum()
+    assert torch.equal(weights.grad, expected)
+
+
+def test_quick_report_states_the_floor_targets():
+    report = cpu_ops.main(["--quick", "--rows", "floor", "ours", "--optimizers", "sgd",
+                           "--threads", "1", "--iters", "1", "--warmup", "0",
+                           "--forward-iters", "1"])
+    assert "## Forward against its floor" in report
+    assert "## Backward against one read of its gradient" in report
+    assert "Targets against the other rows" not in report  # no full-table or pytorch rows
+    sizes = cpu_ops.QUICK_SIZES
+    verdicts = re.findall(r"^\| (forward / forward floor \(CPU time\)|"
+                          r"step / step floor, sum\(outputs\) \(CPU time\)) \|"
+                          r".*\| (PASS|MISS) \| [0-9.]+ \|$", report, flags=re.M)
+    forward = [v for v in verdicts if v[0].startswith("forward")]
+    step = [v for v in verdicts if v[0].startswith("step")]
+    assert len(forward) == len(cpu_ops.forward_cases(sizes))  # both hashes, both Z, both arrays
+    assert len(step) == 2 * (len(sizes.robe_sizes) + 1)  # ours dense and fused of each array
+    # the floor rows report 1.00x against themselves, for both losses
+    floor_rows = [line for line in report.splitlines() if line.startswith("| floor |")]
+    assert len(floor_rows) == 2 * len(sizes.robe_sizes)
+    assert all(re.search(r"\| 1\.00x \| 1\.00x \| [0-9.]+ \| 1\.00x \|", line)
+               for line in floor_rows)
+
+
+def test_interleaved_rows_report_a_failing_row_and_keep_the_others():
+    sizes = cpu_ops.QUICK_SIZES
+    batches = cpu_ops.make_batches(sizes, count=2)
+
+    def broken() -> cpu_ops.Runner:
+        raise cpu_ops.Unavailable("not here")
+
+    floor = cpu_ops.RowSpec("floor-1", "floor", "sgd", "dense", 4096, None,
+                            lambda: cpu_ops.Floor(sizes, "sgd", 4096), loss="sum")
+    bad = cpu_ops.RowSpec("bad", "bad", "sgd", "dense", 4096, None, broken)
+    results = cpu_ops.run_specs([floor, bad], [1], batches, sizes, warmup=0, iters=2)
+    assert [r.spec.key for r in results] == ["floor-1", "bad"]
+    assert results[0].unavailable is None and results[0].phases["total"] > 0
+    assert "read" in results[0].phases  # the floor's one read of a gradient, timed apart
+    assert results[1].unavailable == "not here" and not results[1].phases
