@@ -62,8 +62,12 @@ def build_directory() -> str:
     # torch install decide the ABI and build.ninja's include paths (two venvs sharing one
     # directory would rebuild it in turn). The ninja on PATH is part of the key too: two ninja
     # versions fingerprint the same build differently, so processes alternating between them
-    # (a venv's and the system's) rebuilt the kernel each time.
-    key = hashlib.sha256("\n".join([
+    # (a venv's and the system's) rebuilt the kernel each time. The source is part of the key:
+    # two checkouts of different versions sharing one venv rebuilt each other's kernel on every
+    # load (each copies its source into the directory, see build()).
+    with open(_SOURCE, "rb") as f:
+        source_digest = hashlib.sha256(f.read()).hexdigest()
+    key = hashlib.sha256("\n".join([source_digest,
         " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
         sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
         os.path.realpath(_ninja() or "no-ninja"),

@@ -287,6 +287,18 @@ def test_build_directory(monkeypatch):
     assert cpu.build_directory() == "/tmp/somewhere"
 
 
+def test_build_directory_follows_the_source(monkeypatch, tmp_path):
+    """Two checkouts of different kernel versions sharing one venv must not rebuild each
+    other's kernel on every load: each source gets a directory of its own."""
+    monkeypatch.delenv("ROBE_TORCHREC_BUILD_DIR", raising=False)
+    default = cpu.build_directory()
+    other = tmp_path / "robe_cpu.cpp"
+    with open(cpu._SOURCE) as f:
+        other.write_text(f.read() + "\n// another version\n")
+    monkeypatch.setattr(cpu, "_SOURCE", str(other))
+    assert cpu.build_directory() != default
+
+
 def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
