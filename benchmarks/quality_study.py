@@ -16,11 +16,11 @@ the dense initialisation and the hash seed (``1024 + seed``). Two reference rows
 training: the hidden model that drew the labels (the best AUC any model can reach) and its
 dense part alone.
 
-Writes ``<name>.{md,json,png}`` (``--name``, default ``quality_study``).
+Writes ``<name>.{md,json,png}`` (``--name``, default ``quality_study_<mode>``).
 
 Usage::
 
-    python -m benchmarks.quality_study --out benchmarks/results
+    python -m benchmarks.quality_study --name quality_study_realistic --out benchmarks/results
     python -m benchmarks.quality_study --steps 20 --dims 16 --compressions 100 \\
         --block-sizes 8 --hashes reference --seeds 0 --out /tmp/q      # a quick check
 """
@@ -219,9 +219,11 @@ def main() -> None:
     parser.add_argument("--compressions", type=float, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--hashes", nargs="+", default=["reference", "mix"])
-    parser.add_argument("--name", default="quality_study", help="stem of the result files")
+    parser.add_argument("--name", default=None,
+                        help="stem of the result files (default: quality_study_<mode>)")
     parser.add_argument("--out", default=None, help="folder for <name>.{md,json,png}")
     args = parser.parse_args()
+    args.name = args.name or f"quality_study_{args.mode}"
     torch.set_num_threads(1)
 
     t0 = time.perf_counter()

@@ -27,11 +27,11 @@ from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_predict_model
 LR = 0.05
 
 
-def quality_spec(dim: int, robe: Optional[RobeConfig]) -> DLRMSpec:
+def quality_spec(dim: int, robe: Optional[RobeConfig], lr: float = LR) -> DLRMSpec:
     return DLRMSpec(robe=robe, embedding_dim=dim, dense_arch=(64, dim), over_arch=(64, 32, 1),
                     fast_interaction=True,
-                    embedding_optimizer=OptimizerSpec("adagrad", lr=LR, eps=1e-10),
-                    dense_optimizer=OptimizerSpec("adagrad", lr=LR, eps=1e-10))
+                    embedding_optimizer=OptimizerSpec("adagrad", lr=lr, eps=1e-10),
+                    dense_optimizer=OptimizerSpec("adagrad", lr=lr, eps=1e-10))
 
 
 def build(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequence[int], seed: int,

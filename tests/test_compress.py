@@ -2,7 +2,6 @@
 brute-force least-squares solve over the hash's 0/1 design matrix, counts weight it, and the
 tables of a DCP checkpoint written by the app load in one process."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
-from robe_torchrec.compress import least_squares_array, load_embedding_bag_collection
+from robe_torchrec.compress import least_squares_array
 
 TABLES = [(7, 6), (5, 6), (9, 3)]  # (rows, dim): dims not multiples of Z = 4
 
