@@ -26,7 +26,7 @@ from typing import Dict, List
 
 import torch
 
-from benchmarks.train_loop import build, mean_and_spread, quality_spec, score, train
+from benchmarks.train_loop import build, group_by, mean_and_spread, quality_spec, score, train
 from pipelines.report import machine, machine_line, write_report
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import SyntheticCriteo
@@ -103,10 +103,7 @@ def _markdown(result: Dict) -> str:
         "| compression | model | steps | mean test AUC | AUC - full, mean | sd |",
         "|---:|---|---:|---:|---:|---:|",
     ]
-    groups: Dict[tuple, List[Dict]] = {}
-    for r in result["rows"]:
-        groups.setdefault((r["compression"], r["model"], r["steps"]), []).append(r)
-    for (c, model, steps), rs in groups.items():
+    for (c, model, steps), rs in group_by(result["rows"], ("compression", "model", "steps")).items():
         auc = mean_and_spread([r["test_auc"] for r in rs])[0]
         gap, sd, _ = mean_and_spread([r["auc_gap"] for r in rs])
         lines.append(f"| {c:,.0f}x | {model} | {steps} | {auc:.4f} | {gap:+.4f} | {sd:.4f} |")

@@ -37,7 +37,8 @@ from typing import Dict, List
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from benchmarks.train_loop import build, mean_and_spread, quality_spec, score, train
+from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
+                                   train, with_gaps)
 from pipelines.report import machine, machine_line, write_report
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.data.synthetic import SyntheticCriteo
@@ -88,20 +89,13 @@ def _run_seed(args, seed: int) -> Dict:
             print(f"seed {seed} dim {dim} {row['embedding']} Z={row['block_size']} {row['hash']} "
                   f"{row['compression']:,.0f}x: test AUC {auc:.4f} ({row['seconds']:.1f} s)",
                   flush=True)
-    full = {r["dim"]: r["test_auc"] for r in rows if r["embedding"] == "full"}
-    for r in rows:
-        r["auc_gap"] = r["test_auc"] - full[r["dim"]]
-    return {"rows": rows, "oracle": _oracle_aucs(data, test_batches)}
+    return {"rows": with_gaps(rows, {"embedding": "full"}, ["dim"]), "oracle": _oracle_aucs(data, test_batches)}
 
 
 def _summary(rows: List[Dict]) -> List[Dict]:
     """One entry per (dim, embedding, Z, hash, compression): the mean and spread over seeds."""
-    groups: Dict[tuple, List[Dict]] = {}
-    for r in rows:
-        key = (r["dim"], r["embedding"], r["block_size"], r["hash"], r["compression"])
-        groups.setdefault(key, []).append(r)
     out = []
-    for (dim, emb, z, h, c), rs in groups.items():
+    for (dim, emb, z, h, c), rs in group_by(rows, CELL).items():
         gap, gap_sd, gap_se = mean_and_spread([r["auc_gap"] for r in rs])
         out.append({"dim": dim, "embedding": emb, "block_size": z, "hash": h, "compression": c,
                     "stored_floats": rs[0]["stored_floats"], "seeds": [r["seed"] for r in rs],

@@ -29,7 +29,8 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from benchmarks.fit_synthetic import REAL_ROWS
-from benchmarks.train_loop import build, mean_and_spread, quality_spec, score, train
+from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
+                                   train, with_gaps)
 from pipelines.report import machine, machine_line, write_report
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.data import CriteoTsv
@@ -84,10 +85,7 @@ def _run_split(args, data, split: int) -> List[Dict]:
                          "compression": cell[2] if cell else 1.0, "stored_floats": floats,
                          "test_auc": auc, "test_log_loss": log_loss})
             print(f"split {split} dim {dim} {cell or 'full'}: AUC {auc:.4f}", flush=True)
-    full = {r["dim"]: r["test_auc"] for r in rows if r["embedding"] == "full"}
-    for r in rows:
-        r["auc_gap"] = r["test_auc"] - full[r["dim"]]
-    return rows
+    return with_gaps(rows, {"embedding": "full"}, ["dim"])
 
 
 def _markdown(result: Dict) -> str:
@@ -124,12 +122,8 @@ def _markdown(result: Dict) -> str:
 
 
 def _summary(rows: List[Dict]) -> List[Dict]:
-    groups: Dict[tuple, List[Dict]] = {}
-    for r in rows:
-        groups.setdefault((r["dim"], r["embedding"], r["block_size"], r["hash"],
-                           r["compression"]), []).append(r)
     out = []
-    for (dim, emb, z, h, c), rs in groups.items():
+    for (dim, emb, z, h, c), rs in group_by(rows, CELL).items():
         auc, _, auc_se = mean_and_spread([r["test_auc"] for r in rs])
         gap, sd, se = mean_and_spread([r["auc_gap"] for r in rs])
         out.append({"dim": dim, "embedding": emb, "block_size": z, "hash": h, "compression": c,

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchmetrics.functional.classification import binary_auroc
@@ -23,6 +23,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_predict_model
 
+#: the fields that name one cell of a study (its rows differ by seed or split only)
+CELL = ("dim", "embedding", "block_size", "hash", "compression")
 #: the app's defaults (configs/model/dlrm.yaml, configs/optimizer/adagrad.yaml)
 LR = 0.05
 
@@ -84,3 +86,21 @@ def mean_and_spread(values: List[float]) -> Tuple[float, float, float]:
     t = torch.tensor(values, dtype=torch.float64)
     sd = t.std().item() if len(values) > 1 else 0.0
     return t.mean().item(), sd, sd / len(values) ** 0.5
+
+
+def group_by(rows: List[Dict], fields: Sequence[str]) -> Dict[tuple, List[Dict]]:
+    """``rows`` grouped by the values of ``fields``, groups in order of first appearance."""
+    groups: Dict[tuple, List[Dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[f] for f in fields), []).append(r)
+    return groups
+
+
+def with_gaps(rows: List[Dict], baseline: Dict, fields: Sequence[str]) -> List[Dict]:
+    """Sets ``auc_gap`` of every row: its test AUC minus that of the ``baseline`` row(s) with
+    the same ``fields`` (``baseline``: the key-value pairs that mark a baseline row)."""
+    base = {tuple(r[f] for f in fields): r["test_auc"] for r in rows
+            if all(r[k] == v for k, v in baseline.items())}
+    for r in rows:
+        r["auc_gap"] = r["test_auc"] - base[tuple(r[f] for f in fields)]
+    return rows
