@@ -1,98 +1,126 @@
 """Quality study: test AUC of the ROBE-Z DLRM against compression, block size Z and hash mode,
-next to the full-table DLRM, on the synthetic Criteo-like data; same steps, data and seeds
-for every row, for one or more embedding dims.
+next to the full-table DLRM on the same data, steps and seed; several seeds per cell (mean and
+spread), for one or more embedding dims, on the synthetic Criteo-like data (``--mode
+realistic`` by default: the mode fitted on real Criteo rows; ``hard`` is the older stream).
 
 A compression ratio is relative to the full tables of the same dim, so the same ratio leaves
-8x more floats at dim 128 (the paper's and MLPerf's DLRM dim) than at dim 16 (the app's
-default): the study runs both and plots the AUC gap against the stored floats as well.
+8x more floats at dim 128 than at dim 16: the study runs both and plots the AUC gap against
+the stored floats as well.
 
-Every row is one run of the training app (``robe_torchrec.train``), composed from
-``configs/`` with Hydra's compose API and run in this process (a 1-rank gloo group), so the
-study trains exactly what ``python -m robe_torchrec.train`` trains. Two reference rows need no
+Every row trains the app's DLRM (``robe_torchrec.dlrm``, the app's layer sizes, Adagrad at
+the app's learning rates, the embedding optimizer fused into backward) in this process, one
+thread, without DMP. For each seed the training and test batches are generated once and
+every row of that seed trains on them; the full-table run of a (seed, dim) is the baseline
+of every ROBE-Z cell of that seed and dim. A seed sets the data (hidden model and stream),
+the dense initialisation and the hash seed (``1024 + seed``). Two reference rows need no
 training: the hidden model that drew the labels (the best AUC any model can reach) and its
-dense part alone (the best a model that ignores the sparse features can reach), both on the
-same test batches.
+dense part alone.
 
-Writes ``<name>.{md,json,png}`` (``--name``, default ``quality_study``).
+Writes ``<name>.{md,json,png}`` (``--name``, default ``quality_study_<mode>``).
 
 Usage::
 
-    python -m benchmarks.quality_study --out benchmarks/results
+    python -m benchmarks.quality_study --name quality_study_realistic --out benchmarks/results
     python -m benchmarks.quality_study --steps 20 --dims 16 --compressions 100 \\
-        --block-sizes 8 --hashes reference --out /tmp/q      # a quick check
-    python -m benchmarks.quality_study --seed 1 --compressions 100 1000 \\
-        --block-sizes 8 --hashes reference --name quality_study_seed1 --out ...
+        --block-sizes 8 --hashes reference --seeds 0 --out /tmp/q      # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
-import tempfile
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
+from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
+                                   train, with_gaps)
 from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.config import RobeConfig
 from robe_torchrec.data.synthetic import SyntheticCriteo
 
 # where the training app's test stream starts (robe_torchrec.train.data)
 from robe_torchrec.train.data import TEST_STREAM_START
 
-
-def _run(overrides: Sequence[str]) -> Dict[str, float]:
-    from hydra import compose, initialize_config_dir
-
-    from robe_torchrec.train.config import config_dir
-    from robe_torchrec.train.trainer import train
-
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    with tempfile.TemporaryDirectory() as run_dir:
-        return train(cfg, run_dir)
-
-
-def _oracle_aucs(args) -> Dict[str, float]:
-    data = SyntheticCriteo(batch_size=args.batch_size, cardinality_scale=args.cardinality_scale,
-                           seed=args.seed)
-    batches = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
-    labels = torch.cat([b.labels for b in batches]).long()
-    return {sparse_name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in batches]),
-                                      labels).item()
-            for sparse_name, sparse in (("hidden model (all features)", True),
-                                        ("hidden model, dense features only", False))}
-
-
-#: issue #5's targets: the largest AUC loss against the full tables at a compression
+#: the targets: the largest AUC loss against the full tables at a compression (seed means)
 TARGET_GAPS: Dict[float, float] = {100.0: 0.002, 1000.0: 0.005}
 
 
-def _rows(args) -> List[Dict]:
+def _oracle_aucs(data: SyntheticCriteo, batches) -> Dict[str, float]:
+    labels = torch.cat([b.labels for b in batches]).long()
+    return {name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in batches]),
+                               labels).item()
+            for name, sparse in (("hidden model (all features)", True),
+                                 ("hidden model, dense features only", False))}
+
+
+def _cells(args) -> List[Dict]:
+    return [{"block_size": z, "hash": h, "compression": float(c)}
+            for h, z, c in itertools.product(args.hashes, args.block_sizes, args.compressions)]
+
+
+def _run_seed(args, seed: int) -> Dict:
+    """Every row of one seed, on batches generated once."""
+    data = SyntheticCriteo(batch_size=args.batch_size, cardinality_scale=args.cardinality_scale,
+                           seed=seed, mode=args.mode)
+    train_batches = [data.batch(i) for i in range(args.steps)]
+    test_batches = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
     rows = []
     for dim in args.dims:
-        rows.append({"dim": dim, "embedding": "full", "compression": 1.0, "block_size": None,
-                     "hash": None, "overrides": [f"embedding.dim={dim}", "embedding=full"]})
-        for hash_mode in args.hashes:
-            for z in args.block_sizes:
-                for c in args.compressions:
-                    rows.append({"dim": dim, "embedding": "robe", "compression": float(c),
-                                 "block_size": z, "hash": hash_mode,
-                                 "overrides": ["embedding=robe", f"embedding.dim={dim}",
-                                               f"embedding.compression={c}",
-                                               f"embedding.block_size={z}",
-                                               f"embedding.hash={hash_mode}"]})
-    return rows
+        for cell in [None] + _cells(args):
+            robe = None if cell is None else RobeConfig(
+                compression=cell["compression"], block_size=cell["block_size"],
+                hash=cell["hash"], seed=1024 + seed)
+            t0 = time.perf_counter()
+            spec = quality_spec(dim, robe)
+            model = build(spec, data.keys, data.cardinalities, seed)
+            train(model, spec, train_batches)
+            auc, log_loss = score(model, test_batches)
+            floats = sum(p.numel() for p in model.sparse_arch.embedding_bag_collection.parameters())
+            row = {"seed": seed, "dim": dim, "embedding": "full" if cell is None else "robe",
+                   "block_size": None, "hash": None, "compression": 1.0, **(cell or {}),
+                   "test_auc": auc, "test_log_loss": log_loss, "stored_floats": floats,
+                   "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            print(f"seed {seed} dim {dim} {row['embedding']} Z={row['block_size']} {row['hash']} "
+                  f"{row['compression']:,.0f}x: test AUC {auc:.4f} ({row['seconds']:.1f} s)",
+                  flush=True)
+    return {"rows": with_gaps(rows, {"embedding": "full"}, ["dim"]), "oracle": _oracle_aucs(data, test_batches)}
 
 
-def _with_gaps(rows: List[Dict]) -> List[Dict]:
-    """Adds ``auc_gap`` (test AUC minus the full tables' at the same dim) to every row."""
-    full = {r["dim"]: r["test_auc"] for r in rows if r["embedding"] == "full"}
-    for r in rows:
-        r["auc_gap"] = r["test_auc"] - full[r["dim"]]
-    return rows
+def _summary(rows: List[Dict]) -> List[Dict]:
+    """One entry per (dim, embedding, Z, hash, compression): the mean and spread over seeds."""
+    out = []
+    for (dim, emb, z, h, c), rs in group_by(rows, CELL).items():
+        gap, gap_sd, gap_se = mean_and_spread([r["auc_gap"] for r in rs])
+        out.append({"dim": dim, "embedding": emb, "block_size": z, "hash": h, "compression": c,
+                    "stored_floats": rs[0]["stored_floats"], "seeds": [r["seed"] for r in rs],
+                    "test_auc": mean_and_spread([r["test_auc"] for r in rs])[0],
+                    "auc_gap": gap, "auc_gap_sd": gap_sd, "auc_gap_se": gap_se,
+                    "auc_gaps": [r["auc_gap"] for r in rs]})
+    return out
+
+
+def target_lines(summary: List[Dict], dim: int) -> List[str]:
+    """The targets judged on the seed means of every ROBE-Z setting at ``dim``."""
+    lines = []
+    for c, target in TARGET_GAPS.items():
+        cells = [s for s in summary if s["embedding"] == "robe" and s["dim"] == dim
+                 and s["compression"] == c]
+        if not cells:
+            continue
+        met = [s for s in cells if s["auc_gap"] >= -target]
+        verdict = "met" if len(met) == len(cells) else (
+            f"met by {len(met)} of {len(cells)} settings" if met else "missed")
+        lo, hi = min(s["auc_gap"] for s in cells), max(s["auc_gap"] for s in cells)
+        lines.append(f"- {c:,.0f}x within {target} AUC of the full tables (seed means): "
+                     f"**{verdict}** (mean AUC - full from {lo:+.4f} to {hi:+.4f} over "
+                     f"{len(cells)} Z/hash setting(s))")
+    return lines
 
 
 def _plot(result: Dict, path: str) -> None:
@@ -101,131 +129,104 @@ def _plot(result: Dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, dims = result["rows"], result["args"]["dims"]
-    fig, (by_ratio, by_memory) = plt.subplots(1, 2, figsize=(12, 4.8))
-    robe = [r for r in rows if r["embedding"] == "robe" and r["dim"] == dims[0]]
-    for hash_mode in sorted({r["hash"] for r in robe}):
-        for z in sorted({r["block_size"] for r in robe}):
-            pts = sorted((r["compression"], r["test_auc"]) for r in robe
-                         if r["hash"] == hash_mode and r["block_size"] == z)
-            by_ratio.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                          linestyle="-" if hash_mode == "reference" else "--",
-                          label=f"ROBE-Z Z={z}, {hash_mode} hash")
-    full = [r["test_auc"] for r in rows if r["embedding"] == "full" and r["dim"] == dims[0]][0]
-    by_ratio.axhline(full, color="black", label="full tables")
-    for (name, auc), color in zip(result["oracle"].items(), ("tab:gray", "tab:red")):
-        by_ratio.axhline(auc, color=color, linestyle=":", label=name)
-    by_ratio.set_xscale("log")
+    summary, a = result["summary"], result["args"]
+    robe = [s for s in summary if s["embedding"] == "robe"]
+    fig, (by_ratio, by_memory) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for dim, color in zip(a["dims"], ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
+        for (h, z), marker in zip(itertools.product(a["hashes"], a["block_sizes"]), "osd^v<>"):
+            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"])
+                         for s in robe if s["dim"] == dim and s["hash"] == h
+                         and s["block_size"] == z)
+            style = dict(marker=marker, color=color, capsize=2, alpha=0.8,
+                         linestyle="-" if h == "reference" else "--")
+            by_ratio.errorbar([p[0] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
+                              label=f"dim {dim}, Z={z}, {h} hash", **style)
+            by_memory.errorbar([p[1] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
+                               **style)
+    for ax in (by_ratio, by_memory):
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        for c, gap in TARGET_GAPS.items():
+            ax.axhline(-gap, color="tab:red", linestyle=":", linewidth=0.8)
+            ax.annotate(f"target at {c:,.0f}x: -{gap}", (1, -gap), fontsize=7,
+                        xycoords=("axes fraction", "data"), ha="right", va="bottom")
     by_ratio.set_xlabel("compression (uncompressed / stored floats)")
-    by_ratio.set_ylabel("test AUC")
-    by_ratio.set_title(f"dim {dims[0]}, {result['args']['steps']} steps")
+    by_ratio.set_ylabel("test AUC - full tables of the same dim (mean +- sd over seeds)")
     by_ratio.legend(fontsize=7, loc="lower left")
-
-    for dim, marker in zip(dims, "osd^v<>"):
-        pts = [(r["stored_floats"], r["auc_gap"]) for r in rows
-               if r["embedding"] == "robe" and r["dim"] == dim]
-        by_memory.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, alpha=0.7,
-                          label=f"ROBE-Z, dim {dim} (every Z and hash)")
-    by_memory.axhline(0.0, color="black", linewidth=0.8)
-    for c, gap in TARGET_GAPS.items():
-        by_memory.axhline(-gap, color="tab:red", linestyle=":", linewidth=0.8)
-        by_memory.annotate(f"target at {c:,.0f}x: -{gap}", (1, -gap), fontsize=7,
-                           xycoords=("axes fraction", "data"), ha="right", va="bottom")
-    by_memory.set_xscale("log")
     by_memory.set_xlabel("stored floats of the ROBE-Z array")
-    by_memory.set_ylabel("test AUC - full tables of the same dim")
-    by_memory.set_title("the AUC gap follows the stored floats")
-    by_memory.legend(fontsize=7, loc="lower right")
-    fig.suptitle("DLRM on synthetic Criteo-like data")
+    by_memory.set_title("the same points against the stored floats")
+    fig.suptitle(f"DLRM on {a['mode']} synthetic data, {a['steps']} steps of {a['batch_size']}, "
+                 f"seeds {a['seeds']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _target_lines(rows: List[Dict], dim: int) -> List[str]:
-    lines = []
-    for c, gap in TARGET_GAPS.items():
-        gaps = [r["auc_gap"] for r in rows
-                if r["embedding"] == "robe" and r["dim"] == dim and r["compression"] == c]
-        if gaps:
-            verdict = "met" if min(gaps) >= -gap else (
-                "met by some rows" if max(gaps) >= -gap else "missed")
-            lines.append(f"- {c:,.0f}x within {gap} AUC of the full tables: **{verdict}** "
-                         f"(AUC - full from {min(gaps):+.4f} to {max(gaps):+.4f} over "
-                         f"{len(gaps)} row(s))")
-    return lines
 
 
 def _markdown(result: Dict) -> str:
     a = result["args"]
     lines = [
-        "# Quality study: AUC against compression, Z and hash (synthetic data)", "",
+        f"# Quality study: AUC against compression, Z and hash ({a['mode']} synthetic data)", "",
         f"`{result['command']}`", "",
-        f"Machine: {machine_line(result['machine'])}. DLRM (configs/model/dlrm.yaml), Adagrad (embeddings "
-        f"fused into backward), {a['steps']} steps of batch {a['batch_size']} on one rank "
-        f"(1 thread), synthetic data at cardinality scale {a['cardinality_scale']}, seed "
-        f"{a['seed']} for the data and the model (hash seed: the config default); test AUC "
-        f"over {a['test_batches'] * a['batch_size']:,} held-out samples.",
+        f"Machine: {machine_line(result['machine'])}. The app's DLRM (Adagrad, embeddings fused "
+        f"into backward), trained in one process on 1 thread, {a['steps']} steps of batch "
+        f"{a['batch_size']}, {a['mode']} synthetic data at cardinality scale "
+        f"{a['cardinality_scale']}; test AUC over {a['test_batches'] * a['batch_size']:,} "
+        f"held-out samples. Seeds {a['seeds']}: each sets the data, the dense initialisation "
+        f"and the hash seed; every gap is against the full tables of the same seed and dim, "
+        f"then averaged over the seeds (sd: their standard deviation). Total "
+        f"{result['seconds'] / 60:.1f} min.",
     ]
     for dim in a["dims"]:
-        rows = [r for r in result["rows"] if r["dim"] == dim]
-        full = [r for r in rows if r["embedding"] == "full"][0]
+        cells = [s for s in result["summary"] if s["dim"] == dim]
+        full = [s for s in cells if s["embedding"] == "full"][0]
         lines += [
-            "", f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats)", "",
-            "| embeddings | Z | hash | compression | stored floats | test AUC | AUC - full | "
-            "test log loss |",
-            "|---|---:|---|---:|---:|---:|---:|---:|",
+            "", f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats, mean "
+                f"test AUC {full['test_auc']:.4f})", "",
+            "| embeddings | Z | hash | compression | stored floats | mean test AUC | "
+            "AUC - full, mean | sd | per seed |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---|",
         ]
-        for r in rows:
+        for s in cells:
+            if s["embedding"] == "full":
+                continue
             lines.append(
-                f"| {r['embedding']} | {r['block_size'] or '-'} | {r['hash'] or '-'} | "
-                f"{r['compression']:,.0f}x | {r['stored_floats']:,} | {r['test_auc']:.4f} | "
-                f"{r['auc_gap']:+.4f} | {r['test_log_loss']:.4f} |")
-        lines += [""] + _target_lines(result["rows"], dim)
-    lines += ["", "## References (no training)", "", "| reference | test AUC |", "|---|---:|"]
-    lines += [f"| {name} | {auc:.4f} |" for name, auc in result["oracle"].items()]
+                f"| robe | {s['block_size']} | {s['hash']} | {s['compression']:,.0f}x | "
+                f"{s['stored_floats']:,} | {s['test_auc']:.4f} | {s['auc_gap']:+.4f} | "
+                f"{s['auc_gap_sd']:.4f} | {', '.join(f'{g:+.4f}' for g in s['auc_gaps'])} |")
+        lines += [""] + target_lines(result["summary"], dim)
+    lines += ["", "## References (no training, mean over seeds)", "",
+              "| reference | test AUC |", "|---|---:|"]
+    for name in result["oracle"][0]:
+        lines.append(f"| {name} | "
+                     f"{mean_and_spread([o[name] for o in result['oracle']])[0]:.4f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--mode", choices=("realistic", "hard"), default="realistic")
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--dims", type=int, nargs="+", default=[128, 16],
-                        help="embedding dims; the first is the one plotted against compression")
+    parser.add_argument("--dims", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--cardinality-scale", type=float, default=0.01)
-    parser.add_argument("--test-batches", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--test-batches", type=int, default=16)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--compressions", type=float, nargs="+", default=[10, 100, 1000, 10000])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--hashes", nargs="+", default=["reference", "mix"])
-    parser.add_argument("--name", default="quality_study", help="stem of the result files")
+    parser.add_argument("--name", default=None,
+                        help="stem of the result files (default: quality_study_<mode>)")
     parser.add_argument("--out", default=None, help="folder for <name>.{md,json,png}")
-    parser.add_argument("overrides", nargs="*",
-                        help="more Hydra overrides for every row (e.g. optimizer.embedding_lr=0.1)")
     args = parser.parse_args()
+    args.name = args.name or f"quality_study_{args.mode}"
+    torch.set_num_threads(1)
 
-    from robe_torchrec.train.app import init_distributed
-
-    init_distributed()
-    common = [f"run.steps={args.steps}", f"run.batch_size={args.batch_size}",
-              f"run.seed={args.seed}", f"data.seed={args.seed}",
-              f"data.cardinality_scale={args.cardinality_scale}",
-              f"run.test_batches={args.test_batches}", "run.eval_batches=0", "run.log_every=0",
-              "run.progress_bar=false", "run.checkpoint_every=0", "run.resume=false",
-              "pipeline=plain", "optimizer=adagrad", "run.threads=1", *args.overrides]
-    rows = _rows(args)
-    for i, row in enumerate(rows):
-        t0 = time.perf_counter()
-        out = _run(common + row.pop("overrides"))
-        row.update(test_auc=out["test_auc"], test_log_loss=out["test_log_loss"],
-                   stored_floats=int(out["stored_floats"]), seconds=time.perf_counter() - t0)
-        print(f"[{i + 1}/{len(rows)}] dim {row['dim']} {row['embedding']} Z={row['block_size']} "
-              f"{row['hash']} {row['compression']:,.0f}x: test AUC {row['test_auc']:.4f} "
-              f"({row['seconds']:.0f} s)", flush=True)
-    result = {"command": "python -m benchmarks.quality_study " +
-                         " ".join(sys.argv[1:]),
-              "machine": machine(),
-              "args": vars(args), "rows": _with_gaps(rows), "oracle": _oracle_aucs(args)}
+    t0 = time.perf_counter()
+    runs = [_run_seed(args, seed) for seed in args.seeds]
+    rows = [r for run in runs for r in run["rows"]]
+    result = {"command": "python -m benchmarks.quality_study " + " ".join(sys.argv[1:]),
+              "machine": machine(), "args": vars(args), "rows": rows,
+              "summary": _summary(rows), "oracle": [run["oracle"] for run in runs],
+              "seconds": time.perf_counter() - t0}
     text = _markdown(result)
     print(text)
     if args.out:

@@ -89,6 +89,24 @@ class RobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fused: Optional[RobeFusedOptimizer] = None
         self.reset_parameters()
 
+    @classmethod
+    def from_embedding_bag_collection(
+        cls, ebc: EmbeddingBagCollectionInterface, robe: RobeConfig,
+        id_counts: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> "RobeEmbeddingBagCollection":
+        """A ROBE module with the tables of a trained TorchRec ``EmbeddingBagCollection``,
+        its array the least-squares fit of the trained tables under the hash: each slot the
+        mean of the table entries landing on it, weighted by ``id_counts`` (table name ->
+        look-ups per row; uniform when None). See :mod:`robe_torchrec.compress` and
+        docs/compress.md (also for a sharded DCP checkpoint).
+
+            >>> robe_ebc = RobeEmbeddingBagCollection.from_embedding_bag_collection(
+            ...     trained_ebc, RobeConfig(compression=100, block_size=8))
+        """
+        from robe_torchrec.compress import compress_embedding_bag_collection
+
+        return compress_embedding_bag_collection(ebc, robe, id_counts)
+
     # --- EmbeddingBagCollection interface ------------------------------------------------
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

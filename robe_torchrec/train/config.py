@@ -22,6 +22,7 @@ EMBEDDINGS = ("robe", "full")
 SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
 DATA = ("synthetic", "criteo_tsv", "criteo_npy")
 MODES = ("train", "eval")
+SYNTHETIC_MODES = ("realistic", "hard")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,8 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg.model.name, MODELS, "model.name")
     _choice(cfg.embedding.kind, EMBEDDINGS, "embedding.kind")
     _choice(cfg.data.name, DATA, "data.name")
+    if cfg.data.name == "synthetic":
+        _choice(cfg.data.get("mode", "hard"), SYNTHETIC_MODES, "data.mode")
     for t in cfg.sharding.types or []:
         _choice(t, SHARDING_TYPES, "sharding.types")
 
@@ -58,6 +61,13 @@ def validate(cfg: DictConfig) -> None:
                               f"one block (embedding.block_size={emb.block_size})")
         if emb.block_size < 1:
             raise ConfigError(f"embedding.block_size must be >= 1, got {emb.block_size}")
+    init_from = emb.get("init_from")
+    if init_from and emb.kind != "robe":
+        raise ConfigError("embedding.init_from fits a ROBE array to a full model's tables: it "
+                          "needs embedding=robe")
+    if init_from and not (Path(init_from) / ".metadata").is_file():
+        raise ConfigError(f"embedding.init_from: no complete checkpoint at {init_from} (a "
+                          f"step_N directory, holding DCP's .metadata, of an embedding=full run)")
 
     if emb.kind == "full" and cfg.optimizer.name == "adam":
         # torchrec 1.8 hands torch.optim.Adam's `betas` to FBGEMM's TBE, which takes

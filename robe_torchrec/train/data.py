@@ -48,7 +48,8 @@ class SyntheticSource:
 
     def __init__(self, cfg: DictConfig, batch_size: int, rank: int, world_size: int) -> None:
         self._data = SyntheticCriteo(batch_size=batch_size, cardinality_scale=cfg.cardinality_scale,
-                                     seed=cfg.seed, num_sparse=cfg.num_sparse)
+                                     seed=cfg.seed, num_sparse=cfg.num_sparse,
+                                     mode=cfg.get("mode", "hard"))
         self.keys, self.cardinalities = self._data.keys, self._data.cardinalities
         self._rank, self._world = rank, world_size
         self._cycle = [self._data.batch(i * world_size + rank)

@@ -25,6 +25,7 @@ from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from robe_torchrec import RobeConfig
+from robe_torchrec.compress import fit_from_checkpoint
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
 # dense_optimizer: also imported from here by benchmarks/distributed_step.py
 from robe_torchrec.dlrm import (DLRMSpec, EmbeddingSummary, OptimizerSpec, build_dlrm,
@@ -58,8 +59,14 @@ def dlrm_spec(cfg: DictConfig) -> DLRMSpec:
 
 def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[int],
                 device: torch.device) -> Tuple[DLRMTrain, EmbeddingSummary]:
-    """The config's DLRMTrain, unsharded (see :func:`robe_torchrec.dlrm.build_dlrm`)."""
-    return build_dlrm(dlrm_spec(cfg), keys, cardinalities, dense_device=device)
+    """The config's DLRMTrain, unsharded (see :func:`robe_torchrec.dlrm.build_dlrm`);
+    ``embedding.init_from``: its ROBE array is the least-squares fit of the full tables of
+    that checkpoint (:mod:`robe_torchrec.compress`)."""
+    model, summary = build_dlrm(dlrm_spec(cfg), keys, cardinalities, dense_device=device)
+    if cfg.embedding.get("init_from"):
+        fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection,
+                            cfg.embedding.init_from)
+    return model, summary
 
 
 def build_predict_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[int]
