@@ -9,6 +9,7 @@ Example::
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+from robe_torchrec.embedding_collection import RobeEmbeddingCollection
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.layout import FeatureLayout, RobeLayout, TableLayout
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
@@ -19,5 +20,6 @@ from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec import distributed  # noqa: E402,F401  isort: skip
 
 __all__ = ["FeatureLayout", "HashMode", "LayoutArgs", "LookupArgs", "RobeConfig",
-           "RobeEmbeddingBagCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
+           "RobeEmbeddingBagCollection",
+           "RobeEmbeddingCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
 __version__ = "0.1.0"
