@@ -17,6 +17,9 @@ from robe_torchrec.config import RobeConfig
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.variable_batch import expand_variable_strides, pad_variable_strides
 
+# a leaf of torchrec.fx graphs: it branches on the KJT's strides, which a Proxy lacks
+torch.fx.wrap("expand_variable_strides")
+
 
 class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterface):
     """A collection of pooled embedding tables compressed by ROBE-Z into one small array

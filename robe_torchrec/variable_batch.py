@@ -42,7 +42,6 @@ def pad_variable_strides(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
                              stride=width)
 
 
-@torch.fx.wrap  # a leaf of torchrec.fx graphs: it branches on the KJT's strides
 def expand_variable_strides(pooled: torch.Tensor, features: KeyedJaggedTensor,
                             feature_names: List[str], dims: List[int]) -> torch.Tensor:
     """The ``[B_max, sum(dims)]`` output of a padded VBE lookup laid out as TorchRec's
