@@ -55,7 +55,7 @@ def sequence_sums(jt: JaggedTensor) -> torch.Tensor:
 
 class TwoModules(nn.Module):
     """A ROBE bag module and a ROBE unpooled module on one KJT, a linear head; forward(Batch)
-    -> (loss, logits) as TorchRec's pipelines expect."""
+    -> (loss, (loss, logits)) as TorchRec's pipelines expect (they return the second)."""
 
     def __init__(self, robe: RobeConfig) -> None:
         super().__init__()
@@ -75,7 +75,7 @@ class TwoModules(nn.Module):
                       + [sequence_sums(seq[f]) for f in SEQ], dim=1)
         logits = self.head(x).squeeze(1)
         loss = 0.5 * ((logits - batch.labels) ** 2).sum() * batch.dense_features[0, 0]
-        return loss, logits
+        return loss, (loss.detach(), logits)
 
 
 def global_batch(step: int, world: int) -> KeyedJaggedTensor:
@@ -143,11 +143,11 @@ def sharded_equals_unsharded(rank: int, world: int, robe: RobeConfig, types: Dic
     opt = dense_sgd(dmp)
     worst = 0.0
     for step in range(steps):
-        loss, logits = dmp(batch_of(step, world, rank, 1.0))
+        loss, (_, logits) = dmp(batch_of(step, world, rank, 1.0))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss, ref_logits = ref(batch_of(step, world, -1, 1.0 / world))
+        ref_loss, (_, ref_logits) = ref(batch_of(step, world, -1, 1.0 / world))
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -270,9 +270,12 @@ def test_sharded_sequence_and_bag_modules():
         assert result["dp_shared"] < 1e-5 and result["tw"] < 1e-5, result
         assert result["checkpoint"] < 1e-6, result
         assert result["sparse_dist"] == 0.0 and result["fused_sparse_dist"] == 0.0, result
-        semi = result["semi_sync_losses"]
-        assert len(semi) == 8 and all(torch.isfinite(torch.tensor(semi)))
-        assert semi[-1] < semi[0] and result["plain_losses"][-1] < result["plain_losses"][0]
+        # SemiSync: synchronous (the plain loop's losses) before start_batch=2, then one
+        # step stale, so close to them
+        semi, plain = torch.tensor(result["semi_sync_losses"]), torch.tensor(result["plain_losses"])
+        assert len(semi) == 8 and bool(torch.isfinite(semi).all()), result
+        assert torch.equal(semi[:2], plain[:2]), result
+        assert bool(((semi - plain).abs() <= 0.25 * plain.abs() + 0.05).all()), result
         assert result["vbe"] < 1e-6, result
 
 
