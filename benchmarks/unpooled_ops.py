@@ -72,7 +72,7 @@ def build_rows(args) -> Dict[str, Callable[[], None]]:
     robe = RobeConfig(memory_size=args.memory, block_size=args.block_size)
 
     def ec_of(keys):
-        table = EmbeddingConfig(name="items", embedding_dim=args.dim, num_embeddings=args.rows,
+        table = EmbeddingConfig(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
                                 feature_names=keys)
         module = RobeEmbeddingCollection([table], robe)
         apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.01})
@@ -86,11 +86,11 @@ def build_rows(args) -> Dict[str, Callable[[], None]]:
     four = ec_of(keys4)
     four_kjt = _kjt(keys4, ids4, counts4, args.history)
     bag = RobeEmbeddingBagCollection(
-        [EmbeddingBagConfig(name="items", embedding_dim=args.dim, num_embeddings=args.rows,
+        [EmbeddingBagConfig(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
                             feature_names=["history"])], robe)
     apply_optimizer_in_backward(torch.optim.SGD, [bag.weight], {"lr": 0.01})
     bag_kjt = _kjt(["history"], ids, [n], 1)
-    stock = EmbeddingCollection([EmbeddingConfig(name="items", embedding_dim=args.dim,
+    stock = EmbeddingCollection([EmbeddingConfig(name="item_table", embedding_dim=args.dim,
                                                  num_embeddings=args.rows,
                                                  feature_names=["history"])])
     source = torch.randn(256, args.dim)

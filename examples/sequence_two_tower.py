@@ -9,7 +9,7 @@ by ``--compression``; its array is trained by Adagrad fused into backward.
 
 Run::
 
-    python examples/sequence_two_tower.py --steps 300 --pooling attention
+    python examples/sequence_two_tower.py --steps 400 --pooling attention
 """
 
 from __future__ import annotations
@@ -80,8 +80,14 @@ class TwoTower(nn.Module):
         super().__init__()
         self.items = items
         self.attention = nn.Linear(dim, 1) if pooling == "attention" else None
-        self.user_tower = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, dim))
-        self.item_tower = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, dim))
+        # towers start as the identity, so the first gradients reach the embeddings whole
+        self.user_tower = nn.Linear(dim, dim)
+        self.item_tower = nn.Linear(dim, dim)
+        for tower in (self.user_tower, self.item_tower):
+            nn.init.eye_(tower.weight)
+            nn.init.zeros_(tower.bias)
+        self.scale = nn.Parameter(torch.tensor(10.0))
+        self.bias = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         embedded: Dict[str, JaggedTensor] = self.items(kjt)
@@ -89,18 +95,18 @@ class TwoTower(nn.Module):
         scores = None if self.attention is None else self.attention(history.values())[:, 0]
         user = self.user_tower(pool(history, scores))
         item = self.item_tower(embedded["candidate"].values())  # one id per sample
-        return (user * item).sum(dim=1)
+        return self.scale * (user * item).sum(dim=1) + self.bias
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--num-items", type=int, default=200_000)
+    parser.add_argument("--num-items", type=int, default=20_000)
     parser.add_argument("--topics", type=int, default=20)
     parser.add_argument("--max-len", type=int, default=20)
     parser.add_argument("--embedding-dim", type=int, default=16)
-    parser.add_argument("--compression", type=float, default=100.0)
+    parser.add_argument("--compression", type=float, default=10.0)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--pooling", default="mean", choices=["mean", "attention"])
     parser.add_argument("--log-every", type=int, default=100)
@@ -111,7 +117,8 @@ def main() -> None:
     table = EmbeddingConfig(name="items", embedding_dim=args.embedding_dim,
                             num_embeddings=args.num_items, feature_names=["history", "candidate"])
     items = RobeEmbeddingCollection([table], RobeConfig(compression=args.compression,
-                                                        block_size=args.block_size))
+                                                        block_size=args.block_size,
+                                                        init_scale=0.1))
     print(f"item table {args.num_items} x {args.embedding_dim} compressed to "
           f"{items.memory_size} floats ({items.compression_ratio:.0f}x)")
     model = TwoTower(items, args.embedding_dim, args.pooling)

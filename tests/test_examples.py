@@ -170,11 +170,11 @@ def test_kernel_ab_difference():
 
 def test_sequence_two_tower_example_trains():
     out = run_example("examples/sequence_two_tower.py", "--steps", "120", "--log-every", "40",
-                      "--batch-size", "128", "--num-items", "20000", "--pooling", "attention")
+                      "--batch-size", "128", "--num-items", "2000", "--pooling", "attention")
     losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
               if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0], out
-    assert "compressed to" in out and float(out.split("held-out AUC")[1]) > 0.6, out
+    assert "compressed to" in out and float(out.split("held-out AUC")[1]) > 0.8, out
 
 
 def test_unpooled_ops_benchmark_runs(tmp_path):
