@@ -29,8 +29,6 @@ from robe_torchrec.distributed.sharder import (
     RobeShardedArrays,
     compressed_shape,
     resolve_fused_optimizer,
-    validate_plan,
-    validate_rowwise_state,
 )
 from robe_torchrec.embedding_collection import RobeEmbeddingCollection
 
@@ -94,7 +92,6 @@ class ShardedRobeEmbeddingCollection(RobeShardedArrays, ShardedEmbeddingCollecti
         qcomm_codecs_registry=None,
         module_fqn: Optional[str] = None,
     ) -> None:
-        validate_plan(module, table_name_to_parameter_sharding)
         row_wise = [n for n in module.layout.table_names
                     if table_name_to_parameter_sharding[n].sharding_type == RW]
         if row_wise:
@@ -102,21 +99,8 @@ class ShardedRobeEmbeddingCollection(RobeShardedArrays, ShardedEmbeddingCollecti
                              "which the unpooled module does not support; plan them "
                              "data_parallel or table_wise (RobeEmbeddingCollectionSharder() "
                              "offers only those)")
-        validate_rowwise_state(module.layout, table_name_to_parameter_sharding, optimizer[0],
-                               env.world_size)
-        # read by _create_lookups, which runs inside the base constructor
-        self.__dict__["_robe_src"] = (module, optimizer)
-        super().__init__(
-            EmbeddingCollectionView(module),  # type: ignore[arg-type]
-            table_name_to_parameter_sharding,
-            env,
-            fused_params=None,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-        self._robe_finish(module)
-        del self.__dict__["_robe_src"]
+        self._robe_init(module, EmbeddingCollectionView(module), table_name_to_parameter_sharding,
+                        env, optimizer, device, qcomm_codecs_registry, module_fqn)
 
     def _create_lookups(self) -> None:
         self._robe_create_lookups(list(self._sharding_type_to_sharding.values()), unpooled=True)

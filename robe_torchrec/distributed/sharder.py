@@ -286,6 +286,23 @@ class RobeShardedArrays:
 
     # --- construction ----------------------------------------------------------------------
 
+    def _robe_init(self, module: RobeArrayModule, view: Any,
+                   plan: Dict[str, ParameterSharding], env: ShardingEnv,
+                   optimizer: Tuple[Type[torch.optim.Optimizer], Dict[str, Any]],
+                   device: Optional[torch.device], qcomm_codecs_registry,
+                   module_fqn: Optional[str]) -> None:
+        """Check the plan, run TorchRec's sharded constructor on ``view`` (what it reads of
+        the module), then build ROBE's state from ``module``."""
+        validate_plan(module, plan)
+        validate_rowwise_state(module.layout, plan, optimizer[0], env.world_size)
+        # read by _create_lookups, which runs inside the base constructor
+        self.__dict__["_robe_src"] = (module, optimizer)
+        super().__init__(  # type: ignore[call-arg]  # the TorchRec class after this mixin
+            view, plan, env, fused_params=None, device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn)
+        self._robe_finish(module)
+        del self.__dict__["_robe_src"]
+
     def _robe_create_lookups(self, shardings, unpooled: bool = False) -> None:
         """One :class:`RobeShardedLookup` per sharding type, over this rank's pieces."""
         module, (opt_class, opt_kwargs) = self.__dict__["_robe_src"]
@@ -551,22 +568,8 @@ class ShardedRobeEmbeddingBagCollection(RobeShardedArrays, ShardedEmbeddingBagCo
         qcomm_codecs_registry=None,
         module_fqn: Optional[str] = None,
     ) -> None:
-        validate_plan(module, table_name_to_parameter_sharding)
-        validate_rowwise_state(module.layout, table_name_to_parameter_sharding, optimizer[0],
-                               env.world_size)
-        # read by _create_lookups, which runs inside the base constructor
-        self.__dict__["_robe_src"] = (module, optimizer)
-        super().__init__(
-            _ModuleView(module),  # type: ignore[arg-type]
-            table_name_to_parameter_sharding,
-            env,
-            fused_params=None,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-        self._robe_finish(module)
-        del self.__dict__["_robe_src"]
+        self._robe_init(module, _ModuleView(module), table_name_to_parameter_sharding, env,
+                        optimizer, device, qcomm_codecs_registry, module_fqn)
 
     def _create_lookups(self) -> None:
         self._robe_create_lookups(self._embedding_shardings)
