@@ -23,6 +23,7 @@ except ImportError as _exc:  # torch-only environments (a bare GPU image): the o
 else:
     _TORCHREC_ERROR = None
     from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
+    from robe_torchrec.embedding_collection import RobeEmbeddingCollection
     from robe_torchrec.layout import FeatureLayout, RobeLayout, TableLayout
     from robe_torchrec.optim import RobeFusedOptimizer
 
@@ -31,7 +32,8 @@ else:
     from robe_torchrec import distributed  # noqa: F401  isort: skip
 
 #: the names that need torchrec, and the module each comes from
-_NEEDS_TORCHREC = {"RobeEmbeddingBagCollection": "embedding_bag", "FeatureLayout": "layout",
+_NEEDS_TORCHREC = {"RobeEmbeddingBagCollection": "embedding_bag",
+                   "RobeEmbeddingCollection": "embedding_collection", "FeatureLayout": "layout",
                    "RobeLayout": "layout", "TableLayout": "layout", "RobeFusedOptimizer": "optim",
                    "distributed": "distributed"}
 
@@ -47,5 +49,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["FeatureLayout", "HashMode", "LayoutArgs", "LookupArgs", "RobeConfig",
-           "RobeEmbeddingBagCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
+           "RobeEmbeddingBagCollection",
+           "RobeEmbeddingCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
 __version__ = "0.1.0"

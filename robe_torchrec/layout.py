@@ -29,7 +29,12 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+)
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
@@ -95,7 +100,7 @@ def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
         if table.name in names:
             raise ValueError(f"duplicate table name {table.name!r}")
         names.add(table.name)
-        if table.pooling not in POOLING_OF:
+        if table_pooling(table) not in POOLING_OF:
             raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported "
                              "(SUM or MEAN)")
         if table.data_type not in WEIGHT_DTYPE_OF:
@@ -111,6 +116,12 @@ def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
         raise ValueError("RobeEmbeddingBagCollection: all tables of one module must share one "
                          f"data_type, as they live in one flat ROBE weight (got {found}); put "
                          "tables of another data_type in a second RobeEmbeddingBagCollection")
+
+
+def table_pooling(table: BaseEmbeddingConfig) -> PoolingType:
+    """The table's pooling; an unpooled table (``EmbeddingConfig``, which has none) is looked
+    up with one id per bag pooled by SUM (:mod:`robe_torchrec.ops.unpooled`)."""
+    return getattr(table, "pooling", PoolingType.SUM)
 
 
 def weight_dtype_of(tables: Sequence[EmbeddingBagConfig]) -> torch.dtype:
@@ -160,7 +171,7 @@ class RobeLayout:
         for t, table in enumerate(tables):
             array = 0 if robe.shared else t
             row_offset = sum(tb.num_embeddings for tb in tables[:t]) if robe.shared else 0
-            pooling = POOLING_OF[table.pooling]
+            pooling = POOLING_OF[table_pooling(table)]
             names = tuple(table.feature_names or [table.name])
             table_layouts.append(TableLayout(table.name, table.num_embeddings,
                                              table.embedding_dim, pooling, names, array,

@@ -178,3 +178,22 @@ def test_kernel_ab_difference():
     a = torch.arange(4.0)
     assert _difference(a, a.clone()) == "bitwise equal"
     assert _difference(a, a + torch.tensor([0.0, 0.0, 0.5, 0.0])) == "max abs difference 0.5"
+
+
+def test_sequence_two_tower_example_trains():
+    out = run_example("examples/sequence_two_tower.py", "--steps", "120", "--log-every", "40",
+                      "--batch-size", "128", "--num-items", "2000", "--pooling", "attention")
+    losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0], out
+    assert "compressed to" in out and float(out.split("held-out AUC")[1]) > 0.8, out
+
+
+def test_unpooled_ops_benchmark_runs(tmp_path):
+    run_example("-m", "benchmarks.unpooled_ops", "--quick", "--out", str(tmp_path))
+    ms = json.loads((tmp_path / "unpooled_ops.json").read_text())["ms"]
+    assert len(ms) == 10 and all(t > 0 for t in ms.values())
+    text = (tmp_path / "unpooled_ops.md").read_text()
+    floor = ms["forward floor"]
+    t = ms["unpooled, 1 feature: forward"]
+    assert f"| unpooled, 1 feature: forward | {t:.2f} | {t / floor:.1f}x |" in text

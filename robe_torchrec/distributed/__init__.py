@@ -13,6 +13,10 @@ Example::
 """
 
 from robe_torchrec.distributed.defaults import get_default_sharders, install_default_sharder
+from robe_torchrec.distributed.sequence_sharder import (
+    RobeEmbeddingCollectionSharder,
+    ShardedRobeEmbeddingCollection,
+)
 from robe_torchrec.distributed.sharder import (
     RobeEmbeddingBagCollectionSharder,
     ShardedRobeEmbeddingBagCollection,
@@ -25,7 +29,9 @@ install_default_sharder()
 
 __all__ = [
     "RobeEmbeddingBagCollectionSharder",
+    "RobeEmbeddingCollectionSharder",
     "ShardedRobeEmbeddingBagCollection",
+    "ShardedRobeEmbeddingCollection",
     "ShardedRobeFusedOptimizer",
     "get_default_sharders",
     "install_default_sharder",

@@ -1,4 +1,5 @@
-"""The default sharders: TorchRec's plus :class:`RobeEmbeddingBagCollectionSharder`.
+"""The default sharders: TorchRec's plus :class:`RobeEmbeddingBagCollectionSharder` and
+:class:`RobeEmbeddingCollectionSharder`.
 
 ``DistributedModelParallel(model)`` without ``sharders=`` shards with TorchRec's
 ``get_default_sharders()``, which knows nothing of ROBE: the ROBE module would stay unsharded
@@ -26,6 +27,7 @@ from torch import nn
 from torchrec.distributed import sharding_plan
 from torchrec.distributed.types import ModuleSharder
 
+from robe_torchrec.distributed.sequence_sharder import RobeEmbeddingCollectionSharder
 from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
 
 #: the TorchRec modules whose ``get_default_sharders`` name gives DMP / ``shard`` their default
@@ -33,20 +35,23 @@ PATCHED_MODULES = ("torchrec.distributed.model_parallel", "torchrec.distributed.
 
 
 def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
-    """:class:`RobeEmbeddingBagCollectionSharder` followed by TorchRec's default sharders
+    """:class:`RobeEmbeddingBagCollectionSharder` and :class:`RobeEmbeddingCollectionSharder`
+    followed by TorchRec's default sharders
     (``torchrec.distributed.sharding_plan.get_default_sharders()``), fresh instances each call.
 
     Example::
 
         >>> DistributedModelParallel(model, sharders=get_default_sharders())
     """
-    return [RobeEmbeddingBagCollectionSharder(), *sharding_plan.get_default_sharders()]
+    return [RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder(),
+            *sharding_plan.get_default_sharders()]
 
 
 def _with_robe(torchrec_default: Callable[[], List[ModuleSharder[nn.Module]]]):
     @functools.wraps(torchrec_default)
     def default_sharders() -> List[ModuleSharder[nn.Module]]:
-        return [RobeEmbeddingBagCollectionSharder(), *torchrec_default()]
+        return [RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder(),
+                *torchrec_default()]
 
     default_sharders.robe_wraps = torchrec_default  # type: ignore[attr-defined]
     return default_sharders

@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
 
 
@@ -69,6 +70,8 @@ class RobeShardedLookup(nn.Module):
         segments: the pieces of the module's flat ``weight`` the local weight holds.
         local_size: floats of the local weight.
         layout: the module's layout (hash, block size, bounds check).
+        unpooled: one embedding per id, ``[ids, dim]`` (a sharded ``RobeEmbeddingCollection``:
+            :func:`robe_torchrec.ops.unpooled.unpooled_args`), instead of ``[batch, dims]``.
     """
 
     def __init__(
@@ -83,8 +86,10 @@ class RobeShardedLookup(nn.Module):
         process_group: Optional[dist.ProcessGroup],
         is_weighted: bool,
         device: Optional[torch.device] = None,
+        unpooled: bool = False,
     ) -> None:
         super().__init__()
+        self._unpooled = unpooled
         self.features = features
         self.segments = segments
         self._layout = layout
@@ -124,14 +129,21 @@ class RobeShardedLookup(nn.Module):
         if offsets.dtype != values.dtype:
             offsets = offsets.to(values.dtype)
         psw = features.weights_or_none() if self._is_weighted else None
-        args = LookupArgs(values, offsets, psw,
-                          self._layout.op_args(self.table_meta, self._output_dim))
+        layout_args = self._layout.op_args(self.table_meta, self._output_dim)
+        index = None
+        if self._unpooled:
+            args, index = unpooled_args(values, features.length_per_key(), layout_args)
+        else:
+            args = LookupArgs(values, offsets, psw, layout_args)
         try:
-            return fused_lookup(self.weight, self.optimizer, args,
-                                self._pg if self._data_parallel else None)
+            out = fused_lookup(self.weight, self.optimizer, args,
+                               self._pg if self._data_parallel else None)
         except (ValueError, RuntimeError) as err:
             message = row_wise_id_error(str(err), self.features, self._layout)
             raise type(err)(name_feature(message, [f.name for f in self.features])) from None
+        if self._unpooled:
+            return gather_unpooled(out, index, self.features[0].dim)
+        return out
 
 
 def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeLayout) -> str:

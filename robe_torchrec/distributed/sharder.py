@@ -34,6 +34,7 @@ from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
 from robe_torchrec.distributed.lookup import RobeShardedLookup, Segment
+from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
@@ -81,8 +82,13 @@ def rw_slices(array_size: int, world: int) -> List[Tuple[int, int]]:
             for r in range(world)]
 
 
+def module_is_weighted(module: RobeArrayModule) -> bool:
+    """Whether the module takes per-sample weights (an unpooled module never does)."""
+    return isinstance(module, RobeEmbeddingBagCollection) and module.is_weighted()
+
+
 def resolve_fused_optimizer(
-    module: RobeEmbeddingBagCollection, fused_params: Optional[Dict[str, Any]]
+    module: RobeArrayModule, fused_params: Optional[Dict[str, Any]]
 ) -> Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]:
     """The in-backward optimizer of a sharded module: from ``apply_optimizer_in_backward`` on
     ``module.weight`` if called, else from the sharder's ``fused_params``."""
@@ -134,7 +140,7 @@ def planner_sharding_types(layout: RobeLayout, row_wise: bool = False) -> List[s
     return [DP, TW, RW] if row_wise else [DP, TW]
 
 
-def validate_plan(module: RobeEmbeddingBagCollection,
+def validate_plan(module: RobeArrayModule,
                   plan: Dict[str, ParameterSharding]) -> None:
     """Refuse, with a message naming the table, a plan this module cannot run."""
     layout = module.layout
@@ -194,8 +200,8 @@ def robe_sharding_constraints(model: nn.Module, constraints=None):
 
     constraints = dict(constraints or {})
     for module in model.modules():
-        if isinstance(module, RobeEmbeddingBagCollection) and module.layout.shared:
-            for table in module.embedding_bag_configs():
+        if isinstance(module, RobeArrayModule) and module.layout.shared:
+            for table in module.layout.tables:
                 c = constraints.get(table.name) or ParameterConstraints()
                 allowed = [t for t in (c.sharding_types or [DP]) if t in SHARED_SHARDING_TYPES]
                 c.sharding_types = allowed or [DP]
@@ -268,51 +274,42 @@ class _ModuleView:
 # the sharded module
 # ---------------------------------------------------------------------------------------
 
-class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """``RobeEmbeddingBagCollection`` sharded by TorchRec (built by the sharder).
+class RobeShardedArrays:
+    """What a sharded ROBE module (pooled or unpooled) adds to TorchRec's sharded module: the
+    per-rank lookups over the local pieces of the flat array, their in-backward optimizer,
+    and the state dict that presents the pieces as the unsharded module's ``weight``.
 
-    State dict: ``weight`` (the unsharded module's flat array: a plain tensor when every table
-    is data-parallel, otherwise a ``ShardedTensor`` whose shards are the arrays each rank
-    owns, data-parallel ones declared by rank 0) and ``robe_layout``; the same keys as the
-    unsharded module, so checkpoints move between the two, between world sizes and between
-    sharding types (``torch.distributed.checkpoint``).
+    Mixed in before TorchRec's ``ShardedEmbeddingBagCollection`` /
+    ``ShardedEmbeddingCollection``; the subclass's ``_create_lookups`` calls
+    :meth:`_robe_create_lookups` with its shardings, and its constructor :meth:`_robe_finish`.
     """
-
-    def __init__(
-        self,
-        module: RobeEmbeddingBagCollection,
-        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        optimizer: Tuple[Type[torch.optim.Optimizer], Dict[str, Any]],
-        device: Optional[torch.device] = None,
-        qcomm_codecs_registry=None,
-        module_fqn: Optional[str] = None,
-    ) -> None:
-        validate_plan(module, table_name_to_parameter_sharding)
-        validate_rowwise_state(module.layout, table_name_to_parameter_sharding, optimizer[0],
-                               env.world_size)
-        # read by _create_lookups, which runs inside the base constructor
-        self.__dict__["_robe_src"] = (module, optimizer)
-        super().__init__(
-            _ModuleView(module),  # type: ignore[arg-type]
-            table_name_to_parameter_sharding,
-            env,
-            fused_params=None,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-        self._robe_finish(module)
-        del self.__dict__["_robe_src"]
 
     # --- construction ----------------------------------------------------------------------
 
-    def _create_lookups(self) -> None:
+    def _robe_init(self, module: RobeArrayModule, view: Any,
+                   plan: Dict[str, ParameterSharding], env: ShardingEnv,
+                   optimizer: Tuple[Type[torch.optim.Optimizer], Dict[str, Any]],
+                   device: Optional[torch.device], qcomm_codecs_registry,
+                   module_fqn: Optional[str]) -> None:
+        """Check the plan, run TorchRec's sharded constructor on ``view`` (what it reads of
+        the module), then build ROBE's state from ``module``."""
+        validate_plan(module, plan)
+        validate_rowwise_state(module.layout, plan, optimizer[0], env.world_size)
+        # read by _create_lookups, which runs inside the base constructor
+        self.__dict__["_robe_src"] = (module, optimizer)
+        super().__init__(  # type: ignore[call-arg]  # the TorchRec class after this mixin
+            view, plan, env, fused_params=None, device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn)
+        self._robe_finish(module)
+        del self.__dict__["_robe_src"]
+
+    def _robe_create_lookups(self, shardings, unpooled: bool = False) -> None:
+        """One :class:`RobeShardedLookup` per sharding type, over this rank's pieces."""
         module, (opt_class, opt_kwargs) = self.__dict__["_robe_src"]
         layout: RobeLayout = module.layout
         pg = self._env.process_group
         rank, world = self._env.rank, self._env.world_size
-        for sharding, sharding_type in zip(self._embedding_shardings, self._sharding_types):
+        for sharding, sharding_type in zip(shardings, self._sharding_types):
             row_wise = sharding_type == RW
             # the features this rank looks up, in the order of the KJT the input dist hands it
             local_names = (sharding.feature_names_per_rank()[rank] if sharding_type == TW
@@ -343,7 +340,8 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 features.append(f)
             lookup = RobeShardedLookup(
                 features, segments, local_size, layout, opt_class, opt_kwargs,
-                sharding_type == DP, pg, module.is_weighted(), self._device)
+                sharding_type == DP, pg, module_is_weighted(module), self._device,
+                unpooled=unpooled)
             self._lookups.append(lookup)
         self._robe_lookups = nn.ModuleList(self._lookups)
 
@@ -355,7 +353,7 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # the state dict is ROBE's own (see _save_to_state_dict / _load_from_state_dict)
         pass
 
-    def _robe_finish(self, module: RobeEmbeddingBagCollection) -> None:
+    def _robe_finish(self, module: RobeArrayModule) -> None:
         pg = self._env.process_group
         self._rank = dist.get_rank(pg) if pg is not None else 0
         self._world = dist.get_world_size(pg) if pg is not None else 1
@@ -544,14 +542,41 @@ class ShardedRobeEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     lk.weight[s.local_offset: s.local_offset + s.size].copy_(
                         src[s.global_offset: s.global_offset + s.size])
 
-    @property
-    def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
-        return RobeEmbeddingBagCollection
-
     def extra_repr(self) -> str:
         names = self._robe_layout.table_names
         return (f"tables={names}, plan="
                 f"{ {n: self.module_sharding_plan[n].sharding_type for n in names} }")
+
+
+class ShardedRobeEmbeddingBagCollection(RobeShardedArrays, ShardedEmbeddingBagCollection):
+    """``RobeEmbeddingBagCollection`` sharded by TorchRec (built by the sharder).
+
+    State dict: ``weight`` (the unsharded module's flat array: a plain tensor when every table
+    is data-parallel, otherwise a ``ShardedTensor`` whose shards are the arrays each rank
+    owns, data-parallel ones declared by rank 0) and ``robe_layout``; the same keys as the
+    unsharded module, so checkpoints move between the two, between world sizes and between
+    sharding types (``torch.distributed.checkpoint``).
+    """
+
+    def __init__(
+        self,
+        module: RobeEmbeddingBagCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        optimizer: Tuple[Type[torch.optim.Optimizer], Dict[str, Any]],
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry=None,
+        module_fqn: Optional[str] = None,
+    ) -> None:
+        self._robe_init(module, _ModuleView(module), table_name_to_parameter_sharding, env,
+                        optimizer, device, qcomm_codecs_registry, module_fqn)
+
+    def _create_lookups(self) -> None:
+        self._robe_create_lookups(self._embedding_shardings)
+
+    @property
+    def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]
+        return RobeEmbeddingBagCollection
 
 
 class ShardedRobeFusedOptimizer(FusedOptimizer):
@@ -559,7 +584,7 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
     (DMP prefixes the module path). State tensors are viewed as the array is: plain when all
     tables are data-parallel, else ``ShardedTensor``; ``step`` is a scalar tensor."""
 
-    def __init__(self, owner: ShardedRobeEmbeddingBagCollection) -> None:
+    def __init__(self, owner: RobeShardedArrays) -> None:
         self._owner = owner
         first = owner.robe_lookups[0].optimizer
         group: Dict[str, Any] = {k: v for k, v in first.param_groups[0].items() if k != "params"}
@@ -663,12 +688,12 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         # parameter right after this call: answer it for this module
         self._types_of_last_module = self.sharding_types_for(module)
         out = {}
-        for i, table in enumerate(module.embedding_bag_configs()):
+        for i, name in enumerate(module.layout.table_names):
             p = nn.Parameter(torch.empty(compressed_shape(module.layout, i), device="meta"),
                              requires_grad=False)
             if opt_class:
                 p._optimizer_classes = opt_class  # type: ignore[attr-defined]
-            out[table.name] = p
+            out[name] = p
         return out
 
     def sharding_types_for(self, module: RobeEmbeddingBagCollection) -> List[str]:

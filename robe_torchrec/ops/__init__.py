@@ -305,4 +305,9 @@ __all__ = [
     "forward",
     "meta",
     "per_sample_weights_grad",
+    "robe_unpooled_lookup",
 ]
+
+
+# the unpooled lookup is robe::forward with one id per bag (no op of its own)
+from robe_torchrec.ops.unpooled import robe_unpooled_lookup  # noqa: E402

@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from robe_torchrec import RobeConfig
 from robe_torchrec.distributed import (
     RobeEmbeddingBagCollectionSharder,
+    RobeEmbeddingCollectionSharder,
     ShardedRobeEmbeddingBagCollection,
     get_default_sharders,
     install_default_sharder,
@@ -30,8 +31,9 @@ ROBE = RobeConfig(compression=10, block_size=4, shared=False)
 
 def test_get_default_sharders_is_ours_plus_torchrecs():
     sharders = get_default_sharders()
-    assert isinstance(sharders[0], RobeEmbeddingBagCollectionSharder)
-    assert [type(s) for s in sharders[1:]] == [type(s) for s in torchrec_defaults()]
+    assert [type(s) for s in sharders[:2]] == [RobeEmbeddingBagCollectionSharder,
+                                                RobeEmbeddingCollectionSharder]
+    assert [type(s) for s in sharders[2:]] == [type(s) for s in torchrec_defaults()]
 
 
 def test_dmp_default_sharders_include_ours_once():
@@ -39,7 +41,8 @@ def test_dmp_default_sharders_include_ours_once():
     install_default_sharder()
     defaults = model_parallel.get_default_sharders()
     assert [type(s) for s in defaults].count(RobeEmbeddingBagCollectionSharder) == 1
-    assert len(defaults) == len(torchrec_defaults()) + 1
+    assert [type(s) for s in defaults].count(RobeEmbeddingCollectionSharder) == 1
+    assert len(defaults) == len(torchrec_defaults()) + 2
 
 
 def _dmp_step(rank: int, world: int, explicit: bool):

@@ -1,0 +1,241 @@
+"""What every ROBE module shares, whatever it returns: the array, its layout, the fused
+optimizer, state-dict checks and input selection.
+
+:class:`RobeArrayModule` is the base of :class:`~robe_torchrec.RobeEmbeddingBagCollection`
+(pooled, ``KeyedTensor`` out) and :class:`~robe_torchrec.RobeEmbeddingCollection`
+(unpooled, ``Dict[str, JaggedTensor]`` out). A subclass calls :meth:`_init_array` in its
+constructor and :meth:`_run_lookup` in its forward; everything else (``weight``, ``layout``,
+``reset_parameters``, ``fused_optimizer``, ``in_backward_optimizer``, the sizes, the
+``robe_layout`` check on load) is written once here.
+
+Example::
+
+    >>> ec = RobeEmbeddingCollection(tables, RobeConfig(compression=100, block_size=4))
+    >>> isinstance(ec, RobeArrayModule), ec.layout is ec.layout
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from robe_torchrec.config import RobeConfig
+from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.layout import RobeLayout
+from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.optim import RobeFusedOptimizer
+
+
+class RobeArrayModule(nn.Module):
+    """The ROBE array of a module and what goes with it (see the module docstring).
+
+    Attributes:
+        weight: the flat ROBE array(s), ``layout.memory_size`` floats.
+        table_meta: the ops' per-feature metadata (a function of the layout; not saved).
+        robe_layout: the layout as a tensor, saved and checked on load.
+    """
+
+    weight: nn.Parameter
+    table_meta: torch.Tensor
+    robe_layout: torch.Tensor
+
+    def _init_array(self, tables: Sequence[Any], robe: RobeConfig,
+                    device: Optional[torch.device | str]) -> None:
+        """Build the layout, the array and its buffers, and draw the array."""
+        self._layout = RobeLayout.build(tables, robe)
+        for table in tables:  # TorchRec's convention, which the layout followed
+            if not table.feature_names:
+                table.feature_names = [table.name]
+        self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device,
+                                               dtype=self._layout.weight_dtype))
+        # both buffers are functions of the layout: reset_parameters() rebuilds them after
+        # to_empty(), as it re-draws the weight
+        self.register_buffer("table_meta", self._layout.table_meta(device=self.weight.device),
+                             persistent=False)
+        self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
+        self._fused: Optional[RobeFusedOptimizer] = None
+        self.reset_parameters()
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def layout(self) -> RobeLayout:
+        """Where every table and feature lives (immutable, built once from the tables and
+        the :class:`RobeConfig`); the sharder and the sharded lookups read it too."""
+        return self._layout
+
+    def reset_parameters(self) -> None:
+        """Draw the array uniform in ``[-s, s]``, ``s = layout.init_scale`` (``robe.init_scale``,
+        else ``sqrt(1 / max num_embeddings)``), and rebuild the layout buffers.
+
+        As for TorchRec's modules, a module built on the meta device is materialised with
+        ``to_empty`` and then this (it draws exactly what construction on the device draws)::
+
+            >>> ebc = RobeEmbeddingBagCollection(tables, robe, device="meta")
+            >>> ebc.to_empty(device="cpu")
+            >>> torch.manual_seed(0); ebc.reset_parameters()   # == built on CPU after manual_seed(0)
+        """
+        self._restore_layout_buffers()
+        if self.weight.device.type != "meta":
+            scale = self._layout.init_scale
+            with torch.no_grad():
+                self.weight.uniform_(-scale, scale)
+
+    def _restore_layout_buffers(self) -> None:
+        with torch.no_grad():
+            self.table_meta.copy_(self._layout.table_meta())
+            self.robe_layout.copy_(self._layout.to_tensor())
+
+    def _run_lookup(self, args: LookupArgs, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``robe::forward`` of ``args`` on the array, through the fused optimizer once one
+        was applied; op errors are restated in the input's terms."""
+        fused = self._current_fused_optimizer()
+        try:
+            if fused is None:
+                return args.forward(self.weight)
+            return fused_lookup(self.weight, fused, args)
+        except (ValueError, RuntimeError) as err:
+            raise self._explain(err, features) from None
+
+    # --- fused optimizer -----------------------------------------------------------------
+
+    @property
+    def fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
+        """The in-backward optimizer, once ``apply_optimizer_in_backward`` was called on
+        :attr:`weight` (``None`` while training on dense gradients)."""
+        return self._current_fused_optimizer()
+
+    def in_backward_optimizer(self) -> Optional[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]]:
+        """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` recorded on
+        :attr:`weight`, or ``None``; raises if more than one was applied."""
+        classes = getattr(self.weight, "_optimizer_classes", None)
+        if not classes:
+            return None
+        if len(classes) != 1:
+            raise ValueError(f"{type(self).__name__}: exactly one in-backward optimizer "
+                             f"per ROBE array is supported, got {len(classes)}")
+        return classes[0], dict(self.weight._optimizer_kwargs[0])  # type: ignore[attr-defined]
+
+    def _current_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
+        # torchrec.fx traces an inference graph: the weight is a Proxy there
+        if isinstance(self.weight, torch.fx.Proxy):
+            return None
+        # a compiled graph guards on what in_backward_optimizer() reads (the attributes
+        # apply_optimizer_in_backward sets on the weight): applying one later recompiles
+        if self.in_backward_optimizer() is None:
+            return None
+        self._sync_fused_optimizer()
+        return self._fused
+
+    # torch.compile cannot trace the construction of an optimizer; marked constant, this
+    # runs for real when a graph is traced (before the graph reads self._fused), and as a
+    # plain call in eager mode
+    @torch.compiler.assume_constant_result
+    def _sync_fused_optimizer(self) -> bool:
+        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``."""
+        applied = self.in_backward_optimizer()
+        if applied is not None:
+            optimizer_class, kwargs = applied
+            if self._fused is None or self._fused.optimizer_class is not optimizer_class:
+                self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
+                                                 block_size=self._layout.block_size)
+        return True
+
+    # --- size and layout -----------------------------------------------------------------
+
+    @property
+    def memory_size(self) -> int:
+        """Floats held by the ROBE array(s)."""
+        return self.weight.numel()
+
+    @property
+    def uncompressed_size(self) -> int:
+        """Floats the tables would hold uncompressed (sum of num_embeddings * embedding_dim)."""
+        return self._layout.uncompressed_size
+
+    @property
+    def compression_ratio(self) -> float:
+        return self._layout.uncompressed_size / self.memory_size
+
+    def extra_repr(self) -> str:
+        layout = self._layout
+        return (f"tables={layout.table_names}, "
+                f"memory_size={self.memory_size}, compression={self.compression_ratio:.1f}x, "
+                f"block_size={layout.block_size}, hash={layout.hash_mode.name.lower()}, "
+                f"shared={layout.shared}")
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
+        saved = state_dict.get(prefix + "robe_layout")
+        if saved is not None:
+            self._layout.check_saved(saved)
+        elif prefix + "weight" in state_dict:
+            # Without the layout nothing says the array means the same embeddings: refused
+            # before anything is copied, whatever `strict` (torch hands every module
+            # strict=True here and applies the caller's only to the key lists afterwards).
+            raise ValueError(
+                f"{type(self).__name__}: the state dict has {prefix}weight but no "
+                f"{prefix}robe_layout, so the array's layout cannot be checked (another "
+                "layout would scramble every embedding); load a state dict saved with its "
+                f"robe_layout, or, if you know the array has this module's layout, add "
+                f"state_dict['{prefix}robe_layout'] = module.robe_layout")
+        # after to_empty() the non-persistent table_meta is garbage and no checkpoint has it
+        self._restore_layout_buffers()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # --- errors -------------------------------------------------------------------------
+
+    def _explain(self, err: Exception, features: KeyedJaggedTensor) -> Exception:
+        """The op's error in the input's terms: the feature's name next to its index, and the
+        lengths the caller gave rather than the offsets computed from them."""
+        message = str(err)
+        found = re.search(r"of feature (\d+)", message)
+        names = self._layout.feature_names
+        if found and int(found.group(1)) < len(names):
+            name = names[int(found.group(1))]
+            message = message.replace(found.group(0), f"of feature {found.group(1)} ('{name}')")
+        if features.lengths_or_none() is not None:  # its offsets are their cumulative sum
+            message = re.sub(r"offsets\[-1\] = (\d+) but values has (\d+) entries \(.*?\)",
+                             r"lengths sum to \1 but values has \2 entries", message)
+        return type(err)(message)
+
+
+# --- input handling ------------------------------------------------------------------------
+
+def check_kjt(features: Any, owner: str) -> KeyedJaggedTensor:
+    """``features`` if it is a ``KeyedJaggedTensor``, else ``TypeError`` naming ``owner``."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"{owner} expects a KeyedJaggedTensor, got {type(features).__name__}")
+    return features
+
+
+def select_features(features: KeyedJaggedTensor, feature_names: List[str],
+                    owner: str = "RobeEmbeddingBagCollection") -> KeyedJaggedTensor:
+    """``features`` reduced to ``feature_names``, in that order; other keys are dropped (as
+    TorchRec's embedding modules drop them), a missing one raises ``ValueError`` naming it.
+
+    Example::
+
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["other", "f1"], values=torch.tensor([7, 1, 2]), lengths=torch.tensor([1, 2]))
+        >>> select_features(kjt, ["f1"]).keys()
+        ['f1']
+    """
+    keys = features.keys()
+    if keys == feature_names:  # the usual case: no copy, no read of the lengths
+        return features
+    missing = [f for f in feature_names if f not in keys]
+    if missing:
+        # an unknown key next to a missing one is likely a typo of it: name both
+        unknown = [k for k in keys if k not in feature_names]
+        also = f", unknown {unknown}" if unknown else ""
+        raise ValueError(f"{owner}: the input lacks features of the tables: "
+                         f"missing {missing}{also} (expected {feature_names}; unknown "
+                         "features are ignored)")
+    return features.permute([keys.index(f) for f in feature_names])

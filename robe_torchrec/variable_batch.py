@@ -1,0 +1,67 @@
+"""Variable batch size per feature (VBE): a ``KeyedJaggedTensor`` whose features have
+different strides (``stride_per_key_per_rank``), as production TorchRec input pipelines send.
+
+The ROBE ops take ``T * B`` bags, one batch size for all features. A VBE KJT is padded to its
+largest stride with empty bags (:func:`pad_variable_strides`); the pooled module then lays its
+``[B_max, dim]`` output out as TorchRec's ``EmbeddingBagCollection`` does, each feature's rows
+picked by the KJT's ``inverse_indices`` (:func:`expand_variable_strides`). The unpooled module
+needs neither: it returns each feature's ids, whatever its stride.
+
+Example::
+
+    >>> kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5]),
+    ...     lengths=torch.tensor([1, 2, 1, 0, 1]), stride_per_key_per_rank=[[2], [3]],
+    ...     inverse_indices=(["f1", "f2"], torch.tensor([[0, 1, 1], [0, 1, 2]])))
+    >>> pad_variable_strides(kjt).lengths()
+    tensor([1, 2, 0, 1, 0, 1])
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def pad_variable_strides(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``features`` with every feature's bags padded by empty ones to the largest stride
+    (values and weights unchanged); a KJT of one stride is returned as it is."""
+    if not features.variable_stride_per_key():
+        return features
+    strides = features.stride_per_key()
+    width = max(strides)
+    lengths = features.lengths()
+    stride_t = torch.tensor(strides, device=lengths.device)
+    # position b of feature f keeps its bag while b < stride[f]
+    keep = torch.arange(width, device=lengths.device)[None, :] < stride_t[:, None]
+    padded = lengths.new_zeros(len(strides), width)
+    padded[keep] = lengths
+    return KeyedJaggedTensor(keys=features.keys(), values=features.values(),
+                             weights=features.weights_or_none(), lengths=padded.flatten(),
+                             stride=width)
+
+
+def expand_variable_strides(pooled: torch.Tensor, features: KeyedJaggedTensor,
+                            feature_names: List[str], dims: List[int]) -> torch.Tensor:
+    """The ``[B_max, sum(dims)]`` output of a padded VBE lookup laid out as TorchRec's
+    ``EmbeddingBagCollection`` lays it out: row ``r`` of feature ``f`` is the bag
+    ``inverse_indices[f][r]`` (``[B, sum(dims)]``, ``B`` the inverse indices' width).
+    ``pooled`` is returned as it is for a KJT of one stride."""
+    if not features.variable_stride_per_key():
+        return pooled
+    inverse = features.inverse_indices_or_none()
+    if inverse is None:
+        raise ValueError(
+            "RobeEmbeddingBagCollection: a KeyedJaggedTensor with a variable batch size per "
+            "feature needs inverse_indices (as TorchRec's EmbeddingBagCollection does) to lay "
+            "out its KeyedTensor: build it with KeyedJaggedTensor(..., "
+            "stride_per_key_per_rank=..., inverse_indices=(keys, [F, B] tensor))")
+    keys, rows = inverse
+    missing = [f for f in feature_names if f not in keys]
+    if missing:
+        raise ValueError(f"RobeEmbeddingBagCollection: inverse_indices has no rows for "
+                         f"features {missing} (it has {list(keys)})")
+    columns = torch.split(pooled, dims, dim=1)
+    return torch.cat([col.index_select(0, rows[keys.index(f)].to(torch.int64))
+                      for f, col in zip(feature_names, columns)], dim=1)

@@ -1,0 +1,299 @@
+"""Sharding RobeEmbeddingCollection next to RobeEmbeddingBagCollection (2 ranks, gloo, one
+spawn for everything): sharded == unsharded after 20 SGD steps (data-parallel and
+table-wise), a DCP checkpoint moved between plans and into the unsharded model, the
+pipelines (SparseDist, FusedSparseDist == the plain loop; SemiSync trains), VBE input to the
+sharded unpooled module, the planner's compressed sizes and the default sharders."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.optim import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from robe_torchrec import RobeConfig, RobeEmbeddingCollection
+from robe_torchrec.distributed import (
+    RobeEmbeddingBagCollectionSharder,
+    RobeEmbeddingCollectionSharder,
+    ShardedRobeEmbeddingCollection,
+    get_default_sharders,
+)
+from tests.distributed import common
+from tests.distributed.multiprocess import run_ranks
+
+B = common.B
+SEQ = {"hist": 1000, "cat_hist": 50}
+KEYS = common.FEATURES + list(SEQ)
+DIM = 4
+
+
+def ec_tables() -> List[EmbeddingConfig]:
+    return [EmbeddingConfig(name="items", embedding_dim=DIM, num_embeddings=SEQ["hist"],
+                            feature_names=["hist"]),
+            EmbeddingConfig(name="cats", embedding_dim=DIM, num_embeddings=SEQ["cat_hist"],
+                            feature_names=["cat_hist"])]
+
+
+@torch.fx.wrap  # a leaf for the pipelines' tracer: it reads lengths
+def sequence_sums(jt: JaggedTensor) -> torch.Tensor:
+    """``[bags, DIM]``: the sum of each bag's embeddings."""
+    lengths = jt.lengths()
+    rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return torch.zeros(lengths.numel(), DIM).index_add(0, rows, jt.values())
+
+
+class TwoModules(nn.Module):
+    """A ROBE bag module and a ROBE unpooled module on one KJT, a linear head; forward(Batch)
+    -> (loss, (loss, logits)) as TorchRec's pipelines expect (they return the second)."""
+
+    def __init__(self, robe: RobeConfig) -> None:
+        super().__init__()
+        self.ebc = common.make_ebc(robe, seed=0)
+        torch.manual_seed(1)
+        self.ec = RobeEmbeddingCollection(ec_tables(), robe)
+        self.head = nn.Linear(24 + 2 * DIM, 1)
+        with torch.no_grad():
+            self.head.weight.fill_(0.1)
+            self.head.bias.zero_()
+
+    def forward(self, batch: Batch):
+        kjt = batch.sparse_features
+        pooled = self.ebc(kjt).to_dict()
+        seq = self.ec(kjt)
+        x = torch.cat([pooled[f] for f in common.FEATURES]
+                      + [sequence_sums(seq[f]) for f in SEQ], dim=1)
+        logits = self.head(x).squeeze(1)
+        loss = 0.5 * ((logits - batch.labels) ** 2).sum() * batch.dense_features[0, 0]
+        return loss, (loss.detach(), logits)
+
+
+def global_batch(step: int, world: int) -> KeyedJaggedTensor:
+    bag = common.global_batch(step, world)
+    g = torch.Generator().manual_seed(7000 + step)
+    lengths = [torch.randint(0, 5, (world * B,), generator=g) for _ in SEQ]
+    values = [torch.randint(0, rows, (int(n.sum()),), generator=g)
+              for n, rows in zip(lengths, SEQ.values())]
+    return KeyedJaggedTensor.from_lengths_sync(
+        KEYS, torch.cat([bag.values()] + values), torch.cat([bag.lengths()] + lengths))
+
+
+def batch_of(step: int, world: int, rank: int, scale: float) -> Batch:
+    """Rank ``rank``'s samples of the global batch (``rank=-1``: all of them), the loss
+    scaled by ``scale``."""
+    kjt = global_batch(step, world)
+    labels = common.target(step, world * B, 1)[:, 0]
+    if rank >= 0:
+        kjt, labels = common.local_slice(kjt, rank), labels[rank * B:(rank + 1) * B]
+    return Batch(dense_features=torch.full((len(labels), 1), scale), sparse_features=kjt,
+                 labels=labels)
+
+
+def make_model(robe: RobeConfig, lr: float = 0.05) -> TwoModules:
+    model = TwoModules(robe)
+    for m in (model.ebc, model.ec):
+        apply_optimizer_in_backward(torch.optim.SGD, [m.weight], {"lr": lr})
+    return model
+
+
+def shard(model: TwoModules, types: Dict[str, str], world: int):
+    bag, seq = RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder()
+    plan = ShardingPlan({
+        "ebc": common.plan_for(model.ebc, {t: types[t] for t in ("t0", "t1", "t2")}, world, bag),
+        "ec": common.plan_for(model.ec, {t: types[t] for t in ("items", "cats")}, world, seq),
+    })
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                    device=torch.device("cpu"), plan=plan, sharders=[bag, seq])
+
+
+def dense_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    return torch.optim.SGD([p for _, p in in_backward_optimizer_filter(model.named_parameters())],
+                           lr=0.05)
+
+
+def weights(dmp) -> Dict[str, torch.Tensor]:
+    sd = dmp.state_dict()
+    return {k: common.full_tensor(sd[k]) for k in sorted(sd)
+            if k.endswith("weight") or k.endswith("bias")}
+
+
+def _unwrap_keys(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k.replace("_dmp_wrapped_module.", "").replace("module.", ""): v
+            for k, v in state.items()}
+
+
+def sharded_equals_unsharded(rank: int, world: int, robe: RobeConfig, types: Dict[str, str],
+                             steps: int) -> float:
+    """Worst difference of outputs and final weights, sharded vs unsharded, over ``steps``."""
+    ref = make_model(robe)
+    ref_opt = torch.optim.SGD(ref.head.parameters(), lr=0.05)
+    dmp = shard(make_model(robe), types, world)
+    opt = dense_sgd(dmp)
+    worst = 0.0
+    for step in range(steps):
+        loss, (_, logits) = dmp(batch_of(step, world, rank, 1.0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss, (_, ref_logits) = ref(batch_of(step, world, -1, 1.0 / world))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, (logits.detach() - ref_logits.detach()[rank * B:(rank + 1) * B])
+                    .abs().max().item())
+    ours = _unwrap_keys(weights(dmp))
+    for key, value in ref.state_dict().items():
+        if key.endswith("weight") or key.endswith("bias"):
+            worst = max(worst, (ours[key] - value).abs().max().item())
+    return worst
+
+
+def checkpoint_moves(rank: int, world: int, path: str) -> float:
+    """DCP: save a table-wise model after 2 steps, load it into a data-parallel one and
+    into the unsharded model; the largest difference of their weights."""
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    tw = shard(make_model(robe), {n: "table_wise" for n in
+                                  ("t0", "t1", "t2", "items", "cats")}, world)
+    for step in range(2):
+        tw(batch_of(step, world, rank, 1.0))[0].backward()
+    dcp.save(tw.state_dict(), checkpoint_id=path)
+    dp = shard(make_model(RobeConfig(memory_size=4000, block_size=4, shared=False)),
+               {n: "data_parallel" for n in ("t0", "t1", "t2", "items", "cats")}, world)
+    state = dp.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    dp.load_state_dict(state)
+    saved, loaded = weights(tw), weights(dp)
+    worst = max((saved[k] - loaded[k]).abs().max().item() for k in saved)
+    # the unsharded model reads the assembled arrays
+    plain = make_model(robe)
+    plain.load_state_dict({k: v for k, v in _unwrap_keys(saved).items()}, strict=False)
+    for key, value in _unwrap_keys(saved).items():
+        worst = max(worst, (plain.state_dict()[key] - value).abs().max().item())
+    return worst
+
+
+def pipelines_match(rank: int, world: int) -> Dict[str, object]:
+    """Final weights of SparseDist and FusedSparseDist vs the plain loop (largest
+    difference), and SemiSync's losses."""
+    from pipelines import make_pipeline, run_to_end
+
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    types = {"t0": "table_wise", "t1": "data_parallel", "t2": "table_wise",
+             "items": "table_wise", "cats": "data_parallel"}
+    out: Dict[str, object] = {}
+    results = {}
+    for name in ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync"):
+        dmp = shard(make_model(robe), types, world)
+        options = {"start_batch": 2} if name == "semi_sync" else {}
+        pipeline = make_pipeline(name, dmp, dense_sgd(dmp), torch.device("cpu"), **options)
+        losses: List[float] = []
+        run_to_end(pipeline, iter([batch_of(s % 3, world, rank, 1.0) for s in range(8)]),
+                   lambda o: losses.append(float(o[0].detach())))
+        results[name] = (weights(dmp), losses)
+    plain = results["plain"][0]
+    for name in ("sparse_dist", "fused_sparse_dist"):
+        out[name] = max((results[name][0][k] - plain[k]).abs().max().item() for k in plain)
+    out["semi_sync_losses"] = results["semi_sync"][1]
+    out["plain_losses"] = results["plain"][1]
+    return out
+
+
+def vbe_matches(rank: int, world: int) -> float:
+    """A VBE KJT into the sharded unpooled module (table-wise and data-parallel) vs the
+    unsharded module laid out as TorchRec's sharded EmbeddingCollection lays VBE out: the
+    largest difference, lengths checked."""
+    torch.manual_seed(3)
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=3000, block_size=4,
+                                                         shared=False))
+    apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+    ref = copy.deepcopy(ec)
+    sharder = RobeEmbeddingCollectionSharder()
+    plan = ShardingPlan({"": common.plan_for(ec, {"items": "table_wise", "cats": "data_parallel"},
+                                             world, sharder)})
+    dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    g = torch.Generator().manual_seed(11 + rank)
+    strides = [3, 5]
+    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
+    values = torch.cat([torch.randint(0, SEQ[k], (int(n.sum()),), generator=g)
+                        for k, n in zip(SEQ, lengths)])
+    inverse = torch.stack([torch.randint(0, s, (6,), generator=g) for s in strides])
+    kjt = KeyedJaggedTensor(keys=list(SEQ), values=values, lengths=torch.cat(lengths),
+                            stride_per_key_per_rank=[[s] for s in strides],
+                            inverse_indices=(list(SEQ), inverse))
+    ours, theirs = dmp(kjt), ref(kjt)
+    worst = 0.0
+    for i, k in enumerate(SEQ):
+        # TorchRec's sharded EmbeddingCollection expands each feature's bags by its
+        # inverse indices (the unsharded one does not): the reference does the same
+        offsets = theirs[k].offsets()
+        bags = [theirs[k].values()[offsets[b]:offsets[b + 1]] for b in inverse[i].tolist()]
+        assert torch.equal(ours[k].lengths(), theirs[k].lengths()[inverse[i]]), k
+        worst = max(worst, (ours[k].values() - torch.cat(bags)).abs().max().item())
+    return worst
+
+
+def run_all(rank: int, world: int):
+    out = {}
+    shared = RobeConfig(memory_size=4000, block_size=4, shared=True)
+    per_table = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    dp = {n: "data_parallel" for n in ("t0", "t1", "t2", "items", "cats")}
+    tw = {"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel", "items": "table_wise",
+          "cats": "table_wise"}
+    out["dp_shared"] = sharded_equals_unsharded(rank, world, shared, dp, 20)
+    out["tw"] = sharded_equals_unsharded(rank, world, per_table, tw, 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)
+        out["checkpoint"] = checkpoint_moves(rank, world, path[0])
+        dist.barrier()
+    out.update(pipelines_match(rank, world))
+    out["vbe"] = vbe_matches(rank, world)
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_sequence_and_bag_modules():
+    for result in run_ranks(run_all, 2, timeout=600):
+        assert result["dp_shared"] < 1e-5 and result["tw"] < 1e-5, result
+        assert result["checkpoint"] < 1e-6, result
+        assert result["sparse_dist"] == 0.0 and result["fused_sparse_dist"] == 0.0, result
+        # SemiSync: synchronous (the plain loop's losses) before start_batch=2, then one
+        # step stale, so close to them
+        semi, plain = torch.tensor(result["semi_sync_losses"]), torch.tensor(result["plain_losses"])
+        assert len(semi) == 8 and bool(torch.isfinite(semi).all()), result
+        assert torch.equal(semi[:2], plain[:2]), result
+        assert bool(((semi - plain).abs() <= 0.25 * plain.abs() + 0.05).all()), result
+        assert result["vbe"] < 1e-6, result
+
+
+def test_planner_sizes_and_default_sharders():
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    model = TwoModules(RobeConfig(compression=100, block_size=4, shared=False))
+    apply_optimizer_in_backward(torch.optim.SGD, [model.ec.weight], {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.SGD, [model.ebc.weight], {"lr": 0.1})
+    sharders = get_default_sharders()
+    assert any(isinstance(s, RobeEmbeddingCollectionSharder) for s in sharders)
+    params = RobeEmbeddingCollectionSharder().shardable_parameters(model.ec)
+    floats = sum(p.numel() for p in params.values())
+    assert model.ec.memory_size <= floats < model.ec.memory_size + 2 * DIM
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu")
+                                    ).plan(model, sharders)
+    assert set(plan.plan["ec"]) == {"items", "cats"}
+    assert {ps.sharding_type for ps in plan.plan["ec"].values()} <= {"data_parallel",
+                                                                     "table_wise"}
+    assert ShardedRobeEmbeddingCollection.__name__ in repr(
+        RobeEmbeddingCollectionSharder().sharded_module_type)
