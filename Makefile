@@ -26,7 +26,7 @@ demo: setup
 
 # two workers for the machine's two cores; tests/conftest.py groups them by file
 test: setup
-	$(PY) -m pytest tests -q -n 2 --dist loadgroup
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup --durations=25
 
 test-fast: setup
 	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m "not slow"
