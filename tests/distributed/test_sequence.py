@@ -178,7 +178,10 @@ def checkpoint_moves(rank: int, world: int, path: str) -> float:
     worst = max((saved[k] - loaded[k]).abs().max().item() for k in saved)
     # the unsharded model reads the assembled arrays
     plain = make_model(robe)
-    plain.load_state_dict({k: v for k, v in _unwrap_keys(saved).items()}, strict=False)
+    # the arrays alone: their layout is the one this model was built with (the documented
+    # opt-in for a state dict without robe_layout)
+    layouts = {k: v for k, v in plain.state_dict().items() if k.endswith("robe_layout")}
+    plain.load_state_dict({**_unwrap_keys(saved), **layouts}, strict=False)
     for key, value in _unwrap_keys(saved).items():
         worst = max(worst, (plain.state_dict()[key] - value).abs().max().item())
     return worst
