@@ -18,6 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+SPREAD_FILES = ("tests/test_examples.py",)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test file is one xdist group unless its tests name their own (the docs test groups its
     blocks by page): a module-scoped fixture is then built once, and files that share paths on
@@ -26,4 +29,8 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            path = item.nodeid.split("::")[0]
+            # long, independent subprocess runs (tmp_path outputs, no shared fixture): one
+            # group each, so that they spread over both workers
+            group = item.nodeid if path in SPREAD_FILES else path
+            item.add_marker(pytest.mark.xdist_group(group))

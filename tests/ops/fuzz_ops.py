@@ -301,9 +301,9 @@ def use_asan_build() -> None:
     with open("/proc/self/maps", encoding="utf-8") as f:
         if "libasan" not in f.read():
             raise SystemExit("--asan needs libasan preloaded (LD_PRELOAD=$(g++ -print-file-name=libasan.so))")
-    # -O1 (ASan's recommendation) compiles this file in about half the time of -O3
+    # -O0 compiles this file in a fraction of -O3's time, and ASan checks every access
     cpu.CFLAGS = [f for f in cpu.CFLAGS if not f.startswith("-O")] + [
-        "-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        "-O0", "-fsanitize=address", "-fno-omit-frame-pointer"]
     cpu.LDFLAGS = cpu.LDFLAGS + ["-fsanitize=address"]
     if os.environ.get("ROBE_TORCHREC_BUILD_DIR"):
         os.environ["ROBE_TORCHREC_BUILD_DIR"] = os.environ["ROBE_TORCHREC_BUILD_DIR"].rstrip("/") + "-asan"
