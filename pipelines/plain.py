@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn

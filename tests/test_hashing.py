@@ -1,6 +1,5 @@
 """The hash module: reference test vectors, the mix hash's properties, tensor == scalar."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -21,7 +21,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Iterator, List, Literal, Sequence, Tuple, Union
 
 import numpy as np
 import torch

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torchrec.distributed import model_parallel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import get_default_sharders as torchrec_defaults
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

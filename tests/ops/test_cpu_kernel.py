@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
-from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
+from robe_torchrec.hashing import HashMode, reference_key_limit
 from robe_torchrec.ops import cpu, cpu_backend, reference
-from robe_torchrec.ops.meta import (BoundsCheck, Optimizer, Pooling, build_table_meta,
+from robe_torchrec.ops.meta import (BoundsCheck, Optimizer, Pooling,
                                    rowwise_state_size)
 from tests.ops.cases import (ROWWISE_CASES, OpCase, case_matrix, fused_steps, random_case,
                              rowwise_adagrad_brute_force)
