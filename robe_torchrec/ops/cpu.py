@@ -4,7 +4,9 @@ Same signatures as :mod:`robe_torchrec.ops.reference`. The extension is compiled
 use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached on
 disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags, of this CPU's flags and
 of the Python/torch install>`` or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the
-same torch, flags and CPU loads the cached build without compiling. The kernels run on
+same torch, flags and CPU loads the cached build without compiling. The build registers its
+functions as operators of its own library, ``torch.ops.robe_torchrec_cpu`` (no pybind11:
+the build takes half the time), which :func:`extension` returns. The kernels run on
 ``torch.get_num_threads()`` threads (``torch.set_num_threads``).
 
 The wrappers only run :func:`~robe_torchrec.ops.validation.check_static` (dtypes and shapes);
@@ -124,10 +126,15 @@ def build(name: str, source: str, directory: Optional[str] = None):
     # from another place (a checkout and a wheel install, two clones).
     local_source = os.path.join(directory, f"{name}.cpp")
     _write_if_changed(local_source, source)
+    with open(local_source, encoding="utf-8") as f:
+        # kernels before the switch to TORCH_LIBRARY were a pybind11 module (kernel_ab builds old revisions)
+        python_module = "PYBIND11_MODULE" in f.read()
     with _interpreter_bin_first_on_path():
-        return load(name=name, sources=[local_source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                    build_directory=directory,
-                    verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+        loaded = load(name=name, sources=[local_source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                      build_directory=directory, is_python_module=python_module,
+                      verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+    # the operators the library registered under its own namespace, called like module functions
+    return loaded if python_module else getattr(torch.ops, name)
 
 
 def _write_if_changed(path: str, source: str) -> None:
