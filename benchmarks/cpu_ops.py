@@ -1084,6 +1084,10 @@ def stands_between_section(profiles: Sequence[ForwardProfile]) -> str:
     x = lambda v: f"{v:.2f}x"  # noqa: E731
     pct = lambda v: f"{v:.0%}"  # noqa: E731
     shares = [[part / p.forward for part in p.parts] for p in profiles]
+    ns_line = {m: _span([p.lines * 1e6 / p.line_count for p in profiles if p.case.memory == m],
+                        lambda v: f"{v:.1f}") for m in sorted({p.case.memory for p in profiles})}
+    moved = {z: p.line_count * 4 * LINE_FLOATS / (p.hashes * z * 4)
+             for p in profiles for z in [p.case.block_size]}
     below_serial = sum(p.serial_floor > FWD_FLOOR_RATIO * p.floor for p in profiles)
     below_max = sum(p.overlapped_floor > FWD_FLOOR_RATIO * p.floor for p in profiles)
     return "\n".join([
@@ -1098,6 +1102,11 @@ def stands_between_section(profiles: Sequence[ForwardProfile]) -> str:
         f"floor. The {FWD_FLOOR_RATIO:g}x target lies below that serial floor in {below_serial} of "
         f"{len(profiles)} cases, and below even the perfectly overlapped floor (the largest of the "
         f"three) in {below_max}.",
+        "- A line read costs "
+        + ", ".join(f"{v} ns at M={m:,}" for m, v in ns_line.items())
+        + " floats; a block of Z floats at a random offset spans 1 + (4Z - 4)/64 lines, so the "
+        "gathers move " + ", ".join(f"{v:.1f}x the bytes they use at Z = {z}"
+                                    for z, v in sorted(moved.items())) + ".",
         f"- The forward takes {_span([p.forward / p.serial_floor for p in profiles], x)} the serial "
         f"floor and {_span([p.forward / p.overlapped_floor for p in profiles], x)} the overlapped one"
         + (": what is left to win is overlapping the hashing, the line reads and the stores, "
@@ -1110,15 +1119,17 @@ def stands_between_section(profiles: Sequence[ForwardProfile]) -> str:
 
 def backward_profile_section(fwd: Dict[Tuple[int, str], float], sizes: Sizes) -> str:
     header = ["case", "backward (dense gradient op)", "read once", "hash only", "backward / read",
-              "hash share", "rest (ms)"]
+              "hash share", "rest (ms)", "line reads (ms)", "rest / line reads"]
     read = fwd.get((1, "cpu read"))
     rows = []
     for case in forward_cases(sizes):
-        bwd, hashing = fwd.get((1, f"cpu backward {case.name}")), fwd.get((1, f"cpu hash {case.name}"))
-        if bwd is None or hashing is None or read is None:
+        bwd, hashing, lines = (fwd.get((1, f"cpu {part} {case.name}"))
+                               for part in ("backward", "hash", "lines"))
+        if bwd is None or hashing is None or read is None or lines is None:
             continue
+        rest = bwd - hashing - read
         rows.append([case.name, fmt(bwd), fmt(read), fmt(hashing), ratio_text(bwd / read),
-                     f"{hashing / bwd:.0%}", fmt(bwd - hashing - read)])
+                     f"{hashing / bwd:.0%}", fmt(rest), fmt(lines), ratio_text(rest / lines)])
     if not rows:
         return "(no profile: needs the C++ kernel's profiling aids)"
     return markdown_table(header, rows)
@@ -1371,8 +1382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "CPU ms at 1 thread, same loop: the dense-gradient op (`robe::backward_dense`, no "
         "autograd, no loss) for a fixed [2B, D] output gradient, one read of that gradient "
         "(`sum`), and the forward's hashing alone (the backward hashes the same (id, block) "
-        "pairs). rest = backward - hash only - read once: zeroing and scattering into the "
-        "array's gradient.",
+        "pairs). rest = backward - hash only - read once: zeroing the array's gradient and "
+        "scattering into it; line reads = the forward's (the scatter reads and writes the "
+        "same lines).",
         "",
         backward_profile_section(fwd, sizes),
         "",

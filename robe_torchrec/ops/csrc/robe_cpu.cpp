@@ -504,13 +504,13 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
-  std::atomic_flag out_lock = ATOMIC_FLAG_INIT;  // GATHER_ONLY: guards the merge into out
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
-    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
+    // GATHER_ONLY: the out_dim elements after the row sum this chunk's pooled rows, in place
+    // of their stores. (The aid names no new local in the lambdas: a lambda captures what a
+    // discarded `if constexpr` branch names too, and that changed FULL's machine code.)
+    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)) *
+                               (kMode == ForwardMode::GATHER_ONLY ? 2 : 1));
     acc_t* __restrict__ row = row_buf.data();
-    // GATHER_ONLY: the sum of this chunk's pooled rows, in place of their stores
-    std::vector<acc_t> sink_buf(kMode == ForwardMode::GATHER_ONLY ? row_buf.size() : 0, acc_t(0));
-    acc_t* __restrict__ sink = sink_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
     // this one is gathered, so every prefetch has a whole tile of work to land.
     struct TileBuf {
@@ -605,7 +605,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         }
         if constexpr (kMode == ForwardMode::GATHER_ONLY) {
 #pragma omp simd
-          for (int64_t j = 0; j < out_dim; ++j) sink[j] += row[j];
+          for (int64_t j = 0; j < out_dim; ++j) row[out_dim + j] += row[j];
         } else {
           store_row(out + b * out_dim, row, out_dim, stream);
         }
@@ -625,10 +625,11 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         cur ^= 1;
       }
       if constexpr (kMode == ForwardMode::GATHER_ONLY) {
-        while (out_lock.test_and_set(std::memory_order_acquire)) {
+        static std::atomic_flag merging = ATOMIC_FLAG_INIT;  // the chunks add into out in turn
+        while (merging.test_and_set(std::memory_order_acquire)) {
         }
-        for (int64_t j = 0; j < out_dim; ++j) out[j] += sink[j];
-        out_lock.clear(std::memory_order_release);
+        for (int64_t j = 0; j < out_dim; ++j) out[j] += row[out_dim + j];
+        merging.clear(std::memory_order_release);
       } else {
         store_fence();
       }
