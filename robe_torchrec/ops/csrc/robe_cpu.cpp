@@ -486,8 +486,8 @@ constexpr int64_t kStreamBytes = int64_t(1) << 21;
 enum class ForwardMode {
   FULL,        // hash, gather, pool, store the output
   HASH_ONLY,   // the loops, checks and hashes; no gathers, no output
-  GATHER_ONLY  // all of FULL but the output stores: each pooled row is added to a
-               // thread-local [out_dim] sum (cache resident), returned as one [out_dim] row
+  GATHER_ONLY  // all of FULL but the output stores: each pooled row is added to its
+               // chunk's cache-resident [out_dim] sum; returns the chunks' sums added up
 };
 
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode>
