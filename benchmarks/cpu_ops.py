@@ -30,6 +30,13 @@ our backward against one read of its gradient. The targets against the floors (f
 1.5x its floor at 1 thread, 2 threads <= 0.6x our 1-thread forward, step <= 1.5x the step
 floor with ``sum(outputs)``) are reported met or missed with margins.
 
+The forward section also profiles each case at 1 thread, in the same interleaved loop: the
+C++ kernel's hashing alone (``cpu.forward_hash_only``), its hashing + gathers without the
+output stores (``cpu.forward_gather_only``), a read of every cache line its gathers touch
+(:func:`read_lines`), its dense-gradient backward and one read of that gradient. From them
+the report splits the forward into hash / gather / store, sets it against the floor of the
+algorithm (store + hash + lines) and says what stands between the kernel and the floor.
+
 Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
 
 * ``forward``: the embedding call alone (one call covers both features);
@@ -69,6 +76,8 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
+import json
 import math
 import os
 import platform
@@ -296,13 +305,14 @@ class Fbgemm(Runner):
         return all(bool(torch.isfinite(w).all()) for w in self.tbe.split_embedding_weights())
 
 
-def _cpp_hash_only() -> bool:
-    """Whether the C++ kernel exposes its hashing alone (cpu.forward_hash_only)."""
+def _cpp_aids() -> bool:
+    """Whether the C++ kernel exposes its profiling aids (cpu.forward_hash_only: the
+    forward's hashing alone; cpu.forward_gather_only: all but its output stores)."""
     try:
         from robe_torchrec.ops import cpu
     except Exception:  # noqa: BLE001
         return False
-    return hasattr(cpu, "forward_hash_only")
+    return hasattr(cpu, "forward_hash_only") and hasattr(cpu, "forward_gather_only")
 
 
 class Robe(Runner):
@@ -314,7 +324,7 @@ class Robe(Runner):
         self.hash_mode = hash_mode
         self.params = hash_params(hash_mode, HASH_SEED)
         self.split = split
-        if split == "estimate" and backend == "cpp" and _cpp_hash_only():
+        if split == "estimate" and backend == "cpp" and _cpp_aids():
             self.split = "kernel"
         d, n = sizes.dim, sizes.num_embeddings
         # The two lookups of a sample read the same array with the same keys, so they are one
@@ -390,6 +400,31 @@ class Robe(Runner):
         cpu.forward_hash_only(self.weights.detach(), *args.flat())
         return time.perf_counter() - t0
 
+    def gather_only(self, batch: Batch) -> Tensor:
+        """The C++ forward without its output stores (cpu.forward_gather_only): hashing,
+        gathers and pooling; returns the pooled rows' sum, [D]."""
+        from robe_torchrec.ops import cpu
+
+        args = LookupArgs(batch.values, batch.offsets, None, self.layout_args)
+        return cpu.forward_gather_only(self.weights.detach(), *args.flat())
+
+    def backward_dense(self, batch: Batch, grad: Tensor) -> Tensor:
+        """The dense weight gradient of the forward for output gradient ``grad``."""
+        args = LookupArgs(batch.values, batch.offsets, None, self.layout_args)
+        return args.backward_dense(grad, self.weights.detach())
+
+    def touched_lines(self, batch: Batch) -> Tensor:
+        """Index of every 64-byte line of the array each (id, block) gather of ``batch``
+        reads, in gather order (a block of Z floats spans 1 to 3 lines)."""
+        blocks = math.ceil(self.sizes.dim / self.block_size)
+        starts = block_starts(batch.values, blocks, self.memory, self.block_size, self.hash_mode,
+                              self.params).reshape(-1)
+        first = starts // LINE_FLOATS
+        count = (starts + self.block_size - 1) // LINE_FLOATS - first + 1
+        lines = torch.repeat_interleave(first, count)
+        begin = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+        return lines + (torch.arange(lines.numel()) - begin)
+
     def _block_gather(self, starts: Tensor) -> float:
         """The pooled lookup from precomputed block starts (one id per bag: no pooling)."""
         z, w = self.block_size, self.weights.detach()
@@ -419,6 +454,17 @@ class Robe(Runner):
 # ---------------------------------------------------------------------------------------
 
 FLOOR_SOURCE_ROWS = 256  # 64 KB at dim 64: the floor's source stays in L1/L2
+LINE_FLOATS = 16  # floats per 64-byte cache line
+LINES_PER_BAG = 64  # the line-read floor pools this many lines per output row
+
+
+def read_lines(lines: Tensor, weights: Tensor) -> Tensor:
+    """The gathers' memory floor: read the array's 64-byte lines ``lines`` (each once per
+    entry) with torch's embedding_bag (FBGEMM's prefetching kernel on CPU), pooling
+    :data:`LINES_PER_BAG` lines per output row so that its own output stays small."""
+    table = weights.detach()[: weights.numel() // LINE_FLOATS * LINE_FLOATS].view(-1, LINE_FLOATS)
+    offsets = torch.arange(0, lines.numel(), LINES_PER_BAG)
+    return F.embedding_bag(lines, table, offsets, mode="sum")
 
 
 def floor_forward(source: Tensor, rows: int) -> Tensor:
@@ -866,27 +912,46 @@ def forward_cases(sizes: Sizes) -> List[ForwardCase]:
             for memory in sizes.robe_sizes for z in zs]
 
 
+# profile entries of time_forwards timed at 1 thread only (the profile is read at 1 thread)
+ONE_THREAD_ONLY = ("lines ", "backward ", "read")
+
+
 def time_forwards(sizes: Sizes, threads: Sequence[int], batches: Sequence[Batch], warmup: int,
                   iters: int, backend: str) -> Dict[Tuple[int, str], float]:
     """Median ms of the forward floor (``"floor"``) and of our forward in every
-    :func:`forward_cases` case, per thread count. Each iteration runs all of them at every
-    thread count back to back (in alternating order), so load hits them alike."""
+    :func:`forward_cases` case, per thread count, with the profile of each case (C++ kernel):
+    ``hash`` (forward_hash_only), ``gather`` (forward_gather_only: all but the output
+    stores), ``lines`` (:func:`read_lines` of the lines its gathers touch), ``backward`` (the
+    dense-gradient op for a fixed output gradient) and ``read`` (one read of that gradient).
+    Each iteration runs all of them at every thread count back to back (in alternating
+    order), so load hits them alike; :data:`ONE_THREAD_ONLY` entries run at 1 thread only."""
     source = torch.randn(FLOOR_SOURCE_ROWS, sizes.dim)
-    fns: Dict[str, Callable[[Batch], Tensor]] = {
+    grad = torch.randn(2 * sizes.batch, sizes.dim)
+    fns: Dict[str, Callable[[Batch], object]] = {
         "floor": lambda batch: floor_forward(source, 2 * sizes.batch)}
     with cpu_backend(backend):
         for case in forward_cases(sizes):
             runner = Robe(sizes, "sgd", case.memory, case.block_size, "dense", case.hash_mode, "")
             fns[case.name] = lambda batch, runner=runner: runner.lookup(batch.values, batch.offsets)
-            if backend == "cpp" and _cpp_hash_only():  # the kernel's loops and hashing alone
+            if backend == "cpp" and _cpp_aids():  # the kernel's parts, timed apart
                 fns[f"hash {case.name}"] = lambda batch, runner=runner: runner._hash_only(batch)
+                fns[f"gather {case.name}"] = lambda batch, runner=runner: runner.gather_only(batch)
+                # two batches' lines, in turn: a real set of lines, without holding them all
+                line_sets = itertools.cycle([runner.touched_lines(b) for b in batches[:2]])
+                fns[f"lines {case.name}"] = (lambda batch, runner=runner, sets=line_sets:
+                                             read_lines(next(sets), runner.weights))
+                fns[f"backward {case.name}"] = (lambda batch, runner=runner:
+                                                runner.backward_dense(batch, grad))
+        if len(fns) > 1 + len(forward_cases(sizes)):
+            fns["read"] = lambda batch: float(grad.sum())
         samples: Dict[Tuple[int, str], List[float]] = {}
         with torch.no_grad():
             for it in range(warmup + iters):
                 batch = batches[it % len(batches)]
                 for k in threads:
                     torch.set_num_threads(k)
-                    order = list(fns.items())
+                    order = [(name, fn) for name, fn in fns.items()
+                             if k == 1 or not name.startswith(ONE_THREAD_ONLY)]
                     for name, fn in order if it % 2 == 0 else reversed(order):
                         c0, t0 = time.thread_time(), time.perf_counter()
                         out = fn(batch)
@@ -923,6 +988,150 @@ def forward_floor_section(fwd: Dict[Tuple[int, str], float], threads: Sequence[i
             row += [fmt(cpu), ratio_text(_div(cpu, cpu_floor)), fmt(hashing),
                     ratio_text(_div(hashing, cpu_floor))]
         rows.append(row)
+    return markdown_table(header, rows)
+
+
+@dataclass(frozen=True)
+class ForwardProfile:
+    """One case's 1-thread CPU ms: the store floor, hash only, hash + gather, the forward,
+    the line-read floor, and the work that must be done (hashes, lines touched)."""
+    case: ForwardCase
+    floor: float
+    hash: float
+    gather: float  # hash + gather + pool, no stores
+    forward: float
+    lines: float  # read_lines of the lines the gathers touch
+    hashes: int  # (id, block) starts computed
+    line_count: float  # lines the gathers touch (expected count)
+
+    @property
+    def parts(self) -> Tuple[float, float, float]:
+        """hash, gather (gather only - hash only), store (forward - gather only), in ms."""
+        return self.hash, self.gather - self.hash, self.forward - self.gather
+
+    @property
+    def serial_floor(self) -> float:
+        """Store + hash + line reads, one after the other."""
+        return self.floor + self.hash + self.lines
+
+    @property
+    def overlapped_floor(self) -> float:
+        """The largest of the three: what perfect overlap of them would leave."""
+        return max(self.floor, self.hash, self.lines)
+
+
+def expected_lines(block_size: int) -> float:
+    """Mean number of 64-byte lines a block of ``block_size`` floats at a uniformly random
+    float offset spans: 1 + (4 Z - 4) / 64."""
+    return 1 + (4 * block_size - 4) / (4 * LINE_FLOATS)
+
+
+def forward_profiles(fwd: Dict[Tuple[int, str], float], sizes: Sizes) -> List[ForwardProfile]:
+    """The cases whose profile entries all ran (C++ kernel, 1 thread)."""
+    out = []
+    for case in forward_cases(sizes):
+        keys = [f"cpu {p}{case.name}" for p in ("", "hash ", "gather ", "lines ")]
+        values = [fwd.get((1, k)) for k in ["cpu floor"] + keys]
+        if any(v is None for v in values):
+            continue
+        floor, forward, hashing, gather, lines = values
+        hashes = 2 * sizes.batch * math.ceil(sizes.dim / case.block_size)
+        out.append(ForwardProfile(case, floor, hashing, gather, forward, lines, hashes,
+                                  hashes * expected_lines(case.block_size)))
+    return out
+
+
+def forward_profile_section(profiles: Sequence[ForwardProfile]) -> str:
+    split_header = ["case", "forward", "store floor", "hash only", "hash + gather", "hash",
+                    "gather", "store", "overlap"]
+    split_rows = []
+    for p in profiles:
+        h, g, st = p.parts
+        overlap = p.floor + p.gather - p.forward
+        split_rows.append([p.case.name, fmt(p.forward), fmt(p.floor), fmt(p.hash), fmt(p.gather)]
+                          + [f"{fmt(x)} ({x / p.forward:.0%})" for x in (h, g, st)]
+                          + [fmt(overlap)])
+    floor_header = ["case", "hashes", "ns / hash", "lines touched", "MiB", "line reads (ms)",
+                    "ns / line", "store + hash + lines (ms)", "max of the three (ms)",
+                    "forward / (store + hash + lines)", "forward / max", "forward / store floor"]
+    floor_rows = []
+    for p in profiles:
+        floor_rows.append([
+            p.case.name, f"{p.hashes:,}", f"{p.hash * 1e6 / p.hashes:.1f}", f"{p.line_count:,.0f}",
+            f"{p.line_count * 64 / 2**20:.1f}", fmt(p.lines), f"{p.lines * 1e6 / p.line_count:.1f}",
+            fmt(p.serial_floor), fmt(p.overlapped_floor),
+            ratio_text(p.forward / p.serial_floor), ratio_text(p.forward / p.overlapped_floor),
+            ratio_text(p.forward / p.floor)])
+    return (markdown_table(split_header, split_rows) + "\n\n"
+            + "The work this algorithm cannot skip, and its cost measured on its own in the same "
+            "loop: one hash per (id, block) (`hash only`), every cache line the gathers touch "
+            "(`line reads`: those lines read by torch's `embedding_bag`, FBGEMM's prefetching "
+            f"kernel, {LINES_PER_BAG} lines pooled per output row), and the output's stores (the "
+            "store floor). Their sum is the floor of a kernel that does them one after the "
+            "other; their largest is the floor of one that overlaps them perfectly.\n\n"
+            + markdown_table(floor_header, floor_rows))
+
+
+def _span(values: Sequence[float], fmt_one: Callable[[float], str]) -> str:
+    lo, hi = min(values), max(values)
+    return fmt_one(lo) if fmt_one(lo) == fmt_one(hi) else f"{fmt_one(lo)} to {fmt_one(hi)}"
+
+
+def stands_between_section(profiles: Sequence[ForwardProfile]) -> str:
+    """What the profile says stands between the forward and its store floor (from the numbers)."""
+    if not profiles:
+        return "(no profile: needs the C++ kernel's profiling aids)"
+    x = lambda v: f"{v:.2f}x"  # noqa: E731
+    pct = lambda v: f"{v:.0%}"  # noqa: E731
+    shares = [[part / p.forward for part in p.parts] for p in profiles]
+    ns_line = {m: _span([p.lines * 1e6 / p.line_count for p in profiles if p.case.memory == m],
+                        lambda v: f"{v:.1f}") for m in sorted({p.case.memory for p in profiles})}
+    moved = {z: p.line_count * 4 * LINE_FLOATS / (p.hashes * z * 4)
+             for p in profiles for z in [p.case.block_size]}
+    below_serial = sum(p.serial_floor > FWD_FLOOR_RATIO * p.floor for p in profiles)
+    below_max = sum(p.overlapped_floor > FWD_FLOOR_RATIO * p.floor for p in profiles)
+    return "\n".join([
+        f"- Of the forward's time, the gathers take {_span([s[1] for s in shares], pct)}, the "
+        f"hashing {_span([s[0] for s in shares], pct)} and the output stores "
+        f"{_span([s[2] for s in shares], pct)} (store = forward - (hash + gather); a large "
+        "output is written with non-temporal stores while the next rows' loads are in flight, so "
+        "its stores can cost less than the store floor's).",
+        f"- Against the store floor: hashing alone takes {_span([p.hash / p.floor for p in profiles], x)}"
+        f", reading the lines the gathers touch {_span([p.lines / p.floor for p in profiles], x)}; "
+        f"store + hash + lines is {_span([p.serial_floor / p.floor for p in profiles], x)} the store "
+        f"floor. The {FWD_FLOOR_RATIO:g}x target lies below that serial floor in {below_serial} of "
+        f"{len(profiles)} cases, and below even the perfectly overlapped floor (the largest of the "
+        f"three) in {below_max}.",
+        "- A line read costs "
+        + ", ".join(f"{v} ns at M={m:,}" for m, v in ns_line.items())
+        + " floats; a block of Z floats at a random offset spans 1 + (4Z - 4)/64 lines, so the "
+        "gathers move " + ", ".join(f"{v:.1f}x the bytes they use at Z = {z}"
+                                    for z, v in sorted(moved.items())) + ".",
+        f"- The forward takes {_span([p.forward / p.serial_floor for p in profiles], x)} the serial "
+        f"floor and {_span([p.forward / p.overlapped_floor for p in profiles], x)} the overlapped one"
+        + (": what is left to win is overlapping the hashing, the line reads and the stores, "
+           "not doing less of them." if max(p.forward / p.serial_floor for p in profiles) <= 1.25
+           else f"; beyond the serial floor it spends "
+           f"{_span([p.forward - p.serial_floor for p in profiles], fmt)} ms on its own loops, "
+           "tile buffers and misses the line-read floor does not pay."),
+    ])
+
+
+def backward_profile_section(fwd: Dict[Tuple[int, str], float], sizes: Sizes) -> str:
+    header = ["case", "backward (dense gradient op)", "read once", "hash only", "backward / read",
+              "hash share", "rest (ms)", "line reads (ms)", "rest / line reads"]
+    read = fwd.get((1, "cpu read"))
+    rows = []
+    for case in forward_cases(sizes):
+        bwd, hashing, lines = (fwd.get((1, f"cpu {part} {case.name}"))
+                               for part in ("backward", "hash", "lines"))
+        if bwd is None or hashing is None or read is None or lines is None:
+            continue
+        rest = bwd - hashing - read
+        rows.append([case.name, fmt(bwd), fmt(read), fmt(hashing), ratio_text(bwd / read),
+                     f"{hashing / bwd:.0%}", fmt(rest), fmt(lines), ratio_text(rest / lines)])
+    if not rows:
+        return "(no profile: needs the C++ kernel's profiling aids)"
     return markdown_table(header, rows)
 
 
@@ -1057,7 +1266,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="pair: sum(e1*e2); sum: sum(outputs) (default: both)")
     p.add_argument("--ours-backend", default="cpp", choices=["cpp", "triton", "reference"],
                    help="implementation behind the 'ours' rows (default cpp; others for testing)")
-    p.add_argument("--out", default=None, help="also write a markdown report to this file")
+    p.add_argument("--out", default=None, help="also write a markdown report to this file (and its numbers to the .json beside it)")
     return p.parse_args(argv)
 
 
@@ -1075,10 +1284,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     batches = make_batches(sizes, count=max(1, min(warmup + iters, 8)))
 
     fwd: Dict[Tuple[int, str], float] = {}
+    profiles: List[ForwardProfile] = []
     if "ours" in args.rows:
         t0 = time.perf_counter()
         fwd = time_forwards(sizes, threads, batches, warmup, args.forward_iters or 3 * iters,
                             args.ours_backend)
+        profiles = forward_profiles(fwd, sizes)
         print(f"[{time.perf_counter() - t0:6.1f}s] forward floor section", file=sys.stderr, flush=True)
     results: List[Result] = []
     for opt, loss in [(o, x) for x in args.losses for o in args.optimizers]:
@@ -1149,6 +1360,34 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "checks and hashes without gathers and writes); the rest of CPU ms is the gathers, "
         "the pooling and the stores.",
         "",
+        "## Where the forward's time goes (profile, 1 thread)",
+        "",
+        "CPU ms at 1 thread, medians, timed in the loop of the section above (each iteration "
+        "runs every entry back to back, so the array is as cold for each as for the forward). "
+        "store floor = the forward floor; hash only = `forward_hash_only`; hash + gather = "
+        "`forward_gather_only` (the forward without its output stores: hashes, gathers and "
+        "pools every row, then adds it to a cache-resident sum). hash = hash only; gather = "
+        "hash + gather - hash only; store = forward - (hash + gather) (shares of the forward in "
+        "brackets); overlap = store floor + (hash + gather) - forward: how much of the store "
+        "floor's time the forward hides (negative: its stores cost more than the floor's).",
+        "",
+        forward_profile_section(profiles) if profiles else "(not run: needs the C++ kernel)",
+        "",
+        "### What stands between the kernel and the floor",
+        "",
+        stands_between_section(profiles),
+        "",
+        "## Backward profile (1 thread)",
+        "",
+        "CPU ms at 1 thread, same loop: the dense-gradient op (`robe::backward_dense`, no "
+        "autograd, no loss) for a fixed [2B, D] output gradient, one read of that gradient "
+        "(`sum`), and the forward's hashing alone (the backward hashes the same (id, block) "
+        "pairs). rest = backward - hash only - read once: zeroing the array's gradient and "
+        "scattering into it; line reads = the forward's (the scatter reads and writes the "
+        "same lines).",
+        "",
+        backward_profile_section(fwd, sizes),
+        "",
         "## Step rows",
         "",
         results_tables(results, threads, sizes),
@@ -1177,8 +1416,30 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(report)
-        print(f"wrote {args.out}", file=sys.stderr)
+        data = json_report(command, start, (load_start, load_end), fwd, profiles, results)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {args.out} and its .json", file=sys.stderr)
     return report
+
+
+def json_report(command: str, start: datetime.datetime, load: Tuple[str, str],
+                fwd: Dict[Tuple[int, str], float], profiles: Sequence[ForwardProfile],
+                results: Sequence[Result]) -> Dict[str, object]:
+    """The report's numbers (ms) for scripts: the forward section's medians keyed
+    "<threads>t <name>" (``cpu ...``: CPU time), the profile per case, and every step row."""
+    return {
+        "command": command, "date": start.isoformat(), "load_average": {"start": load[0], "end": load[1]},
+        "machine": machine_lines(),
+        "forward": {f"{k}t {name}": ms for (k, name), ms in fwd.items()},
+        "profile": [dict(case=p.case.name, **{f.name: getattr(p, f.name) for f in
+                                              dataclasses.fields(p) if f.name != "case"})
+                    for p in profiles],
+        "rows": [dict(key=r.spec.key, model=r.spec.model, loss=r.spec.loss, optimizer=r.spec.optimizer,
+                      gradient=r.spec.gradient, floats=r.spec.floats, block_size=r.spec.block_size,
+                      threads=r.threads, phases=r.phases, split=r.split, notes=r.notes,
+                      unavailable=r.unavailable) for r in results],
+    }
 
 
 if __name__ == "__main__":

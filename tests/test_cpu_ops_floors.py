@@ -5,6 +5,7 @@ import re
 import torch
 
 from benchmarks import cpu_ops
+from robe_torchrec.hashing import HashMode, block_starts
 
 
 def test_floor_forward_writes_every_row_from_the_source():
@@ -41,6 +42,15 @@ def test_quick_report_states_the_floor_targets():
     step = [v for v in verdicts if v[0].startswith("step")]
     assert len(forward) == len(cpu_ops.forward_cases(sizes))  # both hashes, both Z, both arrays
     assert len(step) == 2 * (len(sizes.robe_sizes) + 1)  # ours dense and fused of each array
+    # the profile: every case split into hash / gather / store, its floors, its backward
+    for section in ("## Where the forward's time goes", "### What stands between the kernel",
+                    "## Backward profile"):
+        assert section in report
+    profile = report.split("## Where the forward's time goes")[1].split("## Backward profile")[0]
+    names = [case.name for case in cpu_ops.forward_cases(sizes)]
+    assert all(profile.count(f"| {name} |") == 2 for name in names)  # split and floors tables
+    backward = report.split("## Backward profile")[1].split("## Step rows")[0]
+    assert all(f"| {name} |" in backward for name in names)
     # the floor rows report 1.00x against themselves, for both losses
     floor_rows = [line for line in report.splitlines() if line.startswith("| floor |")]
     assert len(floor_rows) == 2 * len(sizes.robe_sizes)
@@ -63,3 +73,15 @@ def test_interleaved_rows_report_a_failing_row_and_keep_the_others():
     assert results[0].unavailable is None and results[0].phases["total"] > 0
     assert "read" in results[0].phases  # the floor's one read of a gradient, timed apart
     assert results[1].unavailable == "not here" and not results[1].phases
+
+
+def test_touched_lines_are_the_lines_of_each_block():
+    sizes = cpu_ops.QUICK_SIZES
+    batch = cpu_ops.make_batches(sizes, count=1)[0]
+    for z in (8, 32):
+        runner = cpu_ops.Robe(sizes, "sgd", sizes.robe_sizes[0], z, "dense", HashMode.REFERENCE, "")
+        starts = block_starts(batch.values, sizes.dim // z, runner.memory, z, HashMode.REFERENCE,
+                              runner.params).reshape(-1).tolist()
+        lines = [line for s in starts for line in range(s // 16, (s + z - 1) // 16 + 1)]
+        assert runner.touched_lines(batch).tolist() == lines
+        assert abs(len(lines) / len(starts) - cpu_ops.expected_lines(z)) < 0.05 * cpu_ops.expected_lines(z)

@@ -270,6 +270,14 @@ def forward_hash_only(*forward_args) -> int:
         return int(ext.forward_hash_only(*forward_args))
 
 
+def forward_gather_only(*forward_args) -> torch.Tensor:
+    """Benchmark aid: :func:`forward` without its output stores (hashing, gathers and pooling
+    as the forward does them); returns the forward's output summed over its rows, [output_dim]."""
+    ext = extension()
+    with _value_errors():
+        return ext.forward_gather_only(*forward_args)
+
+
 __all__ = [
     "backward_dense",
     "build",
@@ -277,6 +285,7 @@ __all__ = [
     "build_directory",
     "extension",
     "forward",
+    "forward_gather_only",
     "forward_hash_only",
     "per_sample_weights_grad",
 ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
-from robe_torchrec.hashing import HashMode, reference_key_limit
+from robe_torchrec.hashing import HashMode, block_starts, reference_key_limit
 from robe_torchrec.ops import cpu, cpu_backend, reference
 from robe_torchrec.ops.meta import (BoundsCheck, Optimizer, Pooling,
                                    rowwise_state_size)
@@ -332,6 +332,48 @@ def test_same_result_at_1_and_2_threads(mode):
         assert torch.equal(one, two)  # the kernels are deterministic
     assert_close(results[0][0], reference.forward(*case.forward_args()))
     assert_close(results[0][1], reference.backward_dense(*case.backward_args(grad_output)))
+
+
+# ---------------------------------------------------------------------------------------
+# the profiling aids of the CPU benchmark (forward_hash_only, forward_gather_only)
+# ---------------------------------------------------------------------------------------
+
+def _sum_of_block_starts(case: OpCase) -> int:
+    """What forward_hash_only returns: the sum of every (value, block) start, from hashing.py."""
+    meta, z = case.table_meta, case.block_size
+    total = 0
+    for t in range(meta.shape[1]):
+        dim, w_size, row_offset = (int(meta[f, t]) for f in (1, 3, 4))
+        ids = case.values[case.offsets[t * case.batch]:case.offsets[(t + 1) * case.batch]]
+        starts = block_starts(ids.long() + row_offset, math.ceil(dim / z), w_size, z,
+                              HashMode(case.hash_mode), case.hash_params)
+        total += int(starts.sum())
+    return total
+
+
+# many chunks at 2 threads: each adds its rows' sum into the result
+_MANY_CHUNKS = dict(seed=41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8, weighted=True,
+                    memory_size=100_000)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kw", CASES[:6] + [_MANY_CHUNKS], ids=CASE_IDS[:6] + ["many_chunks"])
+def test_profiling_aids_do_the_forwards_work(kw, threads):
+    # The benchmark reads hash-only and gather-only times as parts of the forward: they must
+    # hash the same blocks and gather the same rows (not skip work the compiler could drop).
+    case = random_case(**kw)
+    with num_threads(threads):
+        assert cpu.forward_hash_only(*case.forward_args()) == _sum_of_block_starts(case)
+        pooled = cpu.forward_gather_only(*case.forward_args())
+    assert pooled.shape == (case.output_dim,)
+    assert_close(pooled, reference.forward(*case.forward_args()).sum(0))
+
+
+def test_profiling_aids_take_float32_only():
+    case = random_case(3, dtype=torch.float64)
+    for aid in (cpu.forward_hash_only, cpu.forward_gather_only):
+        with pytest.raises(ValueError, match=f"{aid.__name__} takes float32 weights"):
+            aid(*case.forward_args())
 
 
 # ---------------------------------------------------------------------------------------

@@ -489,7 +489,16 @@ constexpr int64_t kTileEntries = 64;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
 
-template <typename scalar_t, typename acc_t, typename index_t, typename Hash, bool kHashOnly>
+// What forward_kernel does: the forward, or one of its profiling aids (the benchmark times
+// them against the forward to split its time: hashing, gathering, storing).
+enum class ForwardMode {
+  FULL,        // hash, gather, pool, store the output
+  HASH_ONLY,   // the loops, checks and hashes; no gathers, no output
+  GATHER_ONLY  // all of FULL but the output stores: each pooled row is added to its
+               // chunk's cache-resident [out_dim] sum; returns the chunks' sums added up
+};
+
+template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode>
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
                         acc_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
@@ -504,7 +513,11 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
-    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)));
+    // GATHER_ONLY: the out_dim elements after the row sum this chunk's pooled rows, in place
+    // of their stores. (The aid names no new local in the lambdas: a lambda captures what a
+    // discarded `if constexpr` branch names too, and that changed FULL's machine code.)
+    std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)) *
+                               (kMode == ForwardMode::GATHER_ONLY ? 2 : 1));
     acc_t* __restrict__ row = row_buf.data();
     // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
     // this one is gathered, so every prefetch has a whole tile of work to land.
@@ -561,7 +574,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
               }
               if (f.mean) scale = scale / len;
               ++valid;
-              if constexpr (kHashOnly) {
+              if constexpr (kMode == ForwardMode::HASH_ONLY) {
                 hash.blocks(key, f, [&](int64_t, uint64_t start) { local_sum += start; });
               } else {
                 buf.scales.push_back(scale);
@@ -598,11 +611,16 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
             }
           }
         }
-        store_row(out + b * out_dim, row, out_dim, stream);
+        if constexpr (kMode == ForwardMode::GATHER_ONLY) {
+#pragma omp simd
+          for (int64_t j = 0; j < out_dim; ++j) row[out_dim + j] += row[j];
+        } else {
+          store_row(out + b * out_dim, row, out_dim, stream);
+        }
       }
     };
 
-    if constexpr (kHashOnly) {
+    if constexpr (kMode == ForwardMode::HASH_ONLY) {
       for (int64_t tb0 = b0; tb0 < b1; tb0 += tile) hash_tile(tb0, std::min(b1, tb0 + tile), bufs[0]);
       checksum.fetch_add(local_sum, std::memory_order_relaxed);
     } else {
@@ -614,13 +632,21 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         gather_tile(tb0, tb1, bufs[cur]);
         cur ^= 1;
       }
-      store_fence();
+      if constexpr (kMode == ForwardMode::GATHER_ONLY) {
+        static std::atomic_flag merging = ATOMIC_FLAG_INIT;  // the chunks add into out in turn
+        while (merging.test_and_set(std::memory_order_acquire)) {
+        }
+        for (int64_t j = 0; j < out_dim; ++j) out[j] += row[out_dim + j];
+        merging.clear(std::memory_order_release);
+      } else {
+        store_fence();
+      }
     }
   });
   return checksum.load();
 }
 
-template <bool kHashOnly>
+template <ForwardMode kMode>
 at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_in,
                         const at::Tensor& offsets_in, const std::optional<at::Tensor>& psw_in,
                         const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
@@ -642,7 +668,7 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
   }
   const Layout L = parse_layout(table_meta, output_dim, block_size, weights.numel(), hash_mode, offsets.numel());
   const at::ScalarType acc_st = acc_type_of(weights.scalar_type());
-  if (!kHashOnly && L.B > 0 && output_dim > kI64Max / 8 / L.B) {
+  if (kMode == ForwardMode::FULL && L.B > 0 && output_dim > kI64Max / 8 / L.B) {
     fail(cat("robe: the output of ", L.B, " samples x output_dim ", output_dim,
              " elements is too large to allocate"));
   }
@@ -666,8 +692,14 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
     const __int128 mk = limit - 1, lo = std::numeric_limits<int64_t>::min();
     max_key = static_cast<int64_t>(mk > kI64Max ? kI64Max : (mk < lo ? lo : mk));
   }
-  at::Tensor out = kHashOnly ? at::zeros({}, values.options().dtype(at::kLong))
-                             : at::empty({L.B, output_dim}, weights.options().dtype(acc_st));
+  at::Tensor out;
+  if constexpr (kMode == ForwardMode::HASH_ONLY) {
+    out = at::zeros({}, values.options().dtype(at::kLong));
+  } else if constexpr (kMode == ForwardMode::GATHER_ONLY) {
+    out = at::zeros({output_dim}, weights.options().dtype(acc_st));
+  } else {
+    out = at::empty({L.B, output_dim}, weights.options().dtype(acc_st));
+  }
   LoopErrors err;
   uint64_t checksum = 0;
   AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "robe_forward_index", [&] {
@@ -680,16 +712,19 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
       const acc_t* pswp = psw.defined() ? psw.data_ptr<acc_t>() : nullptr;
       // pooled in acc_t and returned in it: low-precision weights give float32 output (as
       // FBGEMM's TBE with output_dtype FP32), no second rounding of the sums
-      acc_t* outp = kHashOnly ? nullptr : out.data_ptr<acc_t>();
+      acc_t* outp = kMode == ForwardMode::HASH_ONLY ? nullptr : out.data_ptr<acc_t>();
       dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
         using Hash = std::decay_t<decltype(hash)>;
-        checksum = forward_kernel<scalar_t, acc_t, index_t, Hash, kHashOnly>(
+        checksum = forward_kernel<scalar_t, acc_t, index_t, Hash, kMode>(
             weights.data_ptr<scalar_t>(), vals, offs, pswp, outp, output_dim, L, hash, N, id_check,
             max_key, err);
       });
     };
-    if constexpr (kHashOnly) {  // the benchmark aid only needs one weight type
-      if (weights.scalar_type() != at::kFloat) fail("robe: forward_hash_only takes float32 weights");
+    if constexpr (kMode != ForwardMode::FULL) {  // the benchmark aids only need one weight type
+      if (weights.scalar_type() != at::kFloat) {
+        fail(kMode == ForwardMode::HASH_ONLY ? "robe: forward_hash_only takes float32 weights"
+                                             : "robe: forward_gather_only takes float32 weights");
+      }
       run(float{});
     } else {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "robe_forward",
@@ -697,7 +732,7 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
     }
     raise_loop_errors(err, offs, vals, psw, L, bounds_check, limit_str);
   });
-  if constexpr (kHashOnly) out.fill_(static_cast<int64_t>(checksum));
+  if constexpr (kMode == ForwardMode::HASH_ONLY) out.fill_(static_cast<int64_t>(checksum));
   return out;
 }
 
@@ -705,8 +740,8 @@ at::Tensor forward(const at::Tensor& weights, const at::Tensor& values, const at
                    const std::optional<at::Tensor>& psw, const at::Tensor& table_meta, int64_t output_dim,
                    int64_t block_size, int64_t hash_mode, const std::vector<int64_t>& hash_params,
                    int64_t bounds_check) {
-  return forward_impl<false>(weights, values, offsets, psw, table_meta, output_dim, block_size,
-                             hash_mode, hash_params, bounds_check);
+  return forward_impl<ForwardMode::FULL>(weights, values, offsets, psw, table_meta, output_dim,
+                                         block_size, hash_mode, hash_params, bounds_check);
 }
 
 // Benchmark aid: the forward's loops with the hashing but without the gathers and the
@@ -716,8 +751,20 @@ at::Tensor forward_hash_only(const at::Tensor& weights, const at::Tensor& values
                              const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
                              int64_t hash_mode, const std::vector<int64_t>& hash_params,
                              int64_t bounds_check) {
-  return forward_impl<true>(weights, values, offsets, psw, table_meta, output_dim, block_size,
-                            hash_mode, hash_params, bounds_check);
+  return forward_impl<ForwardMode::HASH_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
+                                              block_size, hash_mode, hash_params, bounds_check);
+}
+
+// Benchmark aid: the forward without its output stores: hashes, gathers and pools every row
+// as the forward does, then adds it to a cache-resident sum instead of writing it out;
+// returns that sum, [output_dim] (the forward's output summed over its rows).
+at::Tensor forward_gather_only(const at::Tensor& weights, const at::Tensor& values,
+                               const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
+                               const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
+                               int64_t hash_mode, const std::vector<int64_t>& hash_params,
+                               int64_t bounds_check) {
+  return forward_impl<ForwardMode::GATHER_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
+                                                block_size, hash_mode, hash_params, bounds_check);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1331,6 +1378,7 @@ ROBE_CPU_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("per_sample_weights_grad", &robe::per_sample_weights_grad);
   m.def("backward_fused_", &robe::backward_fused_);
   m.def("forward_hash_only", &robe::forward_hash_only);
+  m.def("forward_gather_only", &robe::forward_gather_only);
   m.def("openmp_enabled", &robe::openmp_enabled);
   m.def("use_direct_scatter", &robe::use_direct_scatter);
 }
