@@ -18,6 +18,9 @@ fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
      ``[B, 26 * 128]``; the input checks included, as every caller pays them), one shared
      array ``--compression`` times smaller than the tables, reference hash, Z = 32 and 128;
      backward = ``robe::backward_dense``;
+   * ``ROBE-Z triton + fused Adagrad``: the same forward, then ``robe::backward_fused_``
+     (the in-backward Adagrad step the module runs under ``apply_optimizer_in_backward``:
+     array and state updated in place, no dense gradient);
    * ``floor``: writing the ``[B, 26 * 128]`` output once (``zero_``), the least any forward
      costs (136 MB at this setting);
    * ``ROBE-Z pytorch``: :mod:`robe_torchrec.ops.reference` on CUDA tensors (autograd for the
@@ -190,11 +193,15 @@ def embedding_bag_row(setting: Setting, ids: torch.Tensor, device: torch.device)
     return Row("nn.EmbeddingBag, full tables", None, forward, train, setting.reps)
 
 
+#: lr, eps, beta1, beta2, weight decay of the fused row's Adagrad
+_FUSED_ADAGRAD = [0.01, 1e-8, 0.9, 0.999, 0.0]
+
+
 def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
               block_size: int) -> List[Row]:
     from robe_torchrec.hashing import HashMode, hash_params
     from robe_torchrec.ops import cpu_backend, reference
-    from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
+    from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
 
     cards = setting.cardinalities
     num_features = len(cards)
@@ -227,6 +234,25 @@ def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
                 fn(weights, *flat).backward(grad)
 
         rows.append(Row(f"{name}, Z={block_size}", block_size, forward, train, reps))
+
+    # the training path the module takes with apply_optimizer_in_backward: the backward
+    # updates the array and the Adagrad state in place, no dense gradient
+    fused_weights, state = weights.detach().clone(), torch.zeros_like(weights.detach())
+    values, offsets_, _, table_meta, _, _, hash_mode, params, _ = flat
+
+    def fused_forward():
+        with torch.no_grad(), dispatch():
+            return torch.ops.robe.forward(fused_weights, *flat)
+
+    def fused_train():
+        with torch.no_grad(), dispatch():
+            torch.ops.robe.forward(fused_weights, *flat)
+            torch.ops.robe.backward_fused_(grad, fused_weights, state, state.new_empty(0), values,
+                                           offsets_, None, table_meta, block_size, hash_mode,
+                                           params, int(Optimizer.ADAGRAD), _FUSED_ADAGRAD, 1)
+
+    rows.append(Row(f"ROBE-Z triton + fused Adagrad, Z={block_size}", block_size,
+                    fused_forward, fused_train, setting.reps))
     return rows
 
 

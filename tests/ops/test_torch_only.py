@@ -51,7 +51,8 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     text = out.read_text()
     assert "device: CPU" in text and "FAILED" not in text
     for row in ("nn.EmbeddingBag, full tables", "ROBE-Z triton, Z=4",
-                "ROBE-Z pytorch (reference), Z=16", "forward / nn.EmbeddingBag forward"):
+                "ROBE-Z pytorch (reference), Z=16", "ROBE-Z triton + fused Adagrad, Z=16",
+                "forward / nn.EmbeddingBag forward"):
         assert row in text, row
     checks = [line for line in text.splitlines() if line.startswith("| ") and "| ok |" in line]
     assert any("fused[adam]" in c for c in checks) and any("torch_compile" in c for c in checks)
