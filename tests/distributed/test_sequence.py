@@ -1,8 +1,9 @@
 """Sharding RobeEmbeddingCollection next to RobeEmbeddingBagCollection (2 ranks, gloo, one
 spawn for everything): sharded == unsharded after 20 SGD steps (data-parallel and
 table-wise), a DCP checkpoint moved between plans and into the unsharded model, the
-pipelines (SparseDist, FusedSparseDist == the plain loop; SemiSync trains), VBE input to the
-sharded unpooled module, the planner's compressed sizes and the default sharders."""
+pipelines (SparseDist, FusedSparseDist == the plain loop; SemiSync trains), VBE input to both
+sharded modules (the bag module's KeyedTensor against stock TorchRec's sharded
+EmbeddingBagCollection), the planner's compressed sizes and the default sharders."""
 
 from __future__ import annotations
 
@@ -248,6 +249,119 @@ def vbe_matches(rank: int, world: int) -> float:
     return worst
 
 
+def bag_vbe_kjt(rank: int, weighted: bool) -> KeyedJaggedTensor:
+    """Rank ``rank``'s VBE KJT of the bag module's features: per-feature strides and inverse
+    indices' width differ between the ranks."""
+    strides = [[2, 3, 3, 1], [4, 1, 2, 2]][rank % 2]
+    width = [5, 3][rank % 2]
+    g = torch.Generator().manual_seed(40 + rank)
+    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
+    values = torch.cat([torch.randint(0, common.ROWS[f], (int(n.sum()),), generator=g)
+                        for f, n in zip(common.FEATURES, lengths)])
+    inverse = torch.stack([torch.randint(0, s, (width,), generator=g) for s in strides])
+    return KeyedJaggedTensor(
+        keys=common.FEATURES, values=values, lengths=torch.cat(lengths),
+        weights=torch.rand(values.numel(), generator=g) + 0.5 if weighted else None,
+        stride_per_key_per_rank=[[s] for s in strides],
+        inverse_indices=(common.FEATURES, inverse))
+
+
+def expand_bags(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The KJT of one stride whose bag ``b`` of feature ``f`` is the VBE KJT's bag
+    ``inverse_indices[f][b]``: what a VBE lookup stands for."""
+    keys, inverse = kjt.inverse_indices()
+    lengths, values, weights = [], [], []
+    for f in kjt.keys():
+        jt = kjt[f]
+        offsets = jt.offsets()
+        for b in inverse[keys.index(f)].tolist():
+            lengths.append(int(jt.lengths()[b]))
+            values.append(jt.values()[offsets[b]:offsets[b + 1]])
+            if jt.weights_or_none() is not None:
+                weights.append(jt.weights()[offsets[b]:offsets[b + 1]])
+    return KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), torch.cat(values), torch.tensor(lengths),
+        torch.cat(weights) if weights else None)
+
+
+# name: (plan, table-wise ranks, weighted)
+BAG_VBE_PLANS = {
+    "dp": ({"t0": "data_parallel", "t1": "data_parallel", "t2": "data_parallel"}, None, False),
+    "mixed_weighted": ({"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel"},
+                       {"t0": 0, "t1": 1}, True),
+    "tw_one_rank": ({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}, None, False),
+    "rw": ({"t0": "row_wise", "t1": "row_wise", "t2": "row_wise"}, None, False),
+}
+
+
+def bag_vbe_matches(rank: int, world: int) -> Dict[str, float]:
+    """Each rank's own VBE KJT into the sharded bag module under each of BAG_VBE_PLANS: the
+    largest difference of the output and of the weights after one fused SGD step, against
+    the same sharded model on the KJT of expanded bags, and (outputs; not row-wise, a
+    different model) against the unsharded module."""
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    out: Dict[str, float] = {}
+    for name, (types, ranks, weighted) in BAG_VBE_PLANS.items():
+        kjt = bag_vbe_kjt(rank, weighted)
+        sgd = (torch.optim.SGD, {"lr": 0.1})
+        vbe = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
+        dense = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
+        ours, expanded = vbe(kjt), dense(expand_bags(kjt))
+        worst = (ours - expanded).abs().max().item() if ours.shape == expanded.shape else 1.0
+        if "row_wise" not in types.values():
+            plain = common.Wrapper(common.make_ebc(robe, is_weighted=weighted))(kjt)
+            worst = max(worst, (ours - plain).abs().max().item())
+        coef = common.target(rank, ours.shape[0], ours.shape[1])
+        (ours * coef).sum().backward()
+        (expanded * coef).sum().backward()
+        worst = max(worst, (common.full_weight(vbe) - common.full_weight(dense)).abs().max().item())
+        out[name] = worst
+    return out
+
+
+def stock_vbe_layout(rank: int, world: int) -> float:
+    """The sharded ROBE bag module's KeyedTensor for a VBE KJT against stock TorchRec's
+    sharded EmbeddingBagCollection holding the ROBE module's tables materialised, both
+    table-wise over the two ranks: the largest difference (keys and lengths must match)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from tests.test_embedding_bag import virtual_tables
+
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    ranks = {"t0": 0, "t1": 1, "t2": 1}
+    ours = common.make_dmp(robe, {t: "table_wise" for t in ranks}, world,
+                           (torch.optim.SGD, {"lr": 0.1}), ranks=ranks)
+    ebc = common.make_ebc(robe)
+    pooling = {f: t.pooling for t in ebc.embedding_bag_configs() for f in t.feature_names}
+    owner = {f: ranks[t.name] for t in ebc.embedding_bag_configs() for f in t.feature_names}
+    virtual = {f: w.detach() for f, w in virtual_tables(ebc).items()}
+    stock = EmbeddingBagCollection([
+        EmbeddingBagConfig(name=f"v_{f}", embedding_dim=w.shape[1], num_embeddings=len(w),
+                           feature_names=[f], pooling=pooling[f]) for f, w in virtual.items()])
+    apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"ebc": common.plan_for(
+        stock, {f"v_{f}": "table_wise" for f in virtual}, world, sharder,
+        {f"v_{f}": r for f, r in owner.items()})})
+    theirs = DistributedModelParallel(common.Wrapper(stock),
+                                      env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                      device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    # TorchRec's sharded tables start from fresh values: give them the materialised tables
+    with torch.no_grad():
+        for key, value in theirs.state_dict().items():
+            for shard in value.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(virtual[key.split(".")[-2][2:]][row:row + rows, col:col + cols])
+    kjt = bag_vbe_kjt(rank, False)
+    ours_kt, theirs_kt = ours.module.ebc(kjt), theirs.module.ebc(kjt)
+    assert ours_kt.keys() == theirs_kt.keys(), (ours_kt.keys(), theirs_kt.keys())
+    assert ours_kt.length_per_key() == theirs_kt.length_per_key()
+    if ours_kt.values().shape != theirs_kt.values().shape:
+        return 1.0
+    return (ours_kt.values() - theirs_kt.values()).abs().max().item()
+
+
 def run_all(rank: int, world: int):
     out = {}
     shared = RobeConfig(memory_size=4000, block_size=4, shared=True)
@@ -264,6 +378,8 @@ def run_all(rank: int, world: int):
         dist.barrier()
     out.update(pipelines_match(rank, world))
     out["vbe"] = vbe_matches(rank, world)
+    out["bag_vbe"] = bag_vbe_matches(rank, world)
+    out["stock_vbe"] = stock_vbe_layout(rank, world)
     return out
 
 
@@ -280,6 +396,9 @@ def test_sharded_sequence_and_bag_modules():
         assert torch.equal(semi[:2], plain[:2]), result
         assert bool(((semi - plain).abs() <= 0.25 * plain.abs() + 0.05).all()), result
         assert result["vbe"] < 1e-6, result
+        assert set(result["bag_vbe"]) == set(BAG_VBE_PLANS), result
+        assert all(v < 1e-5 for v in result["bag_vbe"].values()), result
+        assert result["stock_vbe"] < 1e-5, result
 
 
 def test_planner_sizes_and_default_sharders():
