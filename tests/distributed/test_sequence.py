@@ -249,11 +249,13 @@ def vbe_matches(rank: int, world: int) -> float:
     return worst
 
 
-def bag_vbe_kjt(rank: int, weighted: bool) -> KeyedJaggedTensor:
-    """Rank ``rank``'s VBE KJT of the bag module's features: per-feature strides and inverse
-    indices' width differ between the ranks."""
-    strides = [[2, 3, 3, 1], [4, 1, 2, 2]][rank % 2]
-    width = [5, 3][rank % 2]
+def bag_vbe_kjt(rank: int, weighted: bool, width: int = 0) -> KeyedJaggedTensor:
+    """Rank ``rank``'s VBE KJT of the bag module's features: per-feature strides differ
+    between the ranks, and so does the inverse indices' width unless ``width`` is given; the
+    sum over features of stride x dim does not (48 floats: row-wise on gloo needs it, see
+    row_wise_vbe_on_gloo)."""
+    strides = [[2, 3, 3, 1], [3, 1, 1, 2]][rank % 2]
+    width = width or [5, 3][rank % 2]
     g = torch.Generator().manual_seed(40 + rank)
     lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
     values = torch.cat([torch.randint(0, common.ROWS[f], (int(n.sum()),), generator=g)
@@ -302,13 +304,15 @@ def bag_vbe_matches(rank: int, world: int) -> Dict[str, float]:
     robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
     out: Dict[str, float] = {}
     for name, (types, ranks, weighted) in BAG_VBE_PLANS.items():
-        kjt = bag_vbe_kjt(rank, weighted)
+        row_wise = "row_wise" in types.values()
+        # row-wise on gloo: the batch of expanded bags must be as large on every rank
+        kjt = bag_vbe_kjt(rank, weighted, width=4 if row_wise else 0)
         sgd = (torch.optim.SGD, {"lr": 0.1})
         vbe = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
         dense = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
         ours, expanded = vbe(kjt), dense(expand_bags(kjt))
         worst = (ours - expanded).abs().max().item() if ours.shape == expanded.shape else 1.0
-        if "row_wise" not in types.values():
+        if not row_wise:
             plain = common.Wrapper(common.make_ebc(robe, is_weighted=weighted))(kjt)
             worst = max(worst, (ours - plain).abs().max().item())
         coef = common.target(rank, ours.shape[0], ours.shape[1])
@@ -329,7 +333,9 @@ def stock_vbe_layout(rank: int, world: int) -> float:
     from tests.test_embedding_bag import virtual_tables
 
     robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
-    ranks = {"t0": 0, "t1": 1, "t2": 1}
+    # one pooling per rank: stock merges the VBE outputs of several TBEs of a rank with a
+    # pre-allocated output, which fbgemm refuses on CPU
+    ranks = {"t0": 0, "t1": 1, "t2": 0}
     ours = common.make_dmp(robe, {t: "table_wise" for t in ranks}, world,
                            (torch.optim.SGD, {"lr": 0.1}), ranks=ranks)
     ebc = common.make_ebc(robe)
@@ -362,6 +368,50 @@ def stock_vbe_layout(rank: int, world: int) -> float:
     return (ours_kt.values() - theirs_kt.values()).abs().max().item()
 
 
+def row_wise_vbe_on_gloo(rank: int, world: int) -> Dict[str, str]:
+    """VBE batches whose pooled sizes differ between the ranks, row-wise on gloo: stock
+    TorchRec's sharded EmbeddingBagCollection fails in backward (its reduce-scatter's
+    backward all-gathers uneven pieces, which gloo cannot); ours refuses in forward. The
+    error messages of both."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    g = torch.Generator().manual_seed(rank)
+    kjt = KeyedJaggedTensor(keys=["f0", "f3"], values=torch.randint(0, 300, (2 * rank + 4,),
+                                                                      generator=g),
+                            lengths=torch.tensor([1] * (2 * rank + 4)),
+                            stride_per_key_per_rank=[[rank + 2], [rank + 2]],
+                            inverse_indices=(["f0", "f3"], torch.zeros(2, 3, dtype=torch.long)))
+    out: Dict[str, str] = {}
+    stock = EmbeddingBagCollection([EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=300, feature_names=["f0", "f3"])])
+    apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"": common.plan_for(stock, {"t": "row_wise"}, world, sharder)})
+    dmp = DistributedModelParallel(stock, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    try:
+        dmp(kjt).values().sum().backward()
+        out["stock"] = ""
+    except RuntimeError as err:
+        out["stock"] = str(err)
+    ours = common.make_dmp(RobeConfig(memory_size=4000, block_size=4, shared=False),
+                           {t: "row_wise" for t in ("t0", "t1", "t2")}, world,
+                           (torch.optim.SGD, {"lr": 0.1}))
+    kjt = KeyedJaggedTensor(keys=common.FEATURES, values=torch.cat([kjt.values()] * 2),
+                            lengths=torch.cat([kjt.lengths()] * 2),
+                            stride_per_key_per_rank=[[rank + 2]] * 4,
+                            inverse_indices=(common.FEATURES, torch.zeros(4, 3, dtype=torch.long)))
+    try:
+        ours(kjt)
+        out["ours"] = ""
+    except ValueError as err:
+        out["ours"] = str(err)
+    with torch.no_grad():  # forward alone runs
+        out["ours_no_grad_shape"] = str(tuple(ours(kjt).shape))
+    return out
+
+
 def run_all(rank: int, world: int):
     out = {}
     shared = RobeConfig(memory_size=4000, block_size=4, shared=True)
@@ -380,6 +430,7 @@ def run_all(rank: int, world: int):
     out["vbe"] = vbe_matches(rank, world)
     out["bag_vbe"] = bag_vbe_matches(rank, world)
     out["stock_vbe"] = stock_vbe_layout(rank, world)
+    out["rw_vbe_gloo"] = row_wise_vbe_on_gloo(rank, world)
     return out
 
 
@@ -399,6 +450,10 @@ def test_sharded_sequence_and_bag_modules():
         assert set(result["bag_vbe"]) == set(BAG_VBE_PLANS), result
         assert all(v < 1e-5 for v in result["bag_vbe"].values()), result
         assert result["stock_vbe"] < 1e-5, result
+        gloo = result["rw_vbe_gloo"]
+        assert "allgather" in gloo["stock"], gloo    # stock TorchRec cannot either
+        assert "row_wise" in gloo["ours"] and "NCCL" in gloo["ours"], gloo
+        assert gloo["ours_no_grad_shape"] == "(3, 24)", gloo
 
 
 def test_planner_sizes_and_default_sharders():
