@@ -1,9 +1,10 @@
 """Sharding RobeEmbeddingCollection next to RobeEmbeddingBagCollection (2 ranks, gloo, one
 spawn for everything): sharded == unsharded after 20 SGD steps (data-parallel and
-table-wise), a DCP checkpoint moved between plans and into the unsharded model, the
-pipelines (SparseDist, FusedSparseDist == the plain loop; SemiSync trains), VBE input to both
-sharded modules (the bag module's KeyedTensor against stock TorchRec's sharded
-EmbeddingBagCollection), the planner's compressed sizes and the default sharders."""
+table-wise), the unpooled module row-wise against the row-wise reference, a DCP checkpoint
+moved between plans and into the unsharded model, the pipelines (SparseDist,
+FusedSparseDist == the plain loop; SemiSync trains), VBE input to both sharded modules (the
+bag module's KeyedTensor against stock TorchRec's sharded EmbeddingBagCollection), the
+planner's compressed sizes and the default sharders."""
 
 from __future__ import annotations
 
@@ -412,6 +413,50 @@ def row_wise_vbe_on_gloo(rank: int, world: int) -> Dict[str, str]:
     return out
 
 
+def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
+    """The unpooled module planned row-wise (opt-in), shared and per-table arrays, against
+    the row-wise reference of the bag module's tests on one-id bags (an id's vector is that
+    of a row-wise bag holding it): the largest difference of the outputs and of the
+    weights over ``steps`` fused SGD steps."""
+    from tests.distributed.test_row_wise import row_wise_reference
+
+    worst = 0.0
+    for shared in (True, False):
+        torch.manual_seed(3)
+        ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=3000, block_size=4,
+                                                             shared=shared))
+        weight = ec.weight.detach().clone().requires_grad_(True)
+        apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+        sharder = RobeEmbeddingCollectionSharder(row_wise=True)
+        plan = ShardingPlan({"": common.plan_for(ec, {"items": "row_wise", "cats": "row_wise"},
+                                                 world, sharder)})
+        dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        opt = torch.optim.SGD([weight], lr=0.1)
+        for step in range(steps):
+            kjt = global_batch(step, world)
+            local = common.local_slice(kjt, rank)
+            ours = dmp(local)
+            loss, ref_loss = 0.0, 0.0
+            for f in SEQ:
+                ids = kjt[f].values()
+                one_per_bag = KeyedJaggedTensor.from_lengths_sync([f], ids, torch.ones_like(ids))
+                ref = row_wise_reference(ec, weight, one_per_bag, world, features=[f])
+                coef = common.target(step, len(ids), DIM)
+                # this rank's ids: those of its samples
+                lo, hi = (int(kjt[f].offsets()[i]) for i in (rank * B, (rank + 1) * B))
+                worst = max(worst, (ours[f].values() - ref[lo:hi]).abs().max().item())
+                loss = loss + (ours[f].values() * coef[lo:hi]).sum()
+                ref_loss = ref_loss + (ref * coef).sum() / world   # rank-averaged
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = dmp.state_dict()
+        worst = max(worst, (common.full_tensor(state["weight"]) - weight.detach()).abs().max().item())
+    return worst
+
+
 def run_all(rank: int, world: int):
     out = {}
     shared = RobeConfig(memory_size=4000, block_size=4, shared=True)
@@ -431,6 +476,7 @@ def run_all(rank: int, world: int):
     out["bag_vbe"] = bag_vbe_matches(rank, world)
     out["stock_vbe"] = stock_vbe_layout(rank, world)
     out["rw_vbe_gloo"] = row_wise_vbe_on_gloo(rank, world)
+    out["rw_unpooled"] = row_wise_unpooled_matches(rank, world)
     return out
 
 
@@ -454,6 +500,7 @@ def test_sharded_sequence_and_bag_modules():
         assert "allgather" in gloo["stock"], gloo    # stock TorchRec cannot either
         assert "row_wise" in gloo["ours"] and "NCCL" in gloo["ours"], gloo
         assert gloo["ours_no_grad_shape"] == "(3, 24)", gloo
+        assert result["rw_unpooled"] < 1e-5, result
 
 
 def test_planner_sizes_and_default_sharders():
@@ -472,5 +519,7 @@ def test_planner_sizes_and_default_sharders():
     assert set(plan.plan["ec"]) == {"items", "cats"}
     assert {ps.sharding_type for ps in plan.plan["ec"].values()} <= {"data_parallel",
                                                                      "table_wise"}
+    assert RobeEmbeddingCollectionSharder(row_wise=True).sharding_types_for(model.ec) == [
+        "data_parallel", "table_wise", "row_wise"]
     assert ShardedRobeEmbeddingCollection.__name__ in repr(
         RobeEmbeddingCollectionSharder().sharded_module_type)
