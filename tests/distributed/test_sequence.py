@@ -215,6 +215,20 @@ def pipelines_match(rank: int, world: int) -> Dict[str, object]:
     return out
 
 
+def seq_vbe_kjt(rank: int) -> KeyedJaggedTensor:
+    """Rank ``rank``'s VBE KJT of the sequence features (strides 3 and 5, inverse indices
+    of width 6)."""
+    g = torch.Generator().manual_seed(11 + rank)
+    strides = [3, 5]
+    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
+    values = torch.cat([torch.randint(0, SEQ[k], (int(n.sum()),), generator=g)
+                        for k, n in zip(SEQ, lengths)])
+    inverse = torch.stack([torch.randint(0, s, (6,), generator=g) for s in strides])
+    return KeyedJaggedTensor(keys=list(SEQ), values=values, lengths=torch.cat(lengths),
+                             stride_per_key_per_rank=[[s] for s in strides],
+                             inverse_indices=(list(SEQ), inverse))
+
+
 def vbe_matches(rank: int, world: int) -> float:
     """A VBE KJT into the sharded unpooled module (table-wise and data-parallel) vs the
     unsharded module laid out as TorchRec's sharded EmbeddingCollection lays VBE out: the
@@ -229,15 +243,8 @@ def vbe_matches(rank: int, world: int) -> float:
                                              world, sharder)})
     dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    g = torch.Generator().manual_seed(11 + rank)
-    strides = [3, 5]
-    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
-    values = torch.cat([torch.randint(0, SEQ[k], (int(n.sum()),), generator=g)
-                        for k, n in zip(SEQ, lengths)])
-    inverse = torch.stack([torch.randint(0, s, (6,), generator=g) for s in strides])
-    kjt = KeyedJaggedTensor(keys=list(SEQ), values=values, lengths=torch.cat(lengths),
-                            stride_per_key_per_rank=[[s] for s in strides],
-                            inverse_indices=(list(SEQ), inverse))
+    kjt = seq_vbe_kjt(rank)
+    inverse = kjt.inverse_indices()[1]
     ours, theirs = dmp(kjt), ref(kjt)
     worst = 0.0
     for i, k in enumerate(SEQ):
@@ -417,7 +424,8 @@ def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
     """The unpooled module planned row-wise (opt-in), shared and per-table arrays, against
     the row-wise reference of the bag module's tests on one-id bags (an id's vector is that
     of a row-wise bag holding it): the largest difference of the outputs and of the
-    weights over ``steps`` fused SGD steps."""
+    weights over ``steps`` fused SGD steps, then of the output for a VBE KJT (laid out as
+    in vbe_matches)."""
     from tests.distributed.test_row_wise import row_wise_reference
 
     worst = 0.0
@@ -434,7 +442,9 @@ def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
                                        device=torch.device("cpu"), plan=plan, sharders=[sharder])
         opt = torch.optim.SGD([weight], lr=0.1)
         for step in range(steps):
-            kjt = global_batch(step, world)
+            # the sequence features only, as the VBE KJT below (the input dist keeps the
+            # keys of its first batch)
+            kjt = global_batch(step, world).permute([KEYS.index(f) for f in SEQ])
             local = common.local_slice(kjt, rank)
             ours = dmp(local)
             loss, ref_loss = 0.0, 0.0
@@ -454,6 +464,15 @@ def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
             opt.zero_grad()
         state = dmp.state_dict()
         worst = max(worst, (common.full_tensor(state["weight"]) - weight.detach()).abs().max().item())
+    kjt = seq_vbe_kjt(rank)
+    ours = dmp(kjt)
+    for f, rows in zip(kjt.inverse_indices()[0], kjt.inverse_indices()[1]):
+        jt = kjt[f]
+        ids = torch.cat([jt.values()[jt.offsets()[b]:jt.offsets()[b + 1]] for b in rows.tolist()])
+        one_per_bag = KeyedJaggedTensor.from_lengths_sync([f], ids, torch.ones_like(ids))
+        ref = row_wise_reference(ec, weight, one_per_bag, world, features=[f])
+        assert torch.equal(ours[f].lengths(), jt.lengths()[rows]), f
+        worst = max(worst, (ours[f].values() - ref).abs().max().item())
     return worst
 
 
