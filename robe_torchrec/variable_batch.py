@@ -98,8 +98,9 @@ def flatten_variable_strides(pooled: torch.Tensor, stride_per_key_per_rank: List
 def order_inverse_indices(features: KeyedJaggedTensor,
                           feature_order: List[str]) -> KeyedJaggedTensor:
     """``features`` with its ``inverse_indices`` reduced to the rows of ``feature_order``, in
-    that order (other fields unchanged); returned as it is when they already are, or when
-    ``features`` is not a VBE KJT with inverse indices.
+    that order (other fields unchanged); returned as it is when they already are, when some
+    are missing (TorchRec reports that), or when ``features`` is not a VBE KJT with inverse
+    indices.
 
     Why: TorchRec's sharded ``EmbeddingBagCollection`` builds the MEAN divisor of row-wise
     tables from the inverse indices' rows taken in the KJT's key order whenever both name
@@ -114,8 +115,10 @@ def order_inverse_indices(features: KeyedJaggedTensor,
         >>> order_inverse_indices(kjt, ["u", "i"]).inverse_indices()[0]
         ['u', 'i']
     """
+    if not isinstance(features, KeyedJaggedTensor) or not features.variable_stride_per_key():
+        return features  # (TorchRec's input dist also takes a TensorDict, never VBE)
     inverse = features.inverse_indices_or_none()
-    if not features.variable_stride_per_key() or inverse is None:
+    if inverse is None:
         return features
     keys, rows = inverse
     if list(keys) == list(feature_order) or any(f not in keys for f in feature_order):

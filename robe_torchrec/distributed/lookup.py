@@ -130,8 +130,8 @@ class RobeShardedLookup(nn.Module):
                        if not self._unpooled and features.variable_stride_per_key() else None)
         if not self.features:
             # an empty rank still joins the output dist's collectives in backward
-            return _EmptyLookup.apply(self._dummy, 0 if vbe_strides else features.stride(),
-                                      self, vbe_strides is not None)
+            flat = vbe_strides is not None
+            return _EmptyLookup.apply(self._dummy, 0 if flat else features.stride(), self, flat)
         if vbe_strides is not None:
             if self._row_wise:
                 self._check_row_wise_vbe(vbe_strides)
