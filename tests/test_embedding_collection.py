@@ -237,6 +237,28 @@ def test_variable_batch_without_inverse_indices():
         ebc(kjt)
 
 
+def test_sharded_vbe_layout_helpers():
+    """The layout a sharded pooled lookup hands TorchRec's VBE output dist (rank by rank,
+    then feature by feature), and the inverse indices put in the sharded module's order
+    (the multi-rank checks are in tests/distributed/test_sequence.py)."""
+    from robe_torchrec.variable_batch import flatten_variable_strides, order_inverse_indices
+
+    pooled = torch.arange(12.).view(3, 4)   # 2 features of dim 2; strides 3 and 1
+    flat = flatten_variable_strides(pooled, [[2, 1], [1, 0]], [2, 2])
+    # rank 0: feature 0's bags 0-1, feature 1's bag 0; rank 1: feature 0's bag 2
+    assert flat.tolist() == [0., 1., 4., 5., 2., 3., 8., 9.]
+    kjt = random_kjt(seed=3, batch=4, strides=[2, 3, 1, 2])
+    keys, rows = kjt.inverse_indices()
+    ordered = order_inverse_indices(kjt, ["t2", "f0"])
+    assert ordered.inverse_indices()[0] == ["t2", "f0"]
+    assert torch.equal(ordered.inverse_indices()[1], rows[[keys.index("t2"), keys.index("f0")]])
+    assert torch.equal(ordered.lengths(), kjt.lengths()) and ordered.keys() == kjt.keys()
+    assert ordered.stride_per_key_per_rank() == kjt.stride_per_key_per_rank()
+    assert order_inverse_indices(kjt, keys) is kjt
+    plain = random_kjt(seed=3, batch=4)
+    assert order_inverse_indices(plain, ["t2", "f0"]) is plain
+
+
 def test_bad_input_is_refused_clearly():
     robe = RobeConfig(memory_size=257, block_size=4)
     with pytest.raises(ValueError, match="same embedding dimension"):

@@ -32,6 +32,7 @@ from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
+from robe_torchrec.variable_batch import flatten_variable_strides, pad_variable_strides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,7 @@ class RobeShardedLookup(nn.Module):
         layout: the module's layout (hash, block size, bounds check).
         unpooled: one embedding per id, ``[ids, dim]`` (a sharded ``RobeEmbeddingCollection``:
             :func:`robe_torchrec.ops.unpooled.unpooled_args`), instead of ``[batch, dims]``.
+        row_wise: the lookup of ROW_WISE tables (its output is reduce-scattered).
     """
 
     def __init__(
@@ -87,9 +89,11 @@ class RobeShardedLookup(nn.Module):
         is_weighted: bool,
         device: Optional[torch.device] = None,
         unpooled: bool = False,
+        row_wise: bool = False,
     ) -> None:
         super().__init__()
         self._unpooled = unpooled
+        self._row_wise = row_wise
         self.features = features
         self.segments = segments
         self._layout = layout
@@ -120,10 +124,18 @@ class RobeShardedLookup(nn.Module):
         pass
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        batch = features.stride()
+        # a pooled VBE input: padded to one stride here, flattened as TorchRec's VBE
+        # output dist takes it below (the unpooled output does not depend on strides)
+        vbe_strides = (features.stride_per_key_per_rank()
+                       if not self._unpooled and features.variable_stride_per_key() else None)
         if not self.features:
             # an empty rank still joins the output dist's collectives in backward
-            return _EmptyLookup.apply(self._dummy, batch, self)
+            flat = vbe_strides is not None
+            return _EmptyLookup.apply(self._dummy, 0 if flat else features.stride(), self, flat)
+        if vbe_strides is not None:
+            if self._row_wise:
+                self._check_row_wise_vbe(vbe_strides)
+            features = pad_variable_strides(features)
         values = features.values()
         offsets = features.offsets()
         if offsets.dtype != values.dtype:
@@ -143,7 +155,33 @@ class RobeShardedLookup(nn.Module):
             raise type(err)(name_feature(message, [f.name for f in self.features])) from None
         if self._unpooled:
             return gather_unpooled(out, index, self.features[0].dim)
+        if vbe_strides is not None:
+            return flatten_variable_strides(out, vbe_strides, [f.dim for f in self.features])
         return out
+
+
+    def _check_row_wise_vbe(self, strides: List[List[int]]) -> None:
+        """Refuse, before a backward that would fail, row-wise VBE output that gloo cannot
+        carry back: TorchRec's row-wise output dist reduce-scatters this lookup's output in
+        one piece per rank, and its backward all-gathers those pieces, which gloo supports
+        only when all are the same size (stock ``EmbeddingBagCollection`` fails the same
+        way, tests/distributed/test_sequence.py shows it). Every rank sees the same
+        strides, so every rank raises."""
+        if not torch.is_grad_enabled() or self._pg is None:
+            return
+        if dist.get_backend(self._pg) != "gloo":
+            return
+        sizes = [sum(strides[f][r] * feature.dim for f, feature in enumerate(self.features))
+                 for r in range(len(strides[0]))]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                "RobeEmbeddingBagCollection: the row_wise features "
+                f"{sorted({f.name for f in self.features})} got a variable batch size per "
+                f"feature whose pooled output differs in size between ranks ({sizes} floats "
+                "per rank: the sum over features of batch size x dim); TorchRec's row-wise "
+                "output dist then all-gathers uneven pieces in backward, which the gloo "
+                "backend cannot do. Train on NCCL, plan these tables table_wise or "
+                "data_parallel, or run this batch without gradients (torch.no_grad())")
 
 
 def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeLayout) -> str:
@@ -191,16 +229,17 @@ def name_feature(message: str, names: List[str]) -> str:
 
 
 class _EmptyLookup(torch.autograd.Function):
-    """Output of a rank without tables of this sharding type: ``[batch, 0]``, requiring grad
-    so the output dist's backward collective runs; counts the step like the others."""
+    """Output of a rank without tables of this sharding type: ``[batch, 0]`` (``[0]`` for
+    VBE input, flat as TorchRec's VBE output dist takes it), requiring grad so the output
+    dist's backward collective runs; counts the step like the others."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, lookup):  # type: ignore[override]
+    def forward(ctx, anchor, batch, lookup, flat):  # type: ignore[override]
         ctx.lookup = lookup
-        return anchor.new_empty(batch, 0)
+        return anchor.new_empty(0) if flat else anchor.new_empty(batch, 0)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         ctx.lookup.optimizer.advance_step()
-        return None, None, None
+        return None, None, None, None
 

@@ -5,7 +5,8 @@ sequence input dist, output dist, ``Dict[str, JaggedTensor]`` assembly and VBE h
 ROBE's per-rank lookups, optimizer and state dict, the same as the pooled module's
 (:class:`~robe_torchrec.distributed.sharder.RobeShardedArrays`): each lookup returns one
 embedding per id. :class:`RobeEmbeddingCollectionSharder` plans it with the pooled sharder's
-rules (data-parallel, table-wise for per-table arrays; sizes are the compressed ones).
+rules (data-parallel, table-wise for per-table arrays, row-wise when asked for; sizes are
+the compressed ones).
 
 Example::
 
@@ -24,7 +25,6 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from robe_torchrec.distributed.sharder import (
-    RW,
     RobeEmbeddingBagCollectionSharder,
     RobeShardedArrays,
     compressed_shape,
@@ -92,13 +92,6 @@ class ShardedRobeEmbeddingCollection(RobeShardedArrays, ShardedEmbeddingCollecti
         qcomm_codecs_registry=None,
         module_fqn: Optional[str] = None,
     ) -> None:
-        row_wise = [n for n in module.layout.table_names
-                    if table_name_to_parameter_sharding[n].sharding_type == RW]
-        if row_wise:
-            raise ValueError(f"RobeEmbeddingCollection: tables {row_wise} are planned row_wise, "
-                             "which the unpooled module does not support; plan them "
-                             "data_parallel or table_wise (RobeEmbeddingCollectionSharder() "
-                             "offers only those)")
         self._robe_init(module, EmbeddingCollectionView(module), table_name_to_parameter_sharding,
                         env, optimizer, device, qcomm_codecs_registry, module_fqn)
 
@@ -114,19 +107,22 @@ class RobeEmbeddingCollectionSharder(RobeEmbeddingBagCollectionSharder):
     """Shards :class:`~robe_torchrec.RobeEmbeddingCollection` for
     ``DistributedModelParallel`` and ``EmbeddingShardingPlanner``: the sharding types, the
     compressed sizes and the fused optimizer are planned as for the pooled module (see
-    :class:`RobeEmbeddingBagCollectionSharder`; ``row_wise`` is not offered: its sequence
-    lookups are not implemented).
+    :class:`RobeEmbeddingBagCollectionSharder`), ``row_wise`` included: offered with
+    ``row_wise=True``, where each rank's rows hash into the rank's slice of the array, as
+    for the pooled module (an id gets the vector a row-wise bag module gives a bag of it).
 
     Example::
 
         >>> planner.plan(model, [RobeEmbeddingCollectionSharder(),
         ...                      RobeEmbeddingBagCollectionSharder()])
+        >>> RobeEmbeddingCollectionSharder(row_wise=True)   # offer row_wise too
     """
 
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None,
-                 qcomm_codecs_registry: Optional[Dict[str, Any]] = None) -> None:
+                 qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+                 row_wise: bool = False) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry,
-                         row_wise=False)
+                         row_wise=row_wise)
 
     def shard(self, module: RobeEmbeddingCollection, params: Dict[str, ParameterSharding],
               env: ShardingEnv, device: Optional[torch.device] = None,

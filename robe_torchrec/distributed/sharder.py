@@ -39,6 +39,7 @@ from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
 from robe_torchrec.optim import RowWiseAdagrad, resolve_optimizer
+from robe_torchrec.variable_batch import order_inverse_indices
 
 DP = ShardingType.DATA_PARALLEL.value
 TW = ShardingType.TABLE_WISE.value
@@ -341,7 +342,7 @@ class RobeShardedArrays:
             lookup = RobeShardedLookup(
                 features, segments, local_size, layout, opt_class, opt_kwargs,
                 sharding_type == DP, pg, module_is_weighted(module), self._device,
-                unpooled=unpooled)
+                unpooled=unpooled, row_wise=row_wise)
             self._lookups.append(lookup)
         self._robe_lookups = nn.ModuleList(self._lookups)
 
@@ -573,6 +574,13 @@ class ShardedRobeEmbeddingBagCollection(RobeShardedArrays, ShardedEmbeddingBagCo
 
     def _create_lookups(self) -> None:
         self._robe_create_lookups(self._embedding_shardings)
+
+    def input_dist(self, ctx, features):  # type: ignore[override]
+        """TorchRec's input dist, given a VBE KJT's inverse indices in the order of the
+        features it sends (:func:`~robe_torchrec.variable_batch.order_inverse_indices`:
+        the row-wise MEAN divisor reads them in that order)."""
+        order = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
+        return super().input_dist(ctx, order_inverse_indices(features, order))
 
     @property
     def unsharded_module_type(self) -> Type[RobeEmbeddingBagCollection]:  # type: ignore[override]

@@ -21,11 +21,14 @@ from tests.distributed.multiprocess import run_ranks
 STEPS = 20
 
 
-def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int) -> torch.Tensor:
-    """Pooled output ``[batch, sum dims]`` (features in ``common.FEATURES`` order) of a
-    module whose tables are all row-wise over ``world`` ranks, differentiable in ``weight``."""
+def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int,
+                       features=tuple(common.FEATURES)) -> torch.Tensor:
+    """Pooled output ``[batch, sum dims]`` (``features``, in that order) of a module whose
+    tables are all row-wise over ``world`` ranks, differentiable in ``weight``. ``ebc`` may
+    be a RobeEmbeddingCollection: its tables are then pooled by SUM."""
     # written from the config, not read from ebc.layout: the layout is what is under test
-    tables = ebc.embedding_bag_configs()
+    tables = (ebc.embedding_bag_configs() if hasattr(ebc, "embedding_bag_configs")
+              else ebc.embedding_configs())
     robe = ebc.layout.config
     array_sizes = robe.split_memory([t.num_embeddings * t.embedding_dim for t in tables])
     offsets = [sum(array_sizes[:i]) for i in range(len(array_sizes))]
@@ -33,7 +36,7 @@ def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int) -> torch.Tens
     by_feature = {f: t for t, tb in enumerate(tables) for f in tb.feature_names}
     params = hash_params(robe.hash_mode, robe.seed)
     outs = []
-    for f in common.FEATURES:
+    for f in features:
         t = by_feature[f]
         cfg = tables[t]
         a = 0 if robe.shared else t
@@ -55,7 +58,7 @@ def row_wise_reference(ebc, weight: torch.Tensor, kjt, world: int) -> torch.Tens
             pooled = pooled + torch.ops.robe.forward(
                 weight, local, offs, None, meta, cfg.embedding_dim, robe.block_size,
                 int(robe.hash_mode), params, 0)
-        if cfg.pooling.name == "MEAN":
+        if getattr(cfg, "pooling", None) is not None and cfg.pooling.name == "MEAN":
             pooled = pooled / lengths.clamp(min=1)[:, None]
         outs.append(pooled)
     return torch.cat(outs, dim=1)

@@ -1,8 +1,10 @@
 """Sharding RobeEmbeddingCollection next to RobeEmbeddingBagCollection (2 ranks, gloo, one
 spawn for everything): sharded == unsharded after 20 SGD steps (data-parallel and
-table-wise), a DCP checkpoint moved between plans and into the unsharded model, the
-pipelines (SparseDist, FusedSparseDist == the plain loop; SemiSync trains), VBE input to the
-sharded unpooled module, the planner's compressed sizes and the default sharders."""
+table-wise), the unpooled module row-wise against the row-wise reference, a DCP checkpoint
+moved between plans and into the unsharded model, the pipelines (SparseDist,
+FusedSparseDist == the plain loop; SemiSync trains), VBE input to both sharded modules (the
+bag module's KeyedTensor against stock TorchRec's sharded EmbeddingBagCollection), the
+planner's compressed sizes and the default sharders."""
 
 from __future__ import annotations
 
@@ -213,6 +215,20 @@ def pipelines_match(rank: int, world: int) -> Dict[str, object]:
     return out
 
 
+def seq_vbe_kjt(rank: int) -> KeyedJaggedTensor:
+    """Rank ``rank``'s VBE KJT of the sequence features (strides 3 and 5, inverse indices
+    of width 6)."""
+    g = torch.Generator().manual_seed(11 + rank)
+    strides = [3, 5]
+    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
+    values = torch.cat([torch.randint(0, SEQ[k], (int(n.sum()),), generator=g)
+                        for k, n in zip(SEQ, lengths)])
+    inverse = torch.stack([torch.randint(0, s, (6,), generator=g) for s in strides])
+    return KeyedJaggedTensor(keys=list(SEQ), values=values, lengths=torch.cat(lengths),
+                             stride_per_key_per_rank=[[s] for s in strides],
+                             inverse_indices=(list(SEQ), inverse))
+
+
 def vbe_matches(rank: int, world: int) -> float:
     """A VBE KJT into the sharded unpooled module (table-wise and data-parallel) vs the
     unsharded module laid out as TorchRec's sharded EmbeddingCollection lays VBE out: the
@@ -227,15 +243,8 @@ def vbe_matches(rank: int, world: int) -> float:
                                              world, sharder)})
     dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    g = torch.Generator().manual_seed(11 + rank)
-    strides = [3, 5]
-    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
-    values = torch.cat([torch.randint(0, SEQ[k], (int(n.sum()),), generator=g)
-                        for k, n in zip(SEQ, lengths)])
-    inverse = torch.stack([torch.randint(0, s, (6,), generator=g) for s in strides])
-    kjt = KeyedJaggedTensor(keys=list(SEQ), values=values, lengths=torch.cat(lengths),
-                            stride_per_key_per_rank=[[s] for s in strides],
-                            inverse_indices=(list(SEQ), inverse))
+    kjt = seq_vbe_kjt(rank)
+    inverse = kjt.inverse_indices()[1]
     ours, theirs = dmp(kjt), ref(kjt)
     worst = 0.0
     for i, k in enumerate(SEQ):
@@ -245,6 +254,225 @@ def vbe_matches(rank: int, world: int) -> float:
         bags = [theirs[k].values()[offsets[b]:offsets[b + 1]] for b in inverse[i].tolist()]
         assert torch.equal(ours[k].lengths(), theirs[k].lengths()[inverse[i]]), k
         worst = max(worst, (ours[k].values() - torch.cat(bags)).abs().max().item())
+    return worst
+
+
+def bag_vbe_kjt(rank: int, weighted: bool, width: int = 0) -> KeyedJaggedTensor:
+    """Rank ``rank``'s VBE KJT of the bag module's features: per-feature strides differ
+    between the ranks, and so does the inverse indices' width unless ``width`` is given; the
+    sum over features of stride x dim does not (48 floats: row-wise on gloo needs it, see
+    row_wise_vbe_on_gloo)."""
+    strides = [[2, 3, 3, 1], [3, 1, 1, 2]][rank % 2]
+    width = width or [5, 3][rank % 2]
+    g = torch.Generator().manual_seed(40 + rank)
+    lengths = [torch.randint(0, 4, (s,), generator=g) for s in strides]
+    values = torch.cat([torch.randint(0, common.ROWS[f], (int(n.sum()),), generator=g)
+                        for f, n in zip(common.FEATURES, lengths)])
+    inverse = torch.stack([torch.randint(0, s, (width,), generator=g) for s in strides])
+    return KeyedJaggedTensor(
+        keys=common.FEATURES, values=values, lengths=torch.cat(lengths),
+        weights=torch.rand(values.numel(), generator=g) + 0.5 if weighted else None,
+        stride_per_key_per_rank=[[s] for s in strides],
+        inverse_indices=(common.FEATURES, inverse))
+
+
+def expand_bags(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The KJT of one stride whose bag ``b`` of feature ``f`` is the VBE KJT's bag
+    ``inverse_indices[f][b]``: what a VBE lookup stands for."""
+    keys, inverse = kjt.inverse_indices()
+    lengths, values, weights = [], [], []
+    for f in kjt.keys():
+        jt = kjt[f]
+        offsets = jt.offsets()
+        for b in inverse[keys.index(f)].tolist():
+            lengths.append(int(jt.lengths()[b]))
+            values.append(jt.values()[offsets[b]:offsets[b + 1]])
+            if jt.weights_or_none() is not None:
+                weights.append(jt.weights()[offsets[b]:offsets[b + 1]])
+    return KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), torch.cat(values), torch.tensor(lengths),
+        torch.cat(weights) if weights else None)
+
+
+# name: (plan, table-wise ranks, weighted)
+BAG_VBE_PLANS = {
+    "dp": ({"t0": "data_parallel", "t1": "data_parallel", "t2": "data_parallel"}, None, False),
+    "mixed_weighted": ({"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel"},
+                       {"t0": 0, "t1": 1}, True),
+    "tw_one_rank": ({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}, None, False),
+    "rw": ({"t0": "row_wise", "t1": "row_wise", "t2": "row_wise"}, None, False),
+}
+
+
+def bag_vbe_matches(rank: int, world: int) -> Dict[str, float]:
+    """Each rank's own VBE KJT into the sharded bag module under each of BAG_VBE_PLANS: the
+    largest difference of the output and of the weights after one fused SGD step, against
+    the same sharded model on the KJT of expanded bags, and (outputs; not row-wise, a
+    different model) against the unsharded module."""
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    out: Dict[str, float] = {}
+    for name, (types, ranks, weighted) in BAG_VBE_PLANS.items():
+        row_wise = "row_wise" in types.values()
+        # row-wise on gloo: the batch of expanded bags must be as large on every rank
+        kjt = bag_vbe_kjt(rank, weighted, width=4 if row_wise else 0)
+        sgd = (torch.optim.SGD, {"lr": 0.1})
+        vbe = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
+        dense = common.make_dmp(robe, types, world, sgd, ranks=ranks, is_weighted=weighted)
+        ours, expanded = vbe(kjt), dense(expand_bags(kjt))
+        worst = (ours - expanded).abs().max().item() if ours.shape == expanded.shape else 1.0
+        if not row_wise:
+            plain = common.Wrapper(common.make_ebc(robe, is_weighted=weighted))(kjt)
+            worst = max(worst, (ours - plain).abs().max().item())
+        coef = common.target(rank, ours.shape[0], ours.shape[1])
+        (ours * coef).sum().backward()
+        (expanded * coef).sum().backward()
+        worst = max(worst, (common.full_weight(vbe) - common.full_weight(dense)).abs().max().item())
+        out[name] = worst
+    return out
+
+
+def stock_vbe_layout(rank: int, world: int) -> float:
+    """The sharded ROBE bag module's KeyedTensor for a VBE KJT against stock TorchRec's
+    sharded EmbeddingBagCollection holding the ROBE module's tables materialised, both
+    table-wise over the two ranks: the largest difference (keys and lengths must match)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from tests.test_embedding_bag import virtual_tables
+
+    robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
+    # one pooling per rank: stock merges the VBE outputs of several TBEs of a rank with a
+    # pre-allocated output, which fbgemm refuses on CPU
+    ranks = {"t0": 0, "t1": 1, "t2": 0}
+    ours = common.make_dmp(robe, {t: "table_wise" for t in ranks}, world,
+                           (torch.optim.SGD, {"lr": 0.1}), ranks=ranks)
+    ebc = common.make_ebc(robe)
+    pooling = {f: t.pooling for t in ebc.embedding_bag_configs() for f in t.feature_names}
+    owner = {f: ranks[t.name] for t in ebc.embedding_bag_configs() for f in t.feature_names}
+    virtual = {f: w.detach() for f, w in virtual_tables(ebc).items()}
+    stock = EmbeddingBagCollection([
+        EmbeddingBagConfig(name=f"v_{f}", embedding_dim=w.shape[1], num_embeddings=len(w),
+                           feature_names=[f], pooling=pooling[f]) for f, w in virtual.items()])
+    apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"ebc": common.plan_for(
+        stock, {f"v_{f}": "table_wise" for f in virtual}, world, sharder,
+        {f"v_{f}": r for f, r in owner.items()})})
+    theirs = DistributedModelParallel(common.Wrapper(stock),
+                                      env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                      device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    # TorchRec's sharded tables start from fresh values: give them the materialised tables
+    with torch.no_grad():
+        for key, value in theirs.state_dict().items():
+            for shard in value.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(virtual[key.split(".")[-2][2:]][row:row + rows, col:col + cols])
+    kjt = bag_vbe_kjt(rank, False)
+    ours_kt, theirs_kt = ours.module.ebc(kjt), theirs.module.ebc(kjt)
+    assert ours_kt.keys() == theirs_kt.keys(), (ours_kt.keys(), theirs_kt.keys())
+    assert ours_kt.length_per_key() == theirs_kt.length_per_key()
+    if ours_kt.values().shape != theirs_kt.values().shape:
+        return 1.0
+    return (ours_kt.values() - theirs_kt.values()).abs().max().item()
+
+
+def row_wise_vbe_on_gloo(rank: int, world: int) -> Dict[str, str]:
+    """VBE batches whose pooled sizes differ between the ranks, row-wise on gloo: stock
+    TorchRec's sharded EmbeddingBagCollection fails in backward (its reduce-scatter's
+    backward all-gathers uneven pieces, which gloo cannot); ours refuses in forward. The
+    error messages of both."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    g = torch.Generator().manual_seed(rank)
+    kjt = KeyedJaggedTensor(keys=["f0", "f3"], values=torch.randint(0, 300, (2 * rank + 4,),
+                                                                      generator=g),
+                            lengths=torch.tensor([1] * (2 * rank + 4)),
+                            stride_per_key_per_rank=[[rank + 2], [rank + 2]],
+                            inverse_indices=(["f0", "f3"], torch.zeros(2, 3, dtype=torch.long)))
+    out: Dict[str, str] = {}
+    stock = EmbeddingBagCollection([EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=300, feature_names=["f0", "f3"])])
+    apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"": common.plan_for(stock, {"t": "row_wise"}, world, sharder)})
+    dmp = DistributedModelParallel(stock, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    try:
+        dmp(kjt).values().sum().backward()
+        out["stock"] = ""
+    except RuntimeError as err:
+        out["stock"] = str(err)
+    ours = common.make_dmp(RobeConfig(memory_size=4000, block_size=4, shared=False),
+                           {t: "row_wise" for t in ("t0", "t1", "t2")}, world,
+                           (torch.optim.SGD, {"lr": 0.1}))
+    kjt = KeyedJaggedTensor(keys=common.FEATURES, values=torch.cat([kjt.values()] * 2),
+                            lengths=torch.cat([kjt.lengths()] * 2),
+                            stride_per_key_per_rank=[[rank + 2]] * 4,
+                            inverse_indices=(common.FEATURES, torch.zeros(4, 3, dtype=torch.long)))
+    try:
+        ours(kjt)
+        out["ours"] = ""
+    except ValueError as err:
+        out["ours"] = str(err)
+    with torch.no_grad():  # forward alone runs
+        out["ours_no_grad_shape"] = str(tuple(ours(kjt).shape))
+    return out
+
+
+def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
+    """The unpooled module planned row-wise (opt-in), shared and per-table arrays, against
+    the row-wise reference of the bag module's tests on one-id bags (an id's vector is that
+    of a row-wise bag holding it): the largest difference of the outputs and of the
+    weights over ``steps`` fused SGD steps, then of the output for a VBE KJT (laid out as
+    in vbe_matches)."""
+    from tests.distributed.test_row_wise import row_wise_reference
+
+    worst = 0.0
+    for shared in (True, False):
+        torch.manual_seed(3)
+        ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=3000, block_size=4,
+                                                             shared=shared))
+        weight = ec.weight.detach().clone().requires_grad_(True)
+        apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+        sharder = RobeEmbeddingCollectionSharder(row_wise=True)
+        plan = ShardingPlan({"": common.plan_for(ec, {"items": "row_wise", "cats": "row_wise"},
+                                                 world, sharder)})
+        dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        opt = torch.optim.SGD([weight], lr=0.1)
+        for step in range(steps):
+            # the sequence features only, as the VBE KJT below (the input dist keeps the
+            # keys of its first batch)
+            kjt = global_batch(step, world).permute([KEYS.index(f) for f in SEQ])
+            local = common.local_slice(kjt, rank)
+            ours = dmp(local)
+            loss, ref_loss = 0.0, 0.0
+            for f in SEQ:
+                ids = kjt[f].values()
+                one_per_bag = KeyedJaggedTensor.from_lengths_sync([f], ids, torch.ones_like(ids))
+                ref = row_wise_reference(ec, weight, one_per_bag, world, features=[f])
+                coef = common.target(step, len(ids), DIM)
+                # this rank's ids: those of its samples
+                lo, hi = (int(kjt[f].offsets()[i]) for i in (rank * B, (rank + 1) * B))
+                worst = max(worst, (ours[f].values() - ref[lo:hi]).abs().max().item())
+                loss = loss + (ours[f].values() * coef[lo:hi]).sum()
+                ref_loss = ref_loss + (ref * coef).sum() / world   # rank-averaged
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = dmp.state_dict()
+        worst = max(worst, (common.full_tensor(state["weight"]) - weight.detach()).abs().max().item())
+    kjt = seq_vbe_kjt(rank)
+    ours = dmp(kjt)
+    for f, rows in zip(kjt.inverse_indices()[0], kjt.inverse_indices()[1]):
+        jt = kjt[f]
+        ids = torch.cat([jt.values()[jt.offsets()[b]:jt.offsets()[b + 1]] for b in rows.tolist()])
+        one_per_bag = KeyedJaggedTensor.from_lengths_sync([f], ids, torch.ones_like(ids))
+        ref = row_wise_reference(ec, weight, one_per_bag, world, features=[f])
+        assert torch.equal(ours[f].lengths(), jt.lengths()[rows]), f
+        worst = max(worst, (ours[f].values() - ref).abs().max().item())
     return worst
 
 
@@ -264,6 +492,10 @@ def run_all(rank: int, world: int):
         dist.barrier()
     out.update(pipelines_match(rank, world))
     out["vbe"] = vbe_matches(rank, world)
+    out["bag_vbe"] = bag_vbe_matches(rank, world)
+    out["stock_vbe"] = stock_vbe_layout(rank, world)
+    out["rw_vbe_gloo"] = row_wise_vbe_on_gloo(rank, world)
+    out["rw_unpooled"] = row_wise_unpooled_matches(rank, world)
     return out
 
 
@@ -280,6 +512,14 @@ def test_sharded_sequence_and_bag_modules():
         assert torch.equal(semi[:2], plain[:2]), result
         assert bool(((semi - plain).abs() <= 0.25 * plain.abs() + 0.05).all()), result
         assert result["vbe"] < 1e-6, result
+        assert set(result["bag_vbe"]) == set(BAG_VBE_PLANS), result
+        assert all(v < 1e-5 for v in result["bag_vbe"].values()), result
+        assert result["stock_vbe"] < 1e-5, result
+        gloo = result["rw_vbe_gloo"]
+        assert "allgather" in gloo["stock"], gloo    # stock TorchRec cannot either
+        assert "row_wise" in gloo["ours"] and "NCCL" in gloo["ours"], gloo
+        assert gloo["ours_no_grad_shape"] == "(3, 24)", gloo
+        assert result["rw_unpooled"] < 1e-5, result
 
 
 def test_planner_sizes_and_default_sharders():
@@ -298,5 +538,7 @@ def test_planner_sizes_and_default_sharders():
     assert set(plan.plan["ec"]) == {"items", "cats"}
     assert {ps.sharding_type for ps in plan.plan["ec"].values()} <= {"data_parallel",
                                                                      "table_wise"}
+    assert RobeEmbeddingCollectionSharder(row_wise=True).sharding_types_for(model.ec) == [
+        "data_parallel", "table_wise", "row_wise"]
     assert ShardedRobeEmbeddingCollection.__name__ in repr(
         RobeEmbeddingCollectionSharder().sharded_module_type)
