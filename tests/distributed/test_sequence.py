@@ -1,7 +1,7 @@
 """Sharding RobeEmbeddingCollection next to RobeEmbeddingBagCollection (2 ranks, gloo, one
 spawn for everything): sharded == unsharded after 20 SGD steps (data-parallel and
-table-wise), the unpooled module row-wise against the row-wise reference, a DCP checkpoint
-moved between plans and into the unsharded model, the pipelines (SparseDist,
+table-wise), the unpooled module row-wise against the row-wise reference (and through a
+DCP round trip), a DCP checkpoint moved between plans and into the unsharded model, the pipelines (SparseDist,
 FusedSparseDist == the plain loop; SemiSync trains), VBE input to both sharded modules (the
 bag module's KeyedTensor against stock TorchRec's sharded EmbeddingBagCollection), the
 planner's compressed sizes and the default sharders."""
@@ -420,26 +420,35 @@ def row_wise_vbe_on_gloo(rank: int, world: int) -> Dict[str, str]:
     return out
 
 
-def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
+def row_wise_ec(world: int, shared: bool, seed: int):
+    """``(unsharded module, its initial array, its row-wise DMP)``: the unpooled module
+    planned row-wise (the opt-in), fused SGD."""
+    torch.manual_seed(seed)
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=3000, block_size=4,
+                                                         shared=shared))
+    initial = ec.weight.detach().clone()
+    apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+    sharder = RobeEmbeddingCollectionSharder(row_wise=True)
+    plan = ShardingPlan({"": common.plan_for(ec, {"items": "row_wise", "cats": "row_wise"},
+                                             world, sharder)})
+    dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    return ec, initial, dmp
+
+
+def row_wise_unpooled_matches(rank: int, world: int, path: str, steps: int = 5) -> float:
     """The unpooled module planned row-wise (opt-in), shared and per-table arrays, against
     the row-wise reference of the bag module's tests on one-id bags (an id's vector is that
     of a row-wise bag holding it): the largest difference of the outputs and of the
     weights over ``steps`` fused SGD steps, then of the output for a VBE KJT (laid out as
-    in vbe_matches)."""
+    in vbe_matches), then of weights and outputs after a DCP round trip into a row-wise
+    model of another seed."""
     from tests.distributed.test_row_wise import row_wise_reference
 
     worst = 0.0
     for shared in (True, False):
-        torch.manual_seed(3)
-        ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=3000, block_size=4,
-                                                             shared=shared))
-        weight = ec.weight.detach().clone().requires_grad_(True)
-        apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
-        sharder = RobeEmbeddingCollectionSharder(row_wise=True)
-        plan = ShardingPlan({"": common.plan_for(ec, {"items": "row_wise", "cats": "row_wise"},
-                                                 world, sharder)})
-        dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        ec, initial, dmp = row_wise_ec(world, shared, seed=3)
+        weight = initial.requires_grad_(True)
         opt = torch.optim.SGD([weight], lr=0.1)
         for step in range(steps):
             # the sequence features only, as the VBE KJT below (the input dist keeps the
@@ -473,6 +482,16 @@ def row_wise_unpooled_matches(rank: int, world: int, steps: int = 5) -> float:
         ref = row_wise_reference(ec, weight, one_per_bag, world, features=[f])
         assert torch.equal(ours[f].lengths(), jt.lengths()[rows]), f
         worst = max(worst, (ours[f].values() - ref).abs().max().item())
+    dcp.save(dmp.state_dict(), checkpoint_id=path)
+    _, _, restored = row_wise_ec(world, shared=False, seed=4)
+    state = restored.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    restored.load_state_dict(state)
+    worst = max(worst, (common.full_tensor(restored.state_dict()["weight"])
+                        - weight.detach()).abs().max().item())
+    again = restored(kjt)
+    for f in ours.keys():
+        worst = max(worst, (again[f].values() - ours[f].values()).abs().max().item())
     return worst
 
 
@@ -495,7 +514,11 @@ def run_all(rank: int, world: int):
     out["bag_vbe"] = bag_vbe_matches(rank, world)
     out["stock_vbe"] = stock_vbe_layout(rank, world)
     out["rw_vbe_gloo"] = row_wise_vbe_on_gloo(rank, world)
-    out["rw_unpooled"] = row_wise_unpooled_matches(rank, world)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)
+        out["rw_unpooled"] = row_wise_unpooled_matches(rank, world, path[0])
+        dist.barrier()
     return out
 
 
