@@ -9,7 +9,7 @@ more, ``torch.export`` assumes the sizes are never 0 or 1 and the program would 
 batch of one (``Guard failed: sparse_features._lengths.size()[0] // 3 != 1``, stock
 ``EmbeddingBagCollection`` too); :func:`export_model` exports with PyTorch's (experimental)
 ``backed_size_oblivious`` setting, under which the same graph serves one sample and batches
-without ids. See ``docs/serving.md``.
+without ids. See ``docs/drop_in.md`` (export) and ``docs/serving.md`` (``run.export``).
 
 Example::
 
