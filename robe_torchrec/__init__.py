@@ -26,6 +26,10 @@ else:
     from robe_torchrec.embedding_collection import RobeEmbeddingCollection
     from robe_torchrec.layout import FeatureLayout, RobeLayout, TableLayout
     from robe_torchrec.optim import RobeFusedOptimizer
+    from robe_torchrec.rowwise_install import install_rowwise_adagrad
+
+    # torchrec.optim.RowWiseAdagrad then takes ROBE arrays (apply_optimizer_in_backward)
+    install_rowwise_adagrad()
 
     # Registers the ROBE sharder with DistributedModelParallel's default sharders, so that
     # DistributedModelParallel(model) shards a ROBE module with nothing more to import.

@@ -29,9 +29,10 @@ from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.layout import RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.optim import RobeFusedOptimizer
+from robe_torchrec.rowwise_install import ArrayOwner
 
 
-class RobeArrayModule(nn.Module):
+class RobeArrayModule(ArrayOwner):
     """The ROBE array of a module and what goes with it (see the module docstring).
 
     Attributes:
@@ -59,6 +60,8 @@ class RobeArrayModule(nn.Module):
                              persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
+        # lets torchrec.optim.RowWiseAdagrad tell the array from a table (rowwise_install)
+        self.register_array()
         self.reset_parameters()
 
     @property

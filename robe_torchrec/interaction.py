@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch import nn
 from torchrec.models.dlrm import DLRM, InteractionArch
 
 
@@ -99,4 +100,43 @@ def use_fast_interaction(model: DLRM) -> DLRM:
     return model
 
 
-__all__ = ["FastInteractionArch", "use_fast_interaction"]
+def restore_interaction_buffers(model: nn.Module) -> int:
+    """Re-create the index buffers of every DLRM dot interaction (TorchRec's
+    ``InteractionArch``, :class:`FastInteractionArch`) in ``model``, on the device they are
+    on; returns how many interactions were restored.
+
+    The interaction computes which pairs of features it multiplies (``triu_indices``) in its
+    constructor, as a non-persistent buffer: a model built on the meta device and then
+    materialised (``to_empty`` and ``reset_parameters``, TorchRec's ``init_parameters``, or
+    ``DistributedModelParallel``, which fills meta buffers with zeros) keeps garbage or zeros
+    there, and no checkpoint holds it. TorchRec's stock ``EmbeddingBagCollection`` DLRM is
+    affected alike. Call this after materialising (``model`` may be the DMP).
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+        ...                  dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 1])
+        >>> init_parameters(model, torch.device("cpu"))    # to_empty + reset_parameters
+        >>> restore_interaction_buffers(model)
+        1
+    """
+    restored = 0
+    for arch in model.modules():
+        if not isinstance(arch, InteractionArch):
+            continue
+        device = arch.triu_indices.device
+        if device.type == "meta":
+            raise ValueError(f"restore_interaction_buffers: the {type(arch).__name__} is still "
+                             "on the meta device; materialise the model first (to_empty, "
+                             "torchrec.distributed.utils.init_parameters or "
+                             "DistributedModelParallel)")
+        # the constructor is what computes them (FastInteractionArch's from TorchRec's)
+        fresh = type(arch)(arch.F)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            setattr(arch, name, buffer.to(device))
+        restored += 1
+    return restored
+
+
+__all__ = ["FastInteractionArch", "restore_interaction_buffers", "use_fast_interaction"]

@@ -7,12 +7,12 @@ named as ``torch.optim`` names them) and translates a ``torch.optim`` class plus
 as ``apply_optimizer_in_backward`` records them, into the op's arguments.
 
 Supported: ``torch.optim.SGD`` (no momentum), ``torch.optim.Adagrad``, ``torch.optim.Adam``
-and row-wise Adagrad (torchrec's ``RowWiseAdagrad``, FBGEMM's EXACT_ROWWISE_ADAGRAD: one
+and row-wise Adagrad (``torchrec.optim.RowWiseAdagrad``, FBGEMM's EXACT_ROWWISE_ADAGRAD: one
 accumulator per aligned chunk of ``block_size`` floats of the array, see
 :class:`~robe_torchrec.ops.meta.Optimizer`). ``apply_optimizer_in_backward`` builds the
-optimizer on the parameter, which torchrec's ``RowWiseAdagrad`` cannot do on a 1-D array:
-pass :class:`RowWiseAdagrad` from this module there (the sharder's ``fused_params`` path and
-:func:`resolve_optimizer` take either class).
+optimizer on the parameter: torchrec's class accepts a ROBE array once :mod:`robe_torchrec`
+is imported (:mod:`robe_torchrec.rowwise_install`); the subclass :class:`RowWiseAdagrad`
+here does the same and is kept for code that passes it (everything takes either class).
 
 The state follows the array: its tensors are kept in the array's accumulation dtype (float32
 for float32/float16/bfloat16 arrays, float64 for float64) on its device, and converted when
@@ -35,48 +35,27 @@ import torchrec.optim
 from torchrec.optim.fused import FusedOptimizer
 
 from robe_torchrec.ops.meta import Optimizer, accumulation_dtype, rowwise_state_size
+from robe_torchrec.rowwise_install import init_without_arrays, refuse_array_grads, torchrec_init
 
 
 class RowWiseAdagrad(torchrec.optim.RowWiseAdagrad):
-    """torchrec's ``RowWiseAdagrad`` that can be handed to ``apply_optimizer_in_backward`` for
-    a ROBE array: torchrec's sizes its state from a 2-D table (``[rows, 1]``) when built, and
-    the array is 1-D, with rows of ``block_size`` floats that only the layout knows. For such
-    parameters it keeps no state (the module's ``fused_optimizer`` holds it) and its own
-    ``step`` refuses them; 2-D parameters behave exactly as under torchrec's class."""
+    """torchrec's ``RowWiseAdagrad`` that treats every 1-D parameter as a ROBE array.
+
+    Since importing :mod:`robe_torchrec` lets torchrec's own class take ROBE arrays
+    (:mod:`robe_torchrec.rowwise_install`), this subclass is no longer needed; it stays for
+    code that passes it, and behaves alike: no state for an array (the module's
+    ``fused_optimizer`` holds the row-wise state, the array has rows of ``block_size`` floats
+    that only the layout knows), ``step`` refuses to update one, and 2-D parameters get
+    torchrec's state and update."""
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        params = list(params)
-        flat = [p for p in _params_of(params) if p.dim() < 2]
-        if not flat:
-            super().__init__(params, *args, **kwargs)
-            return
-        # validation and defaults exactly as torchrec's (on a stand-in 2-D parameter)
-        defaults = torchrec.optim.RowWiseAdagrad([torch.zeros(1, 1)], *args, **kwargs).defaults
-        torch.optim.Optimizer.__init__(self, params, defaults)
-        self._robe_arrays = {id(p) for p in flat}
-        for p in _params_of(params):
-            if p.dim() >= 2:
-                init = defaults["initial_accumulator_value"]
-                self.state[p] = {"step": torch.tensor(0.0),
-                                 "sum": torch.full_like(p, init).mean(axis=1).view(-1, 1)}
+        init_without_arrays(self, params, args, kwargs, lambda p: p.dim() < 2,
+                            torchrec_init())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        arrays = getattr(self, "_robe_arrays", set())
-        if any(id(p) in arrays and p.grad is not None
-               for g in self.param_groups for p in g["params"]):
-            raise RuntimeError("robe_torchrec.optim.RowWiseAdagrad: a 1-D ROBE array is "
-                               "updated inside backward by RobeEmbeddingBagCollection (its "
-                               "fused_optimizer holds the row-wise state), not by step()")
+        refuse_array_grads(self, "robe_torchrec.optim.RowWiseAdagrad")
         return super().step(closure)
-
-
-def _params_of(params: List[Any]) -> List[torch.Tensor]:
-    """The tensors of a list of parameters or of param-group dicts."""
-    out: List[torch.Tensor] = []
-    for p in params:
-        out.extend(p["params"] if isinstance(p, dict) else [p])
-    return out
 
 
 _SUPPORTED: Dict[Type[torch.optim.Optimizer], Optimizer] = {
@@ -87,8 +66,7 @@ _SUPPORTED: Dict[Type[torch.optim.Optimizer], Optimizer] = {
     torchrec.optim.RowWiseAdagrad: Optimizer.ROWWISE_ADAGRAD,
 }
 SUPPORTED_NAMES = ("torch.optim.SGD (momentum=0), torch.optim.Adagrad (lr_decay=0), "
-                   "torch.optim.Adam (amsgrad=False), torchrec.optim.RowWiseAdagrad (lr_decay=0; "
-                   "pass robe_torchrec.optim.RowWiseAdagrad to apply_optimizer_in_backward)")
+                   "torch.optim.Adam (amsgrad=False), torchrec.optim.RowWiseAdagrad (lr_decay=0)")
 
 # kwargs we accept only at their torch.optim default value (anything else is refused
 # rather than silently ignored)

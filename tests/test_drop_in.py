@@ -1,5 +1,6 @@
 """RobeEmbeddingBagCollection as a first-class TorchRec module (unsharded): meta-device
-construction and ``reset_parameters``, ``torch.compile`` (inference, dense and fused
+construction and ``reset_parameters`` (of the module, and of a whole DLRM: its interaction's
+buffer restored, also after DMP), ``torch.compile`` (inference, dense and fused
 training), and extra input features ignored as ``EmbeddingBagCollection`` ignores them.
 
 Export, save/load and fx tracing are in ``tests/test_export.py``."""
@@ -10,12 +11,15 @@ import copy
 
 import pytest
 import torch
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.utils import init_parameters
 from torchrec.models.dlrm import DLRM
 from torchrec.optim import apply_optimizer_in_backward
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec.interaction import restore_interaction_buffers, use_fast_interaction
+from tests.train.helpers import one_rank_group
 
 BATCH = 4
 NUM_DENSE = 5
@@ -99,6 +103,56 @@ def test_dlrm_with_meta_tables_materialised_as_torchrec_does():
         assert torch.equal(model.state_dict()[key], tensor), key
     kjt, dense = make_kjt(), dense_input()
     assert torch.equal(model(dense, kjt), direct(dense, kjt))
+
+
+@pytest.mark.parametrize("embedding", ["robe", "robe_fast_interaction", "torchrec_ebc"])
+def test_whole_dlrm_on_meta_with_its_interaction_buffers_restored(embedding):
+    """The whole DLRM on meta, then TorchRec's init_parameters: the interaction's
+    non-persistent triu_indices (stock EmbeddingBagCollection DLRM alike) is garbage until
+    restore_interaction_buffers; then the model is the CPU-built one."""
+    def build(device=None):
+        ebc = (EmbeddingBagCollection(make_tables(), device=device) if embedding == "torchrec_ebc"
+               else RobeEmbeddingBagCollection(make_tables(), ROBE, device=device))
+        model = make_dlrm(ebc)
+        return use_fast_interaction(model) if embedding == "robe_fast_interaction" else model
+
+    torch.manual_seed(4)
+    direct = build()
+    with torch.device("meta"):
+        model = build(torch.device("meta"))
+    with pytest.raises(ValueError, match="still on the meta device"):
+        restore_interaction_buffers(model)
+    torch.manual_seed(4)
+    init_parameters(model, torch.device("cpu"))  # to_empty, then reset_parameters
+    assert restore_interaction_buffers(model) == 1
+    buffers = dict(model.named_buffers())
+    for name, buffer in direct.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    if embedding == "torchrec_ebc":
+        return  # its reset_parameters draws other values than its constructor
+    for key, tensor in direct.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor), key
+    kjt, dense = make_kjt(), dense_input()
+    assert torch.equal(model(dense, kjt), direct(dense, kjt))
+
+
+def test_whole_dlrm_on_meta_sharded_by_dmp():
+    """DMP materialises a meta model's buffers as zeros: restored on the DMP, the model is
+    the CPU-built one (one rank, in process)."""
+    torch.manual_seed(4)
+    direct = make_dlrm()
+    with torch.device("meta"):
+        model = make_dlrm(RobeEmbeddingBagCollection(make_tables(), ROBE,
+                                                     device=torch.device("meta")))
+    apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": 0.1})
+    with one_rank_group():
+        torch.manual_seed(4)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+        assert not dmp.module.inter_arch.triu_indices.any()  # zeros: every pair is (0, 0)
+        assert restore_interaction_buffers(dmp) == 1
+        assert torch.equal(dmp.module.inter_arch.triu_indices, direct.inter_arch.triu_indices)
+        kjt, dense = make_kjt(), dense_input()
+        assert torch.equal(dmp(dense, kjt), direct(dense, kjt))
 
 
 # --- torch.compile -------------------------------------------------------------------------

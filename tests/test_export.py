@@ -1,5 +1,7 @@
 """A TorchRec DLRM on RobeEmbeddingBagCollection through ``torch.export`` (strict and
-non-strict), ``torch.export.save`` / ``load`` in a fresh process, and ``torchrec.fx`` tracing."""
+non-strict) with a dynamic batch size and number of ids (``robe_torchrec.export``),
+``torch.export.save`` / ``load`` in a fresh process serving other batch sizes, and
+``torchrec.fx`` tracing."""
 
 from __future__ import annotations
 
@@ -12,54 +14,75 @@ from pathlib import Path
 import pytest
 import torch
 import torchrec
-from torch.export import Dim
 from torchrec import KeyedJaggedTensor
 
-from tests.test_drop_in import dense_input, make_dlrm, make_kjt
+from robe_torchrec.export import export_model
+from tests.test_drop_in import BATCH, NUM_DENSE, dense_input, make_dlrm, make_kjt
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = ["user", "user_hist", "item"]
 
-# the number of ids changes from batch to batch: the KJT's values are dynamic (its other
-# fields, in KeyedJaggedTensor._fields order, keep their shapes: the batch size is fixed)
-DYNAMIC_SHAPES = {
-    "dense_features": None,
-    "sparse_features": [{0: Dim.DYNAMIC}] + [None] * (len(KeyedJaggedTensor._fields) - 1),
-}
+
+def batch_of(size: int, seed: int, ids: bool = True):
+    """Dense features and a KJT of ``size`` samples (without any id if not ``ids``)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(KEYS) * size,), generator=g) * int(ids)
+    values = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
+    return (torch.rand(size, NUM_DENSE, generator=g),
+            KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths))
+
+
+#: (batch size, seed, with ids): the example's size with other lengths, larger, one
+#: sample, and a batch without ids
+SERVED = [(BATCH, 1, True), (7, 2, True), (1, 3, True), (3, 4, False)]
 
 
 def exported(strict: bool):
     torch.manual_seed(0)
     model = make_dlrm()
-    ep = torch.export.export(model, (dense_input(), make_kjt()), dynamic_shapes=DYNAMIC_SHAPES,
-                             strict=strict)
-    return model, ep
+    return model, export_model(model, dense_input(), make_kjt(), strict=strict)
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_export_equals_eager(strict):
+def test_export_serves_any_batch_size_like_eager(strict):
     model, ep = exported(strict)
-    for seed in range(2):  # another batch of the same size, other lengths
-        dense, kjt = dense_input(seed), make_kjt(seed)
-        assert torch.equal(ep.module()(dense, kjt), model(dense, kjt))
+    for size, seed, ids in SERVED:
+        dense, kjt = batch_of(size, seed, ids)
+        out = ep.module()(dense, kjt)
+        assert out.shape == (size, 1) and torch.equal(out, model(dense, kjt)), (size, ids)
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "robe.forward.default" in ops
 
 
+def test_export_refuses_what_has_no_batch_to_generalise():
+    model = make_dlrm()
+    dense, kjt = batch_of(1, 0)
+    with pytest.raises(ValueError, match="two or more"):
+        export_model(model, dense, kjt)
+    dense, kjt = batch_of(3, 0)
+    with pytest.raises(ValueError, match="do not make one batch"):
+        export_model(model, dense[:2], kjt)
+
+
 def test_saved_program_runs_in_a_fresh_process(tmp_path):
     model, ep = exported(strict=False)
-    dense, kjt = dense_input(5), make_kjt(5)
     torch.export.save(ep, tmp_path / "dlrm.pt2")
-    torch.save({"dense": dense, "keys": kjt.keys(), "values": kjt.values(),
-                "lengths": kjt.lengths(), "expected": model(dense, kjt)}, tmp_path / "io.pt")
+    served = []
+    for size, seed, ids in SERVED[1:3]:  # batch sizes other than the example's
+        dense, kjt = batch_of(size, seed, ids)
+        served.append({"dense": dense, "keys": kjt.keys(), "values": kjt.values(),
+                       "lengths": kjt.lengths(), "expected": model(dense, kjt)})
+    torch.save(served, tmp_path / "io.pt")
     script = textwrap.dedent(f"""
         import torch, torchrec
         import robe_torchrec  # registers the robe ops
 
-        io = torch.load({str(tmp_path / "io.pt")!r})
-        kjt = torchrec.KeyedJaggedTensor(keys=io["keys"], values=io["values"],
-                                         lengths=io["lengths"])
-        out = torch.export.load({str(tmp_path / "dlrm.pt2")!r}).module()(io["dense"], kjt)
-        assert torch.equal(out, io["expected"]), (out, io["expected"])
+        program = torch.export.load({str(tmp_path / "dlrm.pt2")!r}).module()
+        for io in torch.load({str(tmp_path / "io.pt")!r}):
+            kjt = torchrec.KeyedJaggedTensor(keys=io["keys"], values=io["values"],
+                                             lengths=io["lengths"])
+            out = program(io["dense"], kjt)
+            assert torch.equal(out, io["expected"]), (out, io["expected"])
         print("ok")
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT))

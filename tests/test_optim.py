@@ -1,7 +1,10 @@
 """The fused optimizers' front end (robe_torchrec.optim): which optimizers are fused, row-wise
-Adagrad through apply_optimizer_in_backward, and state that follows module.to(dtype)."""
+Adagrad through apply_optimizer_in_backward (torchrec's class and ours), and state that
+follows module.to(dtype)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from robe_torchrec.ops import reference
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
 from robe_torchrec.optim import RobeFusedOptimizer, RowWiseAdagrad, resolve_optimizer
+from robe_torchrec.rowwise_install import install_rowwise_adagrad
 
 BLOCK = 4
 
@@ -95,6 +99,80 @@ def test_robe_rowwise_adagrad_class():
     array.grad = torch.ones(10)
     with pytest.raises(RuntimeError, match="updated inside backward"):
         RowWiseAdagrad([array], lr=0.1).step()
+
+
+# ---------------------------------------------------------------------------------------
+# torchrec's own RowWiseAdagrad takes the array (robe_torchrec.rowwise_install)
+# ---------------------------------------------------------------------------------------
+
+def _remade(how: str) -> RobeEmbeddingBagCollection:
+    """The module after each way its weight is re-created."""
+    module = _module()
+    if how == "meta":
+        module = RobeEmbeddingBagCollection(module.embedding_bag_configs(),
+                                            RobeConfig(memory_size=1001, block_size=BLOCK),
+                                            device="meta")
+        module.to_empty(device="cpu")
+        module.reset_parameters()
+    elif how == "float64":
+        module.to(torch.float64)
+    elif how == "deepcopy":
+        module = copy.deepcopy(module)
+    elif how == "assign":
+        module.load_state_dict(_module().state_dict(), assign=True)
+    return module
+
+
+@pytest.mark.parametrize("how", ["built", "meta", "float64", "deepcopy", "assign"])
+def test_torchrec_rowwise_adagrad_takes_the_array(how):
+    module = _remade(how)
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, module.parameters(), {"lr": 0.1})
+    in_backward = module.weight._in_backward_optimizers[0]
+    assert module.weight not in in_backward.state   # the fused optimizer holds it
+    assert module.fused_optimizer.kind == Optimizer.ROWWISE_ADAGRAD
+
+
+def test_torchrec_rowwise_adagrad_is_unchanged_for_other_parameters(monkeypatch):
+    """Next to a ROBE array, a table gets torchrec's state and update bitwise; a 1-D
+    parameter that is no array fails as in torchrec; an array with a gradient is refused."""
+    cls = torchrec.optim.RowWiseAdagrad
+    module = _module()
+    table = torch.nn.Parameter(torch.randn(5, 3))
+    twin = torch.nn.Parameter(table.detach().clone())
+    kwargs = {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
+    grads = [torch.randn(5, 3) for _ in range(2)]
+    ours = cls([{"params": [module.weight, table]}], **kwargs)
+    with monkeypatch.context() as m:  # torchrec as shipped
+        m.setattr(cls, "__init__", cls.__init__.robe_wraps)
+        m.setattr(cls, "step", cls.step.robe_wraps)
+        stock = cls([twin], **kwargs)
+        for g in grads:
+            twin.grad = g.clone()
+            stock.step()
+        with pytest.raises(IndexError):
+            cls([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(IndexError):
+        cls([torch.nn.Parameter(torch.zeros(3))])
+    assert ours.param_groups[0]["params"] == [module.weight, table]
+    assert set(ours.state) == {table}
+    for g in grads:
+        table.grad = g.clone()
+        ours.step()
+    assert torch.equal(table, twin)
+    for key in ("sum", "step"):
+        assert torch.equal(ours.state[table][key], stock.state[twin][key])
+    module.weight.grad = torch.ones_like(module.weight)
+    with pytest.raises(RuntimeError, match="updated inside backward"):
+        ours.step()
+
+
+def test_install_is_idempotent():
+    cls = torchrec.optim.RowWiseAdagrad
+    assert hasattr(cls.__init__, "robe_wraps")  # installed by importing robe_torchrec
+    install_rowwise_adagrad()
+    install_rowwise_adagrad()
+    for method in (cls.__init__, cls.step):
+        assert not hasattr(method.robe_wraps, "robe_wraps")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Row-wise Adagrad through the unsharded module: ``apply_optimizer_in_backward`` with
-``robe_torchrec.optim.RowWiseAdagrad`` on ``ebc.weight``; one accumulator per aligned chunk
-of ``block_size`` floats of the array."""
+torchrec's ``torchrec.optim.RowWiseAdagrad`` (or the subclass ``robe_torchrec.optim
+.RowWiseAdagrad``) on the module's parameters; one accumulator per aligned chunk of
+``block_size`` floats of the array."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torchrec.optim
 from torchrec.optim import apply_optimizer_in_backward
 
 from robe_torchrec import RobeConfig
@@ -30,14 +32,20 @@ def test_fused_step_matches_reference_op_and_formula(robe):
     ebc = common.make_ebc(robe)
     dense = copy.deepcopy(ebc)  # the dense gradient, for the formula
     reference = copy.deepcopy(ebc)  # the same fused step by the reference ops
+    theirs = copy.deepcopy(ebc)  # torchrec's own class, as a TorchRec user passes it
     apply_optimizer_in_backward(RowWiseAdagrad, [ebc.weight], KWARGS)
     apply_optimizer_in_backward(RowWiseAdagrad, [reference.weight], KWARGS)
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, theirs.parameters(), KWARGS)
     for step in range(2):
         _loss(ebc, step).backward()
+        _loss(theirs, step).backward()
         with cpu_backend("reference"):
             _loss(reference, step).backward()
     state, ref_state = ebc.fused_optimizer.param_state, reference.fused_optimizer.param_state
     z = robe.block_size
+    assert theirs.weight.grad is None
+    assert torch.equal(theirs.weight, ebc.weight)
+    assert torch.equal(theirs.fused_optimizer.param_state["sum"], state["sum"])
     assert state["sum"].shape == (rowwise_state_size(ebc.memory_size, z),)
     assert float(state["step"]) == float(ref_state["step"]) == 2.0
     torch.testing.assert_close(state["sum"], ref_state["sum"], rtol=1e-5, atol=1e-7)

@@ -32,6 +32,7 @@ from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
+from robe_torchrec.rowwise_install import ArrayOwner
 from robe_torchrec.variable_batch import flatten_variable_strides, pad_variable_strides
 
 
@@ -62,7 +63,7 @@ class _LocalRobeOptimizer(RobeFusedOptimizer):
         return self.param_groups[0]
 
 
-class RobeShardedLookup(nn.Module):
+class RobeShardedLookup(ArrayOwner):
     """Looks up the features of one sharding type on this rank (see module docstring).
 
     Args:
@@ -109,6 +110,7 @@ class RobeShardedLookup(nn.Module):
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
         self.weight._in_backward_optimizers = [self.optimizer]  # type: ignore[attr-defined]
         self._dummy = torch.empty(0, requires_grad=True)
+        self.register_array()  # torchrec.optim.RowWiseAdagrad leaves it to the lookup
 
     # no state of its own in state_dict: the sharded module presents the arrays as ``weight``
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

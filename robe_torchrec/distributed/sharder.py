@@ -105,7 +105,7 @@ def resolve_fused_optimizer(
         raise ValueError(
             "sharding RobeEmbeddingBagCollection needs a fused optimizer: call "
             "torchrec.optim.apply_optimizer_in_backward(torch.optim.SGD|Adagrad|Adam or "
-            "robe_torchrec.optim.RowWiseAdagrad, [ebc.weight], {...}) before "
+            "torchrec.optim.RowWiseAdagrad, ebc.parameters(), {...}) before "
             "DistributedModelParallel, or give the sharder fused_params={'optimizer': "
             "EmbOptimType.EXACT_SGD|EXACT_ADAGRAD|ADAM|EXACT_ROWWISE_ADAGRAD, "
             "'learning_rate': ...}")

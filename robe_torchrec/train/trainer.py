@@ -32,6 +32,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
+from robe_torchrec.export import export_model
 from robe_torchrec.threads import choose_threads
 from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException, Checkpointer,
                                             load_unsharded, on_rank0, read_manifest)
@@ -484,8 +485,8 @@ class Trainer:
         """With ``run.export``: rank 0 builds the unsharded predict model on CPU
         (:func:`robe_torchrec.dlrm.build_predict_model`), loads the weights of the final
         checkpoint (``run.checkpoint`` in eval mode), ``torch.export``-s it on the first
-        validation batch and saves the program to ``run.export`` (collective: the other
-        ranks wait)."""
+        validation batch, with a dynamic batch size (:func:`robe_torchrec.export.export_model`),
+        and saves the program to ``run.export`` (collective: the other ranks wait)."""
         target = self.run.get("export")
         if not target:
             return
@@ -495,7 +496,8 @@ class Trainer:
             step = load_unsharded(source, model)
             dense, kjt = self.example_inputs()
             with torch.no_grad():
-                program = torch.export.export(model.eval(), (dense, kjt), strict=False)
+                # any batch size and number of ids, not only the example's
+                program = export_model(model.eval(), dense, kjt)
             path = Path(target)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.export.save(program, path)

@@ -1,6 +1,7 @@
-"""Row-wise Adagrad (EXACT_ROWWISE_ADAGRAD) on a sharded module: equality with the unsharded
-module, the fused optimizer's checkpoint, and the plans whose state cannot be the unsharded
-module's (refused)."""
+"""Row-wise Adagrad (EXACT_ROWWISE_ADAGRAD) on a sharded module, given by fused_params,
+torchrec's ``RowWiseAdagrad`` or ours: equality with the unsharded module, the fused
+optimizer's checkpoint, and the plans whose state cannot be the unsharded module's
+(refused)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torchrec.optim
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim import apply_optimizer_in_backward
 
@@ -32,7 +34,8 @@ CASES = {
     "dp_fused_params": (UNALIGNED, DP, None, FUSED),  # data-parallel: any layout
     "dp_in_backward": (RobeConfig(compression=10, block_size=4, shared=True), DP,
                        (RowWiseAdagrad, KWARGS), None),
-    "tw_aligned": (ALIGNED, TW, (RowWiseAdagrad, KWARGS), None),
+    # torchrec's own class, as a TorchRec user passes it
+    "tw_aligned": (ALIGNED, TW, (torchrec.optim.RowWiseAdagrad, KWARGS), None),
 }
 
 
@@ -43,6 +46,8 @@ def _run(rank, world, name):
     robe, types, optimizer, fused = CASES[name]
     dmp = common.make_dmp(robe, types, world, optimizer=optimizer, fused_params=fused,
                           ranks={"t0": 0, "t1": 1, "t2": 0})
+    # the sharded lookups' arrays are ROBE arrays to torchrec's class too (no state there)
+    assert not torchrec.optim.RowWiseAdagrad(dmp.parameters(), lr=0.1).state
     ref = common.make_ebc(robe)
     apply_optimizer_in_backward(RowWiseAdagrad, [ref.weight], KWARGS)
     worst_out = max(_step(dmp, ref, rank, world, step) for step in range(2))

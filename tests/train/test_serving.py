@@ -110,6 +110,17 @@ FRESH = textwrap.dedent("""
     expected = np.loadtxt(sys.argv[2], delimiter=",", skiprows=1, ndmin=2)[: len(logits), 0]
     print("max abs difference", np.abs(logits - expected).max())
     assert np.abs(logits - expected).max() <= 1e-6
+
+    # the batch size is dynamic: the example's first 3 samples
+    lengths = kjt.lengths().view(len(kjt.keys()), -1)
+    kept = torch.zeros(lengths.shape, dtype=torch.bool)
+    kept[:, :3] = True
+    small = torchrec.KeyedJaggedTensor(
+        keys=kjt.keys(), lengths=lengths[:, :3].reshape(-1),
+        values=kjt.values()[torch.repeat_interleave(kept.reshape(-1), kjt.lengths())])
+    with torch.no_grad():
+        part = program.module()(dense[:3], small).reshape(-1).numpy()
+    assert part.shape == (3,) and np.abs(part - expected[:3]).max() <= 1e-6
     print("ok")
 """)
 
