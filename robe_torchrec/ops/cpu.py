@@ -72,6 +72,9 @@ def build_directory() -> str:
     key = hashlib.sha256("\n".join([source_digest,
         " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
         sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
+        # build.ninja names torch's include directory as imported, links unresolved: two
+        # checkouts whose .venv links to one venv would rewrite each other's build.ninja
+        os.path.dirname(os.path.abspath(torch.__file__)),
         os.path.realpath(_ninja() or "no-ninja"),
     ]).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
