@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from robe_torchrec.ops.args import LookupArgs, kernel_gradient
+from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.optim import RobeFusedOptimizer
 
@@ -64,7 +64,7 @@ class _FusedLookup(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         args: LookupArgs = ctx.args
         weights, optimizer = ctx.weights, ctx.optimizer
-        grad_output = kernel_gradient(grad_output)
+        grad_output = grad_output.contiguous()
         grad_psw = None
         if ctx.psw_needs_grad and ctx.needs_input_grad[0]:
             grad_psw = args.per_sample_weights_grad(grad_output, weights)

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from robe_torchrec.ops import meta
-from robe_torchrec.ops.args import LayoutArgs, LookupArgs, kernel_gradient
+from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.ops.validation import check_static
 
 _BACKENDS = ("cpp", "triton", "reference")
@@ -137,7 +137,7 @@ def _forward_backward(ctx, grad_output: Tensor):
     weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
     args = LookupArgs(values, offsets, per_sample_weights,
                       ctx.layout._replace(table_meta=table_meta))
-    grad_output = kernel_gradient(grad_output)
+    grad_output = grad_output.contiguous()
     grad_weights = grad_psw = None
     if ctx.needs_input_grad[0]:
         grad_weights = args.backward_dense(grad_output, weights)

@@ -52,28 +52,3 @@ def test_torch_compile_traces_forward_and_backward():
     eager.backward()
     torch.testing.assert_close(loss, eager)
     torch.testing.assert_close(weights.grad, eager_weights.grad)
-
-
-@pytest.mark.parametrize("make", [
-    lambda: torch.tensor(1.5).expand(7, 5),           # out.sum()'s gradient: strides (0, 0)
-    lambda: torch.randn(1, 5).expand(7, 5),           # a broadcast row
-    lambda: torch.randn(7, 1).expand(7, 5),           # a broadcast column
-    lambda: torch.randn(5, 7).t(),                    # transposed
-    lambda: torch.randn(0, 5).expand(0, 5),
-])
-def test_kernel_gradient_is_contiguous_with_the_same_values(make):
-    from robe_torchrec.ops.args import kernel_gradient
-
-    grad = make()
-    out = kernel_gradient(grad)
-    assert out.is_contiguous() and torch.equal(out, grad)
-
-
-def test_sum_loss_gradient_equals_a_materialised_one():
-    """``out.sum().backward()`` hands the backward a (0, 0)-strided gradient; the dense
-    gradient must equal the one computed from the same values passed contiguous."""
-    case = random_case(3)
-    weights = case.weights.clone().requires_grad_()
-    torch.ops.robe.forward(weights, *case.forward_args()[1:]).sum().backward()
-    ones = torch.ones(case.batch, case.output_dim, dtype=case.weights.dtype)
-    assert torch.equal(weights.grad, torch.ops.robe.backward_dense(*case.backward_args(ones)))
