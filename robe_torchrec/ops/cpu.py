@@ -270,7 +270,7 @@ def forward_hash_only(*forward_args) -> int:
     writes; returns the sum of all block starts."""
     ext = extension()
     with _value_errors():
-        return int(ext.forward_hash_only(*forward_args))
+        return int(ext.forward_part(*forward_args, 1))
 
 
 def forward_gather_only(*forward_args) -> torch.Tensor:
@@ -278,7 +278,7 @@ def forward_gather_only(*forward_args) -> torch.Tensor:
     as the forward does them); returns the forward's output summed over its rows, [output_dim]."""
     ext = extension()
     with _value_errors():
-        return ext.forward_gather_only(*forward_args)
+        return ext.forward_part(*forward_args, 2)
 
 
 __all__ = [

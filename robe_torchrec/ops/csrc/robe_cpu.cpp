@@ -744,27 +744,25 @@ at::Tensor forward(const at::Tensor& weights, const at::Tensor& values, const at
                                          block_size, hash_mode, hash_params, bounds_check);
 }
 
-// Benchmark aid: the forward's loops with the hashing but without the gathers and the
-// output writes; returns the sum of all block starts (so nothing is optimised away).
-at::Tensor forward_hash_only(const at::Tensor& weights, const at::Tensor& values,
-                             const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
-                             const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
-                             int64_t hash_mode, const std::vector<int64_t>& hash_params,
-                             int64_t bounds_check) {
-  return forward_impl<ForwardMode::HASH_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
-                                              block_size, hash_mode, hash_params, bounds_check);
-}
-
-// Benchmark aid: the forward without its output stores: hashes, gathers and pools every row
-// as the forward does, then adds it to a cache-resident sum instead of writing it out;
-// returns that sum, [output_dim] (the forward's output summed over its rows).
-at::Tensor forward_gather_only(const at::Tensor& weights, const at::Tensor& values,
-                               const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
-                               const at::Tensor& table_meta, int64_t output_dim, int64_t block_size,
-                               int64_t hash_mode, const std::vector<int64_t>& hash_params,
-                               int64_t bounds_check) {
-  return forward_impl<ForwardMode::GATHER_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
+// Benchmark aids, part of the forward's work (no gradient, float32 only), chosen by `part`:
+// 1: the loops and the hashing without the gathers and the output writes; returns the sum
+//    of all block starts (so nothing is optimised away), as a 1-element tensor.
+// 2: the forward without its output stores: hashes, gathers and pools every row as the
+//    forward does, then adds it to a cache-resident sum instead of writing it out; returns
+//    that sum, [output_dim] (the forward's output summed over its rows).
+at::Tensor forward_part(const at::Tensor& weights, const at::Tensor& values, const at::Tensor& offsets,
+                        const std::optional<at::Tensor>& psw, const at::Tensor& table_meta,
+                        int64_t output_dim, int64_t block_size, int64_t hash_mode,
+                        const std::vector<int64_t>& hash_params, int64_t bounds_check, int64_t part) {
+  if (part == 1) {
+    return forward_impl<ForwardMode::HASH_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
                                                 block_size, hash_mode, hash_params, bounds_check);
+  }
+  if (part == 2) {
+    return forward_impl<ForwardMode::GATHER_ONLY>(weights, values, offsets, psw, table_meta, output_dim,
+                                                  block_size, hash_mode, hash_params, bounds_check);
+  }
+  fail(cat("robe: forward_part takes part 1 (hashing) or 2 (hashing and gathers), got ", part));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1377,8 +1375,7 @@ ROBE_CPU_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("backward_dense", &robe::backward_dense);
   m.def("per_sample_weights_grad", &robe::per_sample_weights_grad);
   m.def("backward_fused_", &robe::backward_fused_);
-  m.def("forward_hash_only", &robe::forward_hash_only);
-  m.def("forward_gather_only", &robe::forward_gather_only);
+  m.def("forward_part", &robe::forward_part);
   m.def("openmp_enabled", &robe::openmp_enabled);
   m.def("use_direct_scatter", &robe::use_direct_scatter);
 }
