@@ -30,6 +30,10 @@ else:
 
     # torchrec.optim.RowWiseAdagrad then takes ROBE arrays (apply_optimizer_in_backward)
     install_rowwise_adagrad()
+    from robe_torchrec.export import allow_kjt_in_saved_programs
+
+    # torch.export.load of a program exported on a KJT, without a traceback in the log
+    allow_kjt_in_saved_programs()
 
     # Registers the ROBE sharder with DistributedModelParallel's default sharders, so that
     # DistributedModelParallel(model) shards a ROBE module with nothing more to import.

@@ -27,6 +27,16 @@ from torch.export import Dim, ExportedProgram
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
+def allow_kjt_in_saved_programs() -> None:
+    """Let ``torch.export.load`` read a program exported on a ``KeyedJaggedTensor`` with
+    ``weights_only`` loading: the program keeps its example inputs, and without this
+    ``torch.load(weights_only=True)`` refuses the KJT class, after which torch falls back to
+    a full unpickle and prints a traceback from its own logging on every load. Called on
+    ``import robe_torchrec`` (which a serving process needs for the ops anyway); it allows
+    the KJT class, a container of tensors, and nothing else."""
+    torch.serialization.add_safe_globals([KeyedJaggedTensor])
+
+
 def kjt_dynamic_shapes(kjt: KeyedJaggedTensor, batch: Any) -> List[Optional[dict]]:
     """The ``dynamic_shapes`` entry of ``kjt`` (one per ``KeyedJaggedTensor._fields``, as
     its pytree flattens): ids dynamic, lengths ``len(keys) * batch``, the rest as given.
