@@ -161,7 +161,6 @@ class RobeShardedLookup(ArrayOwner):
             return flatten_variable_strides(out, vbe_strides, [f.dim for f in self.features])
         return out
 
-
     def _check_row_wise_vbe(self, strides: List[List[int]]) -> None:
         """Refuse, before a backward that would fail, row-wise VBE output that gloo cannot
         carry back: TorchRec's row-wise output dist reduce-scatters this lookup's output in
