@@ -197,3 +197,12 @@ def test_unpooled_ops_benchmark_runs(tmp_path):
     floor = ms["forward floor"]
     t = ms["unpooled, 1 feature: forward"]
     assert f"| unpooled, 1 feature: forward | {t:.2f} | {t / floor:.1f}x |" in text
+
+
+def test_build_time_compiles_with_the_kernels_flags(tmp_path):
+    """benchmarks.build_time's compiler call (the whole benchmark compiles the kernel several
+    times, minutes): a small file including one torch header compiles and is timed."""
+    from benchmarks.build_time import compile_seconds
+
+    assert compile_seconds("#include <c10/macros/Macros.h>\nint probe;\n", str(tmp_path), "probe") > 0
+    assert (tmp_path / "probe.o").exists()

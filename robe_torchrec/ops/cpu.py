@@ -5,9 +5,10 @@ use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and
 disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags, of this CPU's flags and
 of the Python/torch install>`` or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the
 same torch, flags and CPU loads the cached build without compiling. The build registers its
-functions as operators of its own library, ``torch.ops.robe_torchrec_cpu`` (no pybind11:
-the build takes half the time), which :func:`extension` returns. The kernels run on
-``torch.get_num_threads()`` threads (``torch.set_num_threads``).
+functions as operators of its own library, ``torch.ops.robe_torchrec_cpu``, which
+:func:`extension` returns (no pybind11: the build takes about half the time,
+``benchmarks/results/build_time.md``). The kernels run on ``torch.get_num_threads()``
+threads (``torch.set_num_threads``).
 
 The wrappers only run :func:`~robe_torchrec.ops.validation.check_static` (dtypes and shapes);
 the C++ checks offsets, id bounds and per-sample weights inside its own loops and raises
