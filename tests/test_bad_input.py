@@ -10,7 +10,9 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.ops import cpu_backend
 
-BACKENDS = ["cpp", "reference"]
+#: "triton" (Triton's interpreter on CPU tensors) runs the checks a GPU runs: the data
+#: summarised by one kernel, then checked one by one only when that finds a problem
+BACKENDS = ["cpp", "reference", "triton"]
 
 
 def tables():

@@ -47,7 +47,7 @@ from robe_torchrec.hashing import (
     to_signed64,
 )
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import (check_backward_inputs, check_inputs,
+from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_inputs,
                                           check_optimizer_args)
 
 try:
@@ -79,6 +79,18 @@ _COL_TILE = 256
 _TILE = 2048
 _INTERPRETER_TILE = 16384
 _OPTIM_BLOCK = 1024
+_SUMMARY_BLOCK = 1024
+#: warps per program of the bag kernels (forward, backward, per-sample-weight gradient):
+#: one per _ELEMENTS_PER_WARP elements of a tile, 1 to _MAX_WARPS. Small tiles (one id per
+#: bag) ran 1.3x faster on one warp than on four on an H200
+#: (benchmarks/results/triton_tiles_h200.md); _NUM_WARPS, when set, overrides the rule.
+_ELEMENTS_PER_WARP = 256
+_MAX_WARPS = 4
+_NUM_WARPS: Optional[int] = None
+#: the forward pools bags of at most _SHORT_BAG_MEAN ids on average _BAGS_PER_PROGRAM at a
+#: time (see _forward_short_bags_kernel)
+_SHORT_BAG_MEAN = 2.0
+_BAGS_PER_PROGRAM = 4
 
 # --- constants visible inside @triton.jit code ------------------------------------------
 _REFERENCE_PRIME = tl.constexpr(REFERENCE_PRIME)
@@ -95,6 +107,7 @@ _F_DIM = tl.constexpr(m.DIM)
 _F_W_OFFSET = tl.constexpr(m.W_OFFSET)
 _F_W_SIZE = tl.constexpr(m.W_SIZE)
 _F_ROW_OFFSET = tl.constexpr(m.ROW_OFFSET)
+_F_NUM_ROWS = tl.constexpr(m.NUM_ROWS)
 _F_POOLING = tl.constexpr(m.POOLING)
 
 
@@ -218,6 +231,22 @@ def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
     return w_offset + start + s[None, :, :]
 
 
+@triton.jit
+def _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset, w_offset,
+                   span, blk, s, p0, p1, p2, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr,
+                   ACC: tl.constexpr):
+    """The elements ``[N, BLOCK_B, BLOCK_Z]`` of the ids at positions ``i`` (``[N]``) in
+    the column tile, times their per-sample weights; 0 where masked."""
+    idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                           p0, p1, p2, HASH_MODE)
+    mask = id_mask[:, None, None] & col_mask[None, :, :]
+    rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
+    if HAS_PSW:
+        psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
+        rows = rows * psw[:, None, None]
+    return rows
+
+
 # =========================================================================================
 # Kernels
 # =========================================================================================
@@ -243,18 +272,59 @@ def _forward_kernel(
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
-        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                               p0, p1, p2, HASH_MODE)
-        mask = id_mask[:, None, None] & col_mask[None, :, :]
-        rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
-        if HAS_PSW:
-            psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
-            rows = rows * psw[:, None, None]
+        rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
+                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
         acc += tl.sum(rows, axis=0)
 
     acc = _div_rn(acc, divisor)
     tl.store(out_ptr + b * out_stride + out_offset + cols,
              acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _forward_short_bags_kernel(
+    w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
+    batch, num_features, out_stride,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """``_forward_kernel`` for short bags: a program pools ``BLOCK_BAGS`` consecutive bags
+    of one feature (``program_id(0)`` = feature * groups + group) over one column tile
+    (``program_id(1)``), walking their ids in step, one position at a time.
+
+    A one-id bag is a short chain of dependent loads (offsets, id, hash, rows); one bag per
+    program leaves the GPU waiting on that chain, several keep their loads in flight
+    together. Sums run in id order: one- and two-id bags pool exactly as
+    ``_forward_kernel`` does (bitwise)."""
+    groups = tl.cdiv(batch, BLOCK_BAGS)
+    t = tl.program_id(0).to(tl.int64) // groups
+    group = tl.program_id(0).to(tl.int64) % groups
+    tile = tl.program_id(1).to(tl.int64)
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    span = w_size - Z + 1
+    blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    b = group * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS).to(tl.int64)
+    bag_mask = b < batch
+    bag = t * batch + b
+    lo = tl.load(offsets_ptr + bag, mask=bag_mask, other=0).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1, mask=bag_mask, other=0).to(tl.int64)
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    # no column of this feature in the tile: skip the ids
+    longest = tl.where(tile * BLOCK_B * Z >= dim, 0, tl.max(hi - lo, axis=0))
+
+    acc = tl.zeros([BLOCK_BAGS, BLOCK_B, BLOCK_Z], dtype=ACC)
+    for k in range(0, longest):
+        i = lo + k
+        id_mask = i < hi
+        rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
+                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
+        acc += rows
+
+    acc = _div_rn(acc, divisor[:, None, None])
+    tl.store(out_ptr + b[:, None, None] * out_stride + out_offset + cols[None, :, :],
+             acc.to(out_ptr.dtype.element_ty), mask=bag_mask[:, None, None] & col_mask[None, :, :])
 
 
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
@@ -405,6 +475,55 @@ def _block_starts_kernel(keys_ptr, out_ptr, num_keys, span, p0: tl.int64, p1: tl
     tl.store(out_ptr + k[:, None].to(tl.int64) * NUM_BLOCKS + blk[None, :], start, mask=mask)
 
 
+@triton.jit
+def _input_summary_kernel(values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
+                          num_values, num_bags, batch, num_features, key_limit: tl.int64,
+                          HAS_PSW: tl.constexpr, IN_BOUNDS: tl.constexpr,
+                          KEY_LIMIT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Counts the problems of the data-dependent input checks into ``out_ptr[0:4]``:
+    decreasing bags, ids that fail their check, non-finite per-sample weights, and a first
+    or last offset that is off. Program ``p`` checks bags and values ``[p * BLOCK, ...)``."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    bag_mask = j < num_bags
+    lo = tl.load(offsets_ptr + j, mask=bag_mask, other=0).to(tl.int64)
+    hi = tl.load(offsets_ptr + j + 1, mask=bag_mask, other=0).to(tl.int64)
+    tl.atomic_add(out_ptr, tl.sum((hi < lo).to(tl.int64)))
+    value_mask = j < num_values
+    if IN_BOUNDS or KEY_LIMIT:
+        ids = tl.load(values_ptr + j, mask=value_mask, other=0).to(tl.int64)
+        # feature of value j: how many feature ends offsets[(t + 1) * batch] are <= j
+        # (binary search; offsets not yet known valid, so clamped to a real feature)
+        first = tl.zeros([BLOCK], dtype=tl.int64)
+        last = tl.zeros([BLOCK], dtype=tl.int64) + num_features
+        for _ in range(SEARCH_STEPS):
+            active = first < last
+            mid = (first + last) // 2
+            end = tl.load(offsets_ptr + (mid + 1) * batch, mask=value_mask & active,
+                          other=0).to(tl.int64)
+            right = end <= j
+            first = tl.where(active & right, mid + 1, first)
+            last = tl.where(active & ~right, mid, last)
+        t = tl.minimum(first, num_features - 1)
+        if IN_BOUNDS:
+            rows = tl.load(meta_ptr + _F_NUM_ROWS * num_features + t, mask=value_mask, other=0)
+            bad = (ids < 0) | (ids >= rows)
+        else:
+            row_offset = tl.load(meta_ptr + _F_ROW_OFFSET * num_features + t,
+                                 mask=value_mask, other=0)
+            bad = (ids < 0) | (ids + row_offset >= key_limit)
+        tl.atomic_add(out_ptr + 1, tl.sum((bad & value_mask).to(tl.int64)))
+    if HAS_PSW:
+        w = tl.load(psw_ptr + j, mask=value_mask, other=0.0).to(tl.float64)
+        nonfinite = (w != w) | (tl.abs(w) == float("inf"))
+        tl.atomic_add(out_ptr + 2, tl.sum((nonfinite & value_mask).to(tl.int64)))
+    if pid == 0:
+        first_offset = tl.load(offsets_ptr).to(tl.int64)
+        last_offset = tl.load(offsets_ptr + num_bags).to(tl.int64)
+        tl.atomic_add(out_ptr + 3, ((first_offset != 0) | (last_offset != num_values)).to(tl.int64))
+
+
 # =========================================================================================
 # Host side
 # =========================================================================================
@@ -446,6 +565,10 @@ def _acc_dtype(weights: torch.Tensor):
     return tl.float64 if m.accumulation_dtype(weights.dtype) == torch.float64 else tl.float32
 
 
+def _warps(elements: int) -> int:
+    return _NUM_WARPS or max(1, min(_MAX_WARPS, elements // _ELEMENTS_PER_WARP))
+
+
 class _Tiles:
     """Constexpr tile sizes of a launch (powers of two, so few compiled variants)."""
 
@@ -460,9 +583,17 @@ class _Tiles:
         tile = _INTERPRETER_TILE if interpreted else _TILE
         self.block_n = min(_next_pow2(max(mean_bag, 1)),
                            max(1, tile // (self.block_b * self.block_z)))
+        # short bags: several bags a program (_forward_short_bags_kernel), one id each step
+        self.short_bags = num_values <= _SHORT_BAG_MEAN * num_bags
+        self.block_bags = _BAGS_PER_PROGRAM
+        self.num_warps = _warps(self.block_n * self.block_b * self.block_z)
+        # one warp: its programs are many and short (the H200 sweep's best at Z = 32 and
+        # within 2% of it at Z = 128, benchmarks/results/triton_tiles_h200.md)
+        self.short_bags_warps = _NUM_WARPS or 1
 
     def kwargs(self):
-        return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z)
+        return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z,
+                    num_warps=self.num_warps)
 
 
 def _hash_args(hash_params: List[int]):
@@ -484,8 +615,44 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return out
 
 
-def _max_dim(table_meta: torch.Tensor) -> int:
-    return int(table_meta[m.DIM].max()) if table_meta.shape[1] else 0
+def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
+                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                      id_check: IdCheck) -> bool:
+    """The data-dependent input checks in one launch and one copy to the host: whether they
+    all pass (see :func:`robe_torchrec.ops.validation.check_inputs`)."""
+    kernels = _kernels_for(values.device)
+    num_bags = offsets.numel() - 1
+    num_features = table_meta.shape[1]
+    problems = torch.zeros(4, dtype=torch.int64, device=values.device)
+    key_limit = id_check.key_limit
+    programs = triton.cdiv(max(values.numel(), num_bags, 1), _SUMMARY_BLOCK)
+    psw = per_sample_weights
+    kernels._input_summary_kernel[(programs,)](
+        values.contiguous(), offsets.contiguous(), values if psw is None else psw.contiguous(),
+        table_meta.to(values.device).contiguous(), problems,
+        values.numel(), num_bags, num_bags // num_features, num_features,
+        0 if key_limit is None else min(key_limit, 2**63 - 1),
+        HAS_PSW=psw is not None, IN_BOUNDS=id_check.in_bounds,
+        KEY_LIMIT=key_limit is not None and not id_check.in_bounds,
+        SEARCH_STEPS=num_features.bit_length(), BLOCK=_SUMMARY_BLOCK,
+    )
+    return not any(problems.tolist())
+
+
+def _max_dim(meta_cpu: torch.Tensor) -> int:
+    return int(meta_cpu[m.DIM].max()) if meta_cpu.shape[1] else 0
+
+
+def _covers_every_column(meta_cpu: torch.Tensor, output_dim: int) -> bool:
+    """Whether the features' output columns tile ``[0, output_dim)`` exactly (then the
+    kernel writes every element of the output and it needs no zeroing)."""
+    starts, dims = meta_cpu[m.OUT_OFFSET].tolist(), meta_cpu[m.DIM].tolist()
+    end = 0
+    for start, dim in sorted(zip(starts, dims)):
+        if start != end:
+            return False
+        end = start + dim
+    return end == output_dim
 
 
 def forward(
@@ -503,28 +670,36 @@ def forward(
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    check_inputs(weights, values, offsets, per_sample_weights, table_meta, output_dim,
-                 block_size, hash_mode, hash_params, bounds_check)
+    meta_cpu = check_inputs(weights, values, offsets, per_sample_weights, table_meta,
+                            output_dim, block_size, hash_mode, hash_params, bounds_check,
+                            _summarize_inputs)
     params = _hash_args(hash_params)
     num_features = table_meta.shape[1]
     num_bags = offsets.numel() - 1
     batch = num_bags // num_features
-    # zeros on purpose: columns no feature covers (output_dim > sum of dims) stay 0
-    out = torch.zeros(batch, output_dim, dtype=m.accumulation_dtype(weights.dtype),
-                      device=weights.device)
+    # columns no feature covers (output_dim > sum of dims) must read 0
+    shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
+    out = (_empty(*shape, dtype=dtype, device=weights.device)
+           if _covers_every_column(meta_cpu, output_dim)
+           else torch.zeros(shape, dtype=dtype, device=weights.device))
     if batch == 0 or output_dim == 0:
         return out
-    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
     psw = per_sample_weights
-    kernels._forward_kernel[(num_bags, tiles.col_tiles)](
-        weights.contiguous(), values.contiguous(), offsets.contiguous(),
-        weights if psw is None else psw.contiguous(),
-        table_meta.to(weights.device).contiguous(), out,
-        batch, num_features, output_dim, *params,
-        Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
-        ACC=_acc_dtype(weights), **tiles.kwargs(),
-    )
+    args = (weights.contiguous(), values.contiguous(), offsets.contiguous(),
+            weights if psw is None else psw.contiguous(),
+            table_meta.to(weights.device).contiguous(), out,
+            batch, num_features, output_dim, *params)
+    constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
+                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
+    if tiles.short_bags:
+        grid = (num_features * triton.cdiv(batch, tiles.block_bags), tiles.col_tiles)
+        kernels._forward_short_bags_kernel[grid](*args, BLOCK_BAGS=tiles.block_bags,
+                                                 num_warps=tiles.short_bags_warps, **constants)
+    else:
+        kernels._forward_kernel[(num_bags, tiles.col_tiles)](
+            *args, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, **constants)
     return out
 
 
@@ -534,8 +709,9 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights, table_meta,
-                          block_size, hash_mode, hash_params)
+    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
+                                     table_meta, block_size, hash_mode, hash_params,
+                                     _summarize_inputs)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
@@ -545,7 +721,7 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     if values.numel() == 0:
         return grad
     num_bags = offsets.numel() - 1
-    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
     psw = per_sample_weights
     grad_output = grad_output.contiguous()
@@ -588,8 +764,8 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
-    check_backward_inputs(grad_output, weights, values, offsets, None, table_meta, block_size,
-                          hash_mode, hash_params)
+    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, None, table_meta,
+                                     block_size, hash_mode, hash_params, _summarize_inputs)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
@@ -599,7 +775,7 @@ def per_sample_weights_grad(
     if values.numel() == 0:
         return out
     num_bags = offsets.numel() - 1
-    tiles = _Tiles(_max_dim(table_meta), block_size, values.numel(), num_bags,
+    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
     kernels._psw_grad_kernel[(num_bags,)](
         grad_output.contiguous(), weights.contiguous(), values.contiguous(),

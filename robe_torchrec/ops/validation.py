@@ -8,9 +8,10 @@ no Python loop runs over ids.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from robe_torchrec.hashing import HashMode, reference_key_limit
 from robe_torchrec.ops import meta as m
@@ -82,10 +83,12 @@ def check_backward_inputs(
     block_size: int,
     hash_mode: int,
     hash_params: List[int],
-) -> None:
+    summarize: Optional[Summarize] = None,
+) -> torch.Tensor:
     """The checks of the backward ops: :func:`check_inputs` with ``grad_output``'s width as
     ``output_dim`` and ids unbounded (the forward checked them against ``num_embeddings``;
-    any id hashes inside its array, so memory safety does not need that check again)."""
+    any id hashes inside its array, so memory safety does not need that check again).
+    Returns ``table_meta`` on the CPU."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     if grad_output.dim() != 2 or grad_output.shape[0] != batch:
@@ -93,8 +96,9 @@ def check_backward_inputs(
                          f"{tuple(grad_output.shape)}")
     if not grad_output.dtype.is_floating_point:
         raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
-    check_inputs(weights, values, offsets, per_sample_weights, table_meta, grad_output.shape[1],
-                 block_size, hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
+    return check_inputs(weights, values, offsets, per_sample_weights, table_meta,
+                        grad_output.shape[1], block_size, hash_mode, hash_params,
+                        int(m.BoundsCheck.UNBOUNDED), summarize)
 
 
 def check_inputs(
@@ -108,22 +112,88 @@ def check_inputs(
     hash_mode: int,
     hash_params: List[int],
     bounds_check: int,
-) -> None:
-    """All checks, including the data-dependent ones (offsets, id bounds, NaN weights)."""
+    summarize: Optional[Summarize] = None,
+) -> torch.Tensor:
+    """All checks, including the data-dependent ones (offsets, id bounds, finite per-sample
+    weights); returns ``table_meta`` on the CPU.
+
+    ``table_meta`` is checked once per tensor and version (see :func:`checked_table_meta`).
+    ``summarize`` (the Triton ops pass one kernel that does it) reduces the data-dependent
+    checks to one answer, clean or not, in one pass and one copy to the host; only when it
+    is not clean do the checks run one by one, to raise the first problem's message. Without
+    it they always run one by one (on an accelerator, a synchronisation each)."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     check_enum("bounds_check", bounds_check, m.BoundsCheck)
     if len(hash_params) != 3:
         raise ValueError(f"robe: hash_params must hold 3 integers, got {len(hash_params)}")
-    num_features = table_meta.shape[1]
-    batch = (offsets.numel() - 1) // num_features
-    meta_cpu = check_table_meta(table_meta, output_dim, block_size, weights.numel())
+    meta_cpu = checked_table_meta(table_meta, output_dim, block_size, weights.numel())
     dims, sizes = meta_cpu[m.DIM], meta_cpu[m.W_SIZE]
+    batch = (offsets.numel() - 1) // table_meta.shape[1]
     if batch > 0 and output_dim > (2**63 - 1) // 8 // batch:
         raise ValueError(f"robe: the output of {batch} samples x output_dim {output_dim} "
                          "elements is too large to allocate")
     if hash_mode == HashMode.MIX and int((sizes - block_size + 1).max()) >= 2**32:
         raise ValueError("robe: the mix hash needs memory_size - block_size + 1 < 2**32")
+    key_limit = None
+    if bounds_check != m.BoundsCheck.ERROR and hash_mode == HashMode.REFERENCE:
+        key_limit = reference_key_limit(int((-(-dims // block_size)).max()), hash_params)
+    id_check = IdCheck(bounds_check == m.BoundsCheck.ERROR, key_limit)
+    if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
+                                           id_check):
+        return meta_cpu
+    _check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+    return meta_cpu
 
+
+class IdCheck(NamedTuple):
+    """What every id is checked against: its feature's ``[0, num_embeddings)`` (bounds
+    ERROR), or, for the reference hash with unbounded ids, ``0 <= id`` and
+    ``id + row_offset < key_limit``; neither (mix hash, unbounded): nothing."""
+    in_bounds: bool
+    key_limit: Optional[int]
+
+
+#: ``summarize(values, offsets, per_sample_weights, table_meta, id_check) -> clean``: whether
+#: every data-dependent check passes (offsets start at 0, end at ``values.numel()`` and never
+#: decrease; per-sample weights are finite; every id passes ``id_check``)
+Summarize = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                      IdCheck], bool]
+
+#: table_meta tensor -> (its version, the arguments it was checked with, its CPU copy)
+_CHECKED_META: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def checked_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: int,
+                       weights_numel: int) -> torch.Tensor:
+    """:func:`check_table_meta`, remembered per tensor: a module passes the same
+    ``table_meta`` on every call, and copying it to the host and checking it again would cost
+    an accelerator a synchronisation and dozens of small host ops per call. An in-place
+    change bumps the tensor's version and brings the check back; inference tensors (no
+    version) are checked every time."""
+    try:
+        version = table_meta._version
+    except RuntimeError:
+        version = None
+    arguments = (output_dim, block_size, weights_numel)
+    if version is not None:
+        hit = _CHECKED_META.get(table_meta)
+        if hit is not None and hit[0] == version and hit[1] == arguments:
+            return hit[2]
+    meta_cpu = check_table_meta(table_meta, output_dim, block_size, weights_numel)
+    if version is not None:
+        # a CPU table_meta is its own CPU copy: keep a clone, so that the entry does not
+        # hold its own key alive
+        kept = meta_cpu.clone() if meta_cpu.data_ptr() == table_meta.data_ptr() else meta_cpu
+        _CHECKED_META[table_meta] = (version, arguments, kept)
+    return meta_cpu
+
+
+def _check_data(values: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                meta_cpu: torch.Tensor, id_check: IdCheck) -> None:
+    """The data-dependent checks one by one, in order: raises the first problem's message."""
+    num_features = table_meta.shape[1]
+    batch = (offsets.numel() - 1) // num_features
     offs = offsets.to(torch.int64)
     if int(offs[0]) != 0:
         raise ValueError(f"robe: offsets[0] must be 0, got {int(offs[0])}")
@@ -147,17 +217,16 @@ def check_inputs(
     feature_ends = offs[torch.arange(1, num_features + 1, device=offs.device) * batch]
     feature = torch.bucketize(torch.arange(values.numel(), device=values.device), feature_ends, right=True)
     vals = values.to(torch.int64)
-    if bounds_check == m.BoundsCheck.ERROR:
+    key_limit = id_check.key_limit
+    if id_check.in_bounds:
         upper = table_meta[m.NUM_ROWS].to(values.device)[feature]
         _raise_first(vals, (vals < 0) | (vals >= upper), feature,
                      lambda t: f"is out of range [0, {int(meta_cpu[m.NUM_ROWS, t])})")
-    elif hash_mode == HashMode.REFERENCE:
-        max_blocks = int((-(-dims // block_size)).max())
-        limit = reference_key_limit(max_blocks, hash_params)
+    elif key_limit is not None:
         keys = vals + table_meta[m.ROW_OFFSET].to(values.device)[feature]
-        _raise_first(vals, (vals < 0) | (keys >= limit), feature,
-                     lambda t: f"cannot be hashed by the reference hash (keys must lie in [0, {limit}); "
-                               "use hash='mix' for arbitrary 64-bit ids)")
+        _raise_first(vals, (vals < 0) | (keys >= key_limit), feature,
+                     lambda t: f"cannot be hashed by the reference hash (keys must lie in "
+                               f"[0, {key_limit}); use hash='mix' for arbitrary 64-bit ids)")
 
 
 def check_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: int,

@@ -23,6 +23,7 @@ from robe_torchrec.ops import cpu_backend, reference  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
+from robe_torchrec.ops.validation import check_inputs  # noqa: E402
 
 from .cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
 from .checks import (  # noqa: E402
@@ -50,6 +51,29 @@ def poison_empty(monkeypatch):
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
 def test_forward(kw):
     check_forward(random_case(**kw))
+
+
+@pytest.mark.parametrize("kernel", ["per_bag", "short_bags"])
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_forward_each_kernel(kw, kernel, monkeypatch):
+    """Both forward kernels on every case, whatever its bag lengths (the short-bags one
+    with a group size that leaves a partial last group)."""
+    monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if kernel == "short_bags" else -1.0)
+    monkeypatch.setattr(tk, "_BAGS_PER_PROGRAM", 4)
+    check_forward(random_case(**kw))
+
+
+def test_short_bags_kernel_is_bitwise_the_per_bag_kernel_on_one_and_two_id_bags(monkeypatch):
+    """Pooling one or two ids is exact in either order, so the two kernels agree bitwise;
+    sum and mean pooling, per-sample weights, a feature narrower than the column tiles."""
+    for seed, max_bag in [(7, 1), (8, 2)]:
+        case = random_case(seed=seed, dims=[12, 40, 7], batch=13, max_bag=max_bag,
+                           block_size=4, weighted=True)
+        outputs = []
+        for mean in (-1.0, float("inf")):
+            monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", mean)
+            outputs.append(tk.forward(*case.forward_args()))
+        assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
@@ -442,6 +466,8 @@ CONFIGS = [  # kernel, hash mode / optimizer, weights dtype, ids dtype
     ("forward", 1, "fp32", "i32"), ("backward", 0, "fp32", "i64"), ("psw", 1, "fp64", "i64"),
     ("forward", 0, "bf16", "i64"), ("optimizer", 0, "fp16", None),
     ("optimizer", 1, "fp32", None), ("optimizer", 2, "fp64", None),
+    ("short_bags", 0, "fp32", "i64"), ("short_bags", 1, "bf16", "i32"),
+    ("summary", 0, "fp32", "i64"), ("summary", 1, "fp16", "i32"),
 ]
 for which, mode, weights, index in CONFIGS:
     acc = "fp64" if weights == "fp64" else "fp32"
@@ -452,7 +478,10 @@ for which, mode, weights, index in CONFIGS:
                  num_features="i32", out_stride="i32", grad_stride="i32", p0="i64", p1="i64",
                  p2="i64", grad_ptr=f"*{acc}", state1_ptr=f"*{weights}",
                  state2_ptr=f"*{weights}", numel="i64", lr="fp64", eps="fp64", beta2="fp64",
-                 weight_decay="fp64", lerp_weight="fp64", step_size="fp64", bias2_sqrt="fp64")
+                 weight_decay="fp64", lerp_weight="fp64", step_size="fp64", bias2_sqrt="fp64",
+                 num_values="i64", num_bags="i64", key_limit="i64")
+    if which == "summary":
+        types["out_ptr"] = "*i64"
     tiles = dict(Z=3, HASH_MODE=mode, ACC=acc_dtype, BLOCK_N=16, BLOCK_B=32, BLOCK_Z=4)
     kernel, constexprs = {
         "forward": (tk._forward_kernel, dict(tiles, HAS_PSW=True)),
@@ -460,6 +489,12 @@ for which, mode, weights, index in CONFIGS:
         "psw": (tk._psw_grad_kernel, tiles),
         "optimizer": (tk._optimizer_kernel, dict(OPTIMIZER=mode, HAS_WEIGHT_DECAY=True,
                                                  COMPUTE=acc_dtype, BLOCK=1024)),
+        "short_bags": (tk._forward_short_bags_kernel,
+                       dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
+                            HAS_PSW=True, BLOCK_BAGS=8)),
+        "summary": (tk._input_summary_kernel,
+                    dict(HAS_PSW=True, IN_BOUNDS=mode == 0, KEY_LIMIT=mode == 1,
+                         SEARCH_STEPS=5, BLOCK=1024)),
     }[which]
     signature = {name: "constexpr" if name in constexprs else types[name]
                  for name in kernel.arg_names}
@@ -490,7 +525,7 @@ def test_kernels_compile_for_cuda(tmp_path):
     if "cannot find" in result.stderr and "ptxas" in result.stderr:  # pragma: no cover
         pytest.skip("ptxas unavailable")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 7
+    assert result.stdout.count("compiled") == 11
 
 
 # ---------------------------------------------------------------------------------------
@@ -531,3 +566,60 @@ def test_low_precision_storage(dtype):
     with pytest.raises(ValueError, match="state1 must be a contiguous torch.float32 tensor"):
         fused_steps(tk, case, Optimizer.ADAGRAD, hparams,
                     [torch.zeros(low.numel(), dtype=dtype), torch.empty(0)], steps=1, weights=low)
+
+
+# ---------------------------------------------------------------------------------------
+# the input-check summary kernel against the checks run one by one
+# ---------------------------------------------------------------------------------------
+
+def _summary_case(g: torch.Generator, num_features: int, batch: int):
+    """Random bags of ids near their bounds; sometimes a decreasing or misplaced offset, a
+    non-finite per-sample weight."""
+    num_rows = torch.randint(1, 20, (num_features,), generator=g)
+    lengths = torch.randint(0, 4, (num_features * batch,), generator=g)
+    rows_per_value = num_rows.repeat_interleave(batch).repeat_interleave(lengths)
+    values = (torch.rand(int(lengths.sum()), generator=g) * (rows_per_value + 2)).long() - 1
+    values = torch.where(torch.rand(values.shape, generator=g) < 0.9,
+                         values.clamp(0) % rows_per_value.clamp(min=1), values)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    kind = int(torch.randint(0, 6, (1,), generator=g))
+    if kind == 0 and offsets.numel() > 2:
+        offsets[int(torch.randint(1, offsets.numel() - 1, (1,), generator=g))] += 5
+    elif kind == 1:
+        offsets[-1] += 1
+    psw = None
+    if kind >= 4 and values.numel():
+        psw = torch.rand(values.shape, generator=g)
+        if kind == 5:
+            psw[int(torch.randint(0, values.numel(), (1,), generator=g))] = float("nan")
+    meta = build_table_meta([4] * num_features, [0] * num_features, [64] * num_features,
+                            (num_rows.cumsum(0) - num_rows).tolist(), num_rows.tolist(),
+                            [0] * num_features)
+    return values, offsets, psw, meta
+
+
+@pytest.mark.parametrize("bounds", ["error", "unbounded"])
+def test_input_summary_agrees_with_the_checks_one_by_one(bounds):
+    """The one-launch summary (what a GPU runs) finds a problem exactly when the checks run
+    one by one raise, over random inputs with and without problems, many features (its
+    binary search over feature ends) and empty bags."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.zeros(64)
+    outcomes = set()
+    for trial in range(40):
+        num_features = int(torch.randint(1, 40, (1,), generator=g))
+        batch = int(torch.randint(0, 6, (1,), generator=g))
+        values, offsets, psw, meta = _summary_case(g, num_features, batch)
+        args = (weights, values, offsets, psw, meta, 4 * num_features, 4,
+                int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=trial),
+                int(BoundsCheck[bounds.upper()]))
+        summaries = []
+        try:
+            check_inputs(*args, summarize=lambda *a: summaries.append(tk._summarize_inputs(*a)))
+            raised = False
+        except ValueError:
+            raised = True
+        assert summaries, "check_inputs never called the summary"
+        assert summaries[0] == (not raised), f"trial {trial}: summary {summaries[0]}, raised {raised}"
+        outcomes.add(raised)
+    assert outcomes == {True, False}, "the trials must include clean and bad inputs"

@@ -1,0 +1,51 @@
+"""The checks' memory of ``table_meta``: checked once per tensor and version, never trusted
+after an in-place change, and forgotten with the tensor."""
+
+import gc
+
+import pytest
+import torch
+
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops import reference, validation
+
+from .cases import random_case
+
+
+def test_an_in_place_change_to_table_meta_is_checked_again():
+    case = random_case(seed=5)
+    args = case.forward_args()
+    reference.forward(*args)  # checked and remembered
+    case.table_meta[m.DIM, 0] = -1  # in place: a new version
+    with pytest.raises(ValueError, match="negative entry"):
+        reference.forward(*args)
+
+
+def test_other_arguments_are_checked_again():
+    case = random_case(seed=6)
+    weights, values, offsets, psw, meta, output_dim, *rest = case.forward_args()
+    reference.forward(weights, values, offsets, psw, meta, output_dim, *rest)
+    with pytest.raises(ValueError, match="smaller than the features' dims"):
+        reference.forward(weights, values, offsets, psw, meta, output_dim - 1, *rest)
+    with pytest.raises(ValueError, match="lie inside weights"):
+        reference.forward(weights[:3], values, offsets, psw, meta, output_dim, *rest)
+
+
+def test_a_remembered_table_meta_is_forgotten_with_its_tensor():
+    case = random_case(seed=7)
+    reference.forward(*case.forward_args())
+    before = len(validation._CHECKED_META)
+    del case
+    gc.collect()
+    assert len(validation._CHECKED_META) == before - 1
+
+
+def test_inference_tensors_are_checked_every_call():
+    case = random_case(seed=8)
+    with torch.inference_mode():
+        meta = case.table_meta.clone()  # an inference tensor: no version counter
+        weights, values, offsets, psw, _, *rest = case.forward_args()
+        reference.forward(weights, values, offsets, psw, meta, *rest)
+        meta[m.POOLING, 0] = 7
+        with pytest.raises(ValueError, match="POOLING"):
+            reference.forward(weights, values, offsets, psw, meta, *rest)
