@@ -85,6 +85,43 @@ def fused_states(case: OpCase, optimizer: Optimizer) -> List[torch.Tensor]:
     return [empty, empty]
 
 
+#: relative rounding error of a float32 gradient element, against the sum of the magnitudes
+#: of its terms (a sum of thousands of terms in any order stays well inside it)
+_GRADIENT_ROUNDING = 1e-5
+
+
+def adam_slack(case: OpCase, hparams: List[float], steps: int) -> torch.Tensor:
+    """Per-element error that ``steps`` exact Adam steps can show when their gradients carry
+    float32 rounding: the GPU scatters them with atomics, so their last bits depend on the
+    order. Adam divides its first moment ``m`` by ``sqrt(v)``; where the terms that make up
+    ``m`` nearly cancel (within one gradient, or across steps), the step is ill conditioned.
+    An error of ``rounding * M`` in ``m`` (``M``: the same moment of the terms' magnitudes)
+    moves the step by ``lr * rounding * M / sqrt(v)``; doubled for the error in ``v``, at most
+    ``2 * lr`` a step (a flipped sign). Where nothing cancels this slack is far below any
+    real error of the step (order ``lr``). Computed in float64 along the reference's path."""
+    lr, eps, beta1, beta2, weight_decay = hparams
+    f64 = dict(dtype=torch.float64)
+    w = case.weights.to(**f64)
+    m, v, magnitude_m, slack = (torch.zeros_like(w) for _ in range(4))
+    psw = case.per_sample_weights
+    for step in range(1, steps + 1):
+        g = case.grad(seed=step)
+        grad = reference.backward_dense(*case.backward_args(g)).to(**f64) + weight_decay * w
+        magnitude = reference.backward_dense(
+            g.abs(), case.weights, case.values, case.offsets, None if psw is None else psw.abs(),
+            case.table_meta, case.block_size, case.hash_mode, case.hash_params
+        ).to(**f64) + weight_decay * w.abs()
+        m = beta1 * m + (1 - beta1) * grad
+        magnitude_m = beta1 * magnitude_m + (1 - beta1) * magnitude
+        v = beta2 * v + (1 - beta2) * grad * grad
+        denominator = (v / (1 - beta2 ** step)).sqrt() + eps
+        bias1 = 1 - beta1 ** step
+        step_error = 2 * lr * _GRADIENT_ROUNDING * magnitude_m / bias1 / denominator
+        slack += step_error.clamp(max=2 * lr)
+        w = w - lr * m / bias1 / denominator
+    return slack.to(case.weights.dtype)
+
+
 def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
     """``steps`` fused steps of the Triton kernels and of the reference from the same state."""
     optimizer, hparams = OPTIMIZERS[name]
@@ -92,7 +129,14 @@ def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
     w_tk = fused_steps(tk, case, optimizer, hparams, states[0], steps=steps)
     w_ref = fused_steps(reference, case, optimizer, hparams, states[1], steps=steps)
     assert not torch.equal(w_tk, case.weights), "the fused step changed nothing"
-    assert_close(w_tk, w_ref, _tol(case))
+    if optimizer == Optimizer.ADAM:
+        scale = float(w_ref.abs().max())
+        excess = (w_tk - w_ref).abs() - adam_slack(case, hparams, steps) - _tol(case) * scale
+        assert float(excess.max()) <= 0, (
+            f"Adam's weights differ beyond the gradient's rounding at "
+            f"{int((excess > 0).sum())} elements (worst by {float(excess.max()):.3g})")
+    else:
+        assert_close(w_tk, w_ref, _tol(case))
     for actual, expected in zip(*states):
         assert_close(actual, expected, _tol(case))
 
