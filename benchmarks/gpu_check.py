@@ -197,11 +197,19 @@ def embedding_bag_row(setting: Setting, ids: torch.Tensor, device: torch.device)
 _FUSED_ADAGRAD = [0.01, 1e-8, 0.9, 0.999, 0.0]
 
 
-def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
-              block_size: int) -> List[Row]:
+@dataclasses.dataclass
+class RobeInputs:
+    """The arguments of ``torch.ops.robe.forward`` after ``weights`` (``flat``), and an
+    upstream gradient of its output."""
+    weights: torch.Tensor
+    flat: tuple
+    grad: torch.Tensor
+
+
+def robe_inputs(setting: Setting, ids: torch.Tensor, device: torch.device,
+                block_size: int) -> RobeInputs:
     from robe_torchrec.hashing import HashMode, hash_params
-    from robe_torchrec.ops import cpu_backend, reference
-    from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
+    from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
 
     cards = setting.cardinalities
     num_features = len(cards)
@@ -212,12 +220,21 @@ def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
                             [sum(cards[:t]) for t in range(num_features)], cards,
                             [int(Pooling.SUM)] * num_features, device=device)
     weights = torch.empty(memory_size, device=device).uniform_(-0.01, 0.01)
-    weights.requires_grad_(True)
     offsets = torch.arange(ids.numel() + 1, device=device)
     output_dim = setting.dim * num_features
     flat = (ids, offsets, None, meta, output_dim, block_size, int(HashMode.REFERENCE),
             hash_params(HashMode.REFERENCE, seed=1024), int(BoundsCheck.ERROR))
     grad = torch.randn(setting.batch, output_dim, device=device)
+    return RobeInputs(weights, flat, grad)
+
+
+def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
+              block_size: int) -> List[Row]:
+    from robe_torchrec.ops import cpu_backend, reference
+    from robe_torchrec.ops.meta import Optimizer
+
+    inputs = robe_inputs(setting, ids, device, block_size)
+    weights, flat, grad = inputs.weights.requires_grad_(True), inputs.flat, inputs.grad
     # CUDA tensors always reach the Triton kernels; CPU ones (--cpu) only when asked
     dispatch = contextlib.nullcontext if device.type == "cuda" else lambda: cpu_backend("triton")
     rows = []
@@ -374,16 +391,42 @@ def report(args: argparse.Namespace, device: torch.device, setting: Optional[Set
 # main
 # ---------------------------------------------------------------------------------------
 
+def setting_arguments(parser: argparse.ArgumentParser, reps: int) -> None:
+    """The options every GPU benchmark here shares: the mode, the results file, the setting
+    and the timing."""
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU tensors through Triton's interpreter, tiny sizes (CI smoke test)")
+    parser.add_argument("--out", default=None, help="results file (markdown)")
+    parser.add_argument("--batch", type=int, default=10240)
+    parser.add_argument("--compression", type=float, default=1000.0)
+    parser.add_argument("--reps", type=int, default=reps, help="timed samples per row")
+    parser.add_argument("--inner", type=int, default=5, help="calls per timed sample")
+
+
+def select_device(cpu: bool, prog: str) -> Optional[torch.device]:
+    """CPU (whole process in Triton's interpreter) or CUDA; None, said on stderr, when
+    neither can run."""
+    if cpu:
+        # The interpreter is chosen when triton is first imported, for the whole process.
+        os.environ["TRITON_INTERPRET"] = "1"
+        from robe_torchrec.ops import triton_kernels
+
+        if not triton_kernels._is_interpreted(triton_kernels):
+            print(f"{prog} --cpu: triton was imported before TRITON_INTERPRET=1 could be set",
+                  file=sys.stderr)
+            return None
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{prog}: no CUDA device; run with --cpu for the interpreter smoke test",
+              file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu", action="store_true",
-                   help="CPU tensors through Triton's interpreter, tiny sizes (CI smoke test)")
-    p.add_argument("--out", default=None, help="results file (markdown)")
-    p.add_argument("--batch", type=int, default=10240)
-    p.add_argument("--compression", type=float, default=1000.0)
-    p.add_argument("--reps", type=int, default=30, help="timed samples per row")
-    p.add_argument("--inner", type=int, default=5, help="calls per timed sample")
+    setting_arguments(p, reps=30)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--only", default=None, help="run only the checks whose name contains this")
@@ -396,21 +439,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     start = time.perf_counter()
-    if args.cpu:
-        # The interpreter is chosen when triton is first imported, for the whole process.
-        os.environ["TRITON_INTERPRET"] = "1"
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; run with --cpu for the interpreter smoke test",
-              file=sys.stderr)
-        return 2
-    else:
-        device = torch.device("cuda")
-    from robe_torchrec.ops import triton_kernels
-
-    if args.cpu and not triton_kernels._is_interpreted(triton_kernels):
-        print("gpu_check --cpu: triton was imported before TRITON_INTERPRET=1 could be set",
-              file=sys.stderr)
+    device = select_device(args.cpu, "gpu_check")
+    if device is None:
         return 2
     print("\n".join(versions(device)), flush=True)
     checks = [] if args.skip_checks else run_checks(str(device), args.cpu, args.only)

@@ -2,7 +2,8 @@
 fresh process whose import system refuses both, ``robe_torchrec`` imports, the names needing
 torchrec raise an ImportError that says so, and ``benchmarks.gpu_check --cpu`` (the GPU proof
 in Triton's interpreter: forward, gradients, fused optimizers and torch.compile of the Triton
-kernels against the reference, then the speed rows) runs to its results file."""
+kernels against the reference, then the speed rows) and ``benchmarks.triton_tiles --cpu``
+run to their results files."""
 
 import os
 import subprocess
@@ -32,9 +33,10 @@ except ImportError as exc:
     assert "needs torchrec" in str(exc), exc
 else:
     raise AssertionError("RobeEmbeddingBagCollection without torchrec")
-from benchmarks import gpu_check
+from benchmarks import gpu_check, triton_tiles
 
 code = gpu_check.main(["--cpu", "--out", sys.argv[1]])
+code = code or triton_tiles.main(["--cpu", "--reps", "1", "--out", sys.argv[2]])
 hidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torchrec", "fbgemm_gpu"))
 assert not hidden, hidden
 sys.exit(code)
@@ -45,8 +47,9 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     out = tmp_path / "gpu_check_cpu.md"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
+    tiles = tmp_path / "triton_tiles_cpu.md"
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(tiles)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     text = out.read_text()
     assert "device: CPU" in text and "FAILED" not in text
@@ -56,3 +59,7 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
         assert row in text, row
     checks = [line for line in text.splitlines() if line.startswith("| ") and "| ok |" in line]
     assert any("fused[adam]" in c for c in checks) and any("torch_compile" in c for c in checks)
+    # the launch-shape benchmark: its breakdown, and every swept shape bitwise the default's
+    tiles_text = tiles.read_text()
+    assert "where the op's time goes" in tiles_text and "| short bags | " in tiles_text
+    assert "| NO |" not in tiles_text

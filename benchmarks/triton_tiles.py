@@ -1,0 +1,267 @@
+"""Where the Triton forward's time goes, and how its launch shape changes it.
+
+At the GPU check's setting (batch 10240, dim 128, the 26 Criteo Kaggle tables, one id per
+bag, reference hash, :func:`benchmarks.gpu_check.robe_inputs`), for Z = 32 and 128:
+
+1. **breakdown** of ``torch.ops.robe.forward``: the whole op; its input checks alone
+   (``check_inputs``: the data-dependent ones synchronize with the host); the op with the
+   checks switched off; allocating the zeroed output alone; the backward scatter with and
+   without its checks;
+2. **launch shapes**: blocks per program (``BLOCK_B``, set through the column tile) times
+   warps per program, forward and backward scatter without checks. Every forward output is
+   compared bitwise with the default shape's (the shape must never change a result); the
+   backward's float32 atomics make it compared to 1e-5 instead.
+
+Rows are timed with CUDA events (``--inner`` calls a sample, ``--reps`` samples taken
+round-robin, median). Needs torch and Triton only, like the GPU check::
+
+    python -m benchmarks.triton_tiles --out benchmarks/results/triton_tiles_h200.md
+
+``--cpu`` runs it at tiny sizes in Triton's interpreter, over a few shapes (a smoke test that
+``tests/ops/test_torch_only.py`` runs; timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from benchmarks.gpu_check import (Setting, Timer, _criteo_ids, cpu_setting, gpu_setting,
+                                  robe_inputs, select_device, setting_arguments, versions)
+
+WARPS = (1, 2, 4, 8)
+
+
+@contextlib.contextmanager
+def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None,
+                 short_bags: Optional[bool] = None, bags_per_program: Optional[int] = None,
+                 unchecked_meta: Optional[torch.Tensor] = None):
+    """Runs the Triton ops with another column tile, warp count, forward kernel (short bags
+    or one bag a program) or bags a program, and without input checks when
+    ``unchecked_meta`` (the CPU copy of ``table_meta`` the checks would return) is given
+    (profiling only: bad input would then reach the kernels)."""
+    from robe_torchrec.ops import triton_kernels as tk
+
+    names = ("_COL_TILE", "_NUM_WARPS", "_SHORT_BAG_MEAN", "_BAGS_PER_PROGRAM",
+             "check_inputs", "check_backward_inputs")
+    saved = {name: getattr(tk, name) for name in names}
+    if col_tile is not None:
+        tk._COL_TILE = col_tile
+    if num_warps is not None:
+        tk._NUM_WARPS = num_warps
+    if short_bags is not None:
+        tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
+    if bags_per_program is not None:
+        tk._BAGS_PER_PROGRAM = bags_per_program
+    if unchecked_meta is not None:
+        tk.check_inputs = tk.check_backward_inputs = lambda *args, **kwargs: unchecked_meta
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
+
+
+def _timed(rows: Dict[str, Callable[[], object]], timer: Timer, reps: int, inner: int,
+           warmup: int) -> Dict[str, float]:
+    samples: Dict[str, List[float]] = {name: [] for name in rows}
+    for fn in rows.values():
+        for _ in range(warmup + 1):
+            fn()
+    for _ in range(reps):
+        for name, fn in rows.items():
+            samples[name].append(timer(fn, inner))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
+              timer: Timer) -> List[str]:
+    from robe_torchrec.ops import triton_kernels as tk
+    from robe_torchrec.ops.validation import check_backward_inputs, check_inputs
+
+    inputs = robe_inputs(setting, ids, device, z)
+    w, flat, grad = inputs.weights, inputs.flat, inputs.grad
+    values, offsets, psw, meta, output_dim, _, hash_mode, params, _ = flat
+    backward_args = (grad, w, values, offsets, psw, meta, z, hash_mode, params)
+    meta_cpu = meta.cpu()
+    trainable = w.detach().clone().requires_grad_(True)
+
+    def unchecked(fn):
+        def run():
+            with launch_shape(unchecked_meta=meta_cpu):
+                return fn()
+        return run
+
+    def registered_op():
+        with torch.no_grad():
+            return torch.ops.robe.forward(trainable, *flat)
+
+    rows = {
+        "torch.ops.robe.forward, no_grad, weights requiring grad": registered_op,
+        "forward op (checks included)": lambda: tk.forward(w, *flat),
+        "input checks alone": lambda: check_inputs(w, *flat, tk._summarize_inputs),
+        "forward without checks": unchecked(lambda: tk.forward(w, *flat)),
+        "zeroed output alone": lambda: torch.zeros(setting.batch, output_dim, device=device),
+        "backward scatter (checks included)": lambda: tk.backward_dense(*backward_args),
+        "backward input checks alone": lambda: check_backward_inputs(*backward_args,
+                                                                     tk._summarize_inputs),
+        "input checks one by one (no summary kernel)": lambda: check_inputs(w, *flat),
+        "backward scatter without checks": unchecked(lambda: tk.backward_dense(*backward_args)),
+    }
+    medians = _timed(rows, timer, setting.reps, setting.inner, setting.warmup)
+    whole = medians["forward op (checks included)"]
+    out = [f"### Z = {z}: where the op's time goes", "",
+           "| part | ms | / forward op |", "|---|---|---|"]
+    out += [f"| {name} | {ms:.4f} | {ms / whole:.2f} |" for name, ms in medians.items()]
+    return out + [""]
+
+
+def shapes(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
+           timer: Timer, quick: bool = False) -> List[str]:
+    """The launch-shape sweep (``quick``: a few shapes, for the interpreter)."""
+    from robe_torchrec.ops import triton_kernels as tk
+
+    inputs = robe_inputs(setting, ids, device, z)
+    w, flat, grad = inputs.weights, inputs.flat, inputs.grad
+    values, offsets, psw, meta, _, _, hash_mode, params, _ = flat
+    block_z = 1 << (min(z, setting.dim) - 1).bit_length()
+    num_blocks = -(-setting.dim // z)
+    widest = 1 << (num_blocks - 1).bit_length()
+    block_bs = sorted({min(1 << k, widest) for k in range(num_blocks.bit_length() + 1)})
+    tiles = tk._Tiles(setting.dim, z, values.numel(), offsets.numel() - 1)
+    meta_cpu = meta.cpu()
+    with launch_shape(unchecked_meta=meta_cpu):
+        expected = tk.forward(w, *flat)
+        expected_grad = tk.backward_dense(grad, w, values, offsets, psw, meta, z, hash_mode,
+                                          params)
+    # (kernel, BLOCK_B, bags a program, warps): one bag a program over BLOCK_B, then the
+    # short-bags kernel over bags a program, each at every warp count
+    warp_counts = (1, 2) if quick else WARPS
+    bag_counts = (1, 4) if quick else (1, 2, 4, 8, 16, 32)
+    shape_keys = [("per bag", bb, 1, warps) for bb in block_bs for warps in warp_counts]
+    shape_keys += [("short bags", tiles.block_b, bags, warps) for bags in bag_counts
+                   for warps in warp_counts]
+    default = ("short bags" if tiles.short_bags else "per bag", tiles.block_b,
+               tiles.block_bags if tiles.short_bags else 1,
+               tiles.short_bags_warps if tiles.short_bags else tiles.num_warps)
+    rows, notes = {}, {}
+    for key in shape_keys:
+        kernel, block_b, bags, warps = key
+        shape = dict(col_tile=block_b * block_z, num_warps=warps, unchecked_meta=meta_cpu,
+                     short_bags=kernel == "short bags", bags_per_program=bags)
+
+        def fwd(shape=shape):
+            with launch_shape(**shape):
+                return tk.forward(w, *flat)
+
+        rows[f"forward {key}"] = fwd
+        grad_err = float("nan")
+        if kernel == "per bag":  # the backward has one kernel: one bag a program
+            def bwd(shape=shape):
+                with launch_shape(**shape):
+                    return tk.backward_dense(grad, w, values, offsets, psw, meta, z,
+                                             hash_mode, params)
+
+            rows[f"backward {key}"] = bwd
+            grad_err = float((bwd() - expected_grad).abs().max())
+        notes[key] = (torch.equal(fwd(), expected), grad_err)
+    medians = _timed(rows, timer, setting.reps, setting.inner, setting.warmup)
+    base = medians[f"forward {default}"]
+    out = [f"### Z = {z}: launch shapes (checks off)", "",
+           f"Default: {default[0]} kernel, BLOCK_B = {default[1]}, {default[2]} bags a "
+           f"program, {default[3]} warps. The backward has one kernel (one bag a program).",
+           "", "| kernel | BLOCK_B | bags a program | warps | forward ms | / default | "
+           "backward ms | forward bitwise equal | backward max abs diff |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for key, (equal, err) in notes.items():
+        f = medians[f"forward {key}"]
+        b = medians.get(f"backward {key}", float("nan"))
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {f:.4f} | {f / base:.2f} | "
+                   f"{b:.4f} | {'yes' if equal else 'NO'} | {err:.2e} |")
+    return out + [""]
+
+
+def host_profile(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
+                 calls: int = 200) -> List[str]:
+    """Where the host spends a registered forward's time (cProfile, ``calls`` calls): on a
+    GPU the op is short enough for its Python to matter."""
+    import cProfile
+    import io
+    import pstats
+
+    inputs = robe_inputs(setting, ids, device, z)
+    w, flat = inputs.weights, inputs.flat
+    with torch.no_grad():
+        torch.ops.robe.forward(w, *flat)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            torch.ops.robe.forward(w, *flat)
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return [f"### Z = {z}: host profile of {calls} calls of torch.ops.robe.forward", "",
+            "```", *text.getvalue().strip().splitlines(), "```", ""]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.triton_tiles",
+                                description=__doc__.split("\n\n")[0])
+    setting_arguments(p, reps=15)
+    p.add_argument("--profile", action="store_true", help="also profile the host side")
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    start = time.perf_counter()
+    device = select_device(args.cpu, "triton_tiles")
+    if device is None:
+        return 2
+    setting = cpu_setting(args) if args.cpu else gpu_setting(args)
+    from robe_torchrec.ops import cpu_backend
+
+    timer = Timer(device)
+    ids = _criteo_ids(setting, device)
+    body: List[str] = []
+    # CPU tensors reach the Triton kernels only when asked; CUDA ones always do
+    with cpu_backend("triton") if args.cpu else contextlib.nullcontext():
+        for z in setting.block_sizes:
+            body += breakdown(setting, ids, device, z, timer)
+            body += shapes(setting, ids, device, z, timer, quick=args.cpu)
+            if args.profile and z == setting.block_sizes[0]:
+                body += host_profile(setting, ids, device, z, calls=2 if args.cpu else 200)
+            print("\n".join(body[-40:]), flush=True)
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks.triton_tiles",
+                                                *args.argv])
+    text = "\n".join(
+        ["# Triton forward: where the time goes, and launch shapes", "",
+         f"- command: `{command}`",
+         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; wall "
+         f"time {time.perf_counter() - start:.0f} s",
+         *versions(device),
+         f"- batch {setting.batch}, dim {setting.dim}, {len(setting.cardinalities)} features, "
+         f"one id per bag, array {setting.compression:g}x smaller than the tables; median of "
+         f"{setting.reps} samples of {setting.inner} calls, rows interleaved", "", *body])
+    print(text, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
