@@ -145,8 +145,10 @@ def shapes(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
                                           params)
     # (kernel, BLOCK_B, bags a program, warps): one bag a program over BLOCK_B, then the
     # short-bags kernel over bags a program, each at every warp count
-    warp_counts = (1, 2) if quick else WARPS
+    warp_counts = (1,) if quick else WARPS
     bag_counts = (1, 4) if quick else (1, 2, 4, 8, 16, 32)
+    if quick:
+        block_bs = [tiles.block_b]
     shape_keys = [("per bag", bb, 1, warps) for bb in block_bs for warps in warp_counts]
     shape_keys += [("short bags", tiles.block_b, bags, warps) for bags in bag_counts
                    for warps in warp_counts]
