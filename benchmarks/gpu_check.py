@@ -5,10 +5,10 @@ ROBE-Z, all written to one results file.
 Needs torch and Triton only (and numpy, which :mod:`robe_torchrec.hashing` uses): no torchrec,
 fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
 
-1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, dense
-   gradient, per-sample-weight gradient, each fused optimizer, int32/int64 ids, empty and
-   long bags, mixed dims, the registered op with autograd, ``torch.compile``), each reported
-   as ok/FAILED with its error;
+1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, both
+   forward kernels, dense gradient, per-sample-weight gradient, each fused optimizer,
+   int32/int64 ids, empty and long bags, mixed dims, bad input refused, the registered op
+   with autograd, ``torch.compile``), each reported as ok/FAILED with its error;
 2. **speed** at batch 10240, dim 128, the 26 Criteo Kaggle tables (one id per bag, ids
    uniform in each table), SUM pooling, float32, int64 ids:
 

@@ -141,6 +141,51 @@ def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
         assert_close(actual, expected, _tol(case))
 
 
+@contextlib.contextmanager
+def forward_kernel(short_bags: bool):
+    """The Triton forward takes its short-bags kernel (or its one-bag-a-program kernel)
+    whatever the bag lengths, inside the block."""
+    saved = tk._SHORT_BAG_MEAN
+    tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
+    try:
+        yield
+    finally:
+        tk._SHORT_BAG_MEAN = saved
+
+
+def check_forward_both_kernels(case: OpCase) -> None:
+    """Both Triton forward kernels against the reference; on bags of at most two ids they
+    must also agree bitwise (pooling one or two ids is exact in either order)."""
+    expected = reference.forward(*case.forward_args())
+    outputs = []
+    for short_bags in (False, True):
+        with forward_kernel(short_bags):
+            outputs.append(tk.forward(*case.forward_args()))
+        assert_close(outputs[-1], expected, _tol(case))
+    if int((case.offsets[1:] - case.offsets[:-1]).max()) <= 2:
+        assert torch.equal(*outputs), "the two forward kernels differ on short bags"
+
+
+def check_bad_input_is_refused(case: OpCase) -> None:
+    """The Triton ops' one-pass input checks refuse an id out of range and decreasing
+    offsets with the reference's message."""
+    args = list(case.forward_args())  # weights, values, offsets, ...
+    bad_ids = case.values.clone()
+    bad_ids[-1] = 10**9
+    bad_offsets = case.offsets.clone()
+    middle = bad_offsets.numel() // 2
+    bad_offsets[middle] = bad_offsets[middle + 1] + 1
+    for position, bad in ((1, bad_ids), (2, bad_offsets)):
+        messages = []
+        for impl in (tk, reference):
+            try:
+                impl.forward(*args[:position], bad, *args[position + 1:])
+                messages.append(None)
+            except ValueError as exc:
+                messages.append(str(exc))
+        assert messages[0] is not None and messages[0] == messages[1], messages
+
+
 def check_index_dtypes_agree(case: OpCase) -> None:
     """int32 and int64 ids give bitwise the same forward and per-sample-weight gradient."""
     other = OpCase(**{**case.__dict__, "values": case.values.to(torch.int32),
@@ -238,7 +283,11 @@ def triton_checks(device, quick: bool = False) -> List[Tuple[str, Callable[[], N
     fused_case = case(matrix[1], batch=3) if quick else case(LARGE, batch=64)
     for name in OPTIMIZERS:
         checks.append((f"fused[{name}]", lambda n=name: check_fused(fused_case(), n)))
+    short_bags = case(matrix[2], batch=5, max_bag=2) if quick else case(
+        dict(LARGE, max_bag=2, batch=300))
     checks += [
+        ("forward_both_kernels", lambda: check_forward_both_kernels(short_bags())),
+        ("bad_input_refused", lambda: check_bad_input_is_refused(case(matrix[1], batch=4)())),
         ("int32_int64_ids_agree", lambda: check_index_dtypes_agree(case(matrix[2], batch=4)())),
         ("registered_op_autograd", lambda: check_registered_op(case(matrix[1], batch=4)())),
         ("torch_compile", lambda: check_compiled(case(matrix[1], batch=4)())),
