@@ -23,8 +23,10 @@ SPREAD_FILES = ("tests/test_examples.py",)
 
 def pytest_collection_modifyitems(config, items):
     """A test file is one xdist group unless its tests name their own (the docs test groups its
-    blocks by page): a module-scoped fixture is then built once, and files that share paths on
-    disk never run side by side with themselves."""
+    blocks by page): its tests then share one worker, and files that share paths on disk never
+    run side by side with themselves. A worker may still run other files' tests between them,
+    and pytest tears a module-scoped fixture down whenever the module changes: an expensive one
+    (a trained run, a checkpoint) is session-scoped, so that it is built once per worker."""
     import pytest
 
     for item in items:

@@ -142,7 +142,7 @@ def _single_rank(rank, world, ckpt):
     return True
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # see tests/conftest.py: built once per worker
 def checkpoint(tmp_path_factory):
     """Trained and saved (DCP) on 2 ranks, TABLE_WISE; also checks keys, LR and filter."""
     ckpt = str(tmp_path_factory.mktemp("robe_dcp") / "ckpt")

@@ -32,7 +32,7 @@ from tests.train.helpers import TINY, assert_same_tensors, compose, one_rank_gro
 BASE = ("run.checkpoint_every=2", "run.keep_checkpoints=0")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # see tests/conftest.py: built once per worker
 def base(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("base") / "run"
     with one_rank_group():

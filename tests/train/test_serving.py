@@ -59,7 +59,7 @@ def test_eval_of_a_checkpoint_repeats_the_runs_final_metrics(tmp_path):
     assert predictions(tmp_path / "eval" / "predictions_val.csv").shape == (32, 2)  # 1 batch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # see tests/conftest.py: built once per worker
 def two_rank_checkpoint(tmp_path_factory) -> Path:
     """A checkpoint written by 2 ranks (torchrun) of ROBE-Z tables planned table-wise."""
     root = tmp_path_factory.mktemp("two_ranks")
