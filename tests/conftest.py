@@ -23,10 +23,13 @@ SPREAD_FILES = ("tests/test_examples.py",)
 
 def pytest_collection_modifyitems(config, items):
     """A test file is one xdist group unless its tests name their own (the docs test groups its
-    blocks by page): its tests then share one worker, and files that share paths on disk never
-    run side by side with themselves. A worker may still run other files' tests between them,
-    and pytest tears a module-scoped fixture down whenever the module changes: an expensive one
-    (a trained run, a checkpoint) is session-scoped, so that it is built once per worker."""
+    blocks by page), meant to keep its tests on one worker.
+
+    With pytest 9.2 and pytest-xdist 3.8 no group takes effect: xdist tags a group onto
+    ``item._nodeid``, and pytest 9 builds ``nodeid`` from ``item._id`` instead, so
+    ``--dist loadgroup`` schedules test by test (a file whose four tests are all marked
+    ``xdist_group("g")`` runs on both workers). Expensive fixtures (a trained run, a
+    checkpoint) are therefore session-scoped: each worker builds one at most once."""
     import pytest
 
     for item in items:
