@@ -5,19 +5,22 @@ ROBE-Z, all written to one results file.
 Needs torch and Triton only (and numpy, which :mod:`robe_torchrec.hashing` uses): no torchrec,
 fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
 
-1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, both
-   forward kernels, dense gradient, per-sample-weight gradient, each fused optimizer,
-   int32/int64 ids, empty and long bags, mixed dims, bad input refused, the registered op
-   with autograd, ``torch.compile``), each reported as ok/FAILED with its error;
+1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, dense
+   gradient, both kernels of each, per-sample-weight gradient, each fused optimizer,
+   int32/int64 ids, empty and long bags, mixed dims, bad input refused at the call and by a
+   deferred check before a fused update, the registered op with autograd,
+   ``torch.compile``), each reported as ok/FAILED with its error;
 2. **speed** at batch 10240, dim 128, the 26 Criteo Kaggle tables (one id per bag, ids
    uniform in each table), SUM pooling, float32, int64 ids:
 
    * ``nn.EmbeddingBag``: 26 full tables (33.8 M rows, 17.3 GB), one call per table (the
      outputs are not concatenated), sparse gradients;
    * ``ROBE-Z triton``: ``torch.ops.robe.forward`` (one launch for the 26 features, output
-     ``[B, 26 * 128]``; the input checks included, as every caller pays them), one shared
-     array ``--compression`` times smaller than the tables, reference hash, Z = 32 and 128;
-     backward = ``robe::backward_dense``;
+     ``[B, 26 * 128]``; the input checks included, as every caller pays them, deferred as
+     they are by default on CUDA), one shared array ``--compression`` times smaller than the
+     tables, reference hash, Z = 32 and 128; backward = ``robe::backward_dense``;
+   * ``ROBE-Z triton, checks read at the call``: the same with ``defer_checks(False)``
+     (the host waits for the checks' answer in every op);
    * ``ROBE-Z triton + fused Adagrad``: the same forward, then ``robe::backward_fused_``
      (the in-backward Adagrad step the module runs under ``apply_optimizer_in_backward``:
      array and state updated in place, no dense gradient);
@@ -48,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import shlex
@@ -131,24 +135,30 @@ def run_checks(device: str, quick: bool, only: Optional[str]) -> List[CheckResul
 
 class Timer:
     """Milliseconds per call of ``fn`` over ``inner`` back-to-back calls: CUDA events on a GPU
-    (the device's time, queued calls overlap with the host), ``perf_counter`` on CPU."""
+    (the device's time, queued calls overlap with the host), ``perf_counter`` on CPU.
+    ``host_ms`` is then the host's time per call to issue them (on a GPU, close to the
+    device's time when the host is what limits the calls)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.host_ms = float("nan")
 
     def __call__(self, fn: Callable[[], object], inner: int) -> float:
         if self.cuda:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
+            start_s = time.perf_counter()
             for _ in range(inner):
                 fn()
+            self.host_ms = (time.perf_counter() - start_s) * 1e3 / inner
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / inner
         start_s = time.perf_counter()
         for _ in range(inner):
             fn()
-        return (time.perf_counter() - start_s) * 1e3 / inner
+        self.host_ms = (time.perf_counter() - start_s) * 1e3 / inner
+        return self.host_ms
 
 
 @dataclasses.dataclass
@@ -230,7 +240,7 @@ def robe_inputs(setting: Setting, ids: torch.Tensor, device: torch.device,
 
 def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
               block_size: int) -> List[Row]:
-    from robe_torchrec.ops import cpu_backend, reference
+    from robe_torchrec.ops import cpu_backend, defer_checks, reference
     from robe_torchrec.ops.meta import Optimizer
 
     inputs = robe_inputs(setting, ids, device, block_size)
@@ -238,16 +248,20 @@ def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
     # CUDA tensors always reach the Triton kernels; CPU ones (--cpu) only when asked
     dispatch = contextlib.nullcontext if device.type == "cuda" else lambda: cpu_backend("triton")
     rows = []
-    for name, fn, reps in [("ROBE-Z triton", torch.ops.robe.forward, setting.reps),
-                           ("ROBE-Z pytorch (reference)", reference.forward,
-                            setting.reference_reps)]:
-        def forward(fn=fn):
-            with torch.no_grad(), dispatch():
+    read_at_call = functools.partial(defer_checks, False)
+    for name, fn, reps, mode in [
+            ("ROBE-Z triton", torch.ops.robe.forward, setting.reps, contextlib.nullcontext),
+            ("ROBE-Z pytorch (reference)", reference.forward, setting.reference_reps,
+             contextlib.nullcontext),
+            ("ROBE-Z triton, checks read at the call", torch.ops.robe.forward, setting.reps,
+             read_at_call)]:
+        def forward(fn=fn, mode=mode):
+            with torch.no_grad(), dispatch(), mode():
                 return fn(weights, *flat)
 
-        def train(fn=fn):
+        def train(fn=fn, mode=mode):
             weights.grad = None
-            with dispatch():
+            with dispatch(), mode():
                 fn(weights, *flat).backward(grad)
 
         rows.append(Row(f"{name}, Z={block_size}", block_size, forward, train, reps))
@@ -299,6 +313,8 @@ def run_speed(setting: Setting, device: torch.device) -> Tuple[List[Row], str]:
                 inner = setting.inner if row.reps == setting.reps else 1
                 row.forward_ms.append(timer(row.forward, inner))
                 row.train_ms.append(timer(row.train, inner))
+    from robe_torchrec.ops import raise_pending_checks
+    raise_pending_checks()  # every deferred check of the timed calls passed
     memory = ""
     if device.type == "cuda":
         memory = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"

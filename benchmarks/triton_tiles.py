@@ -3,12 +3,14 @@
 At the GPU check's setting (batch 10240, dim 128, the 26 Criteo Kaggle tables, one id per
 bag, reference hash, :func:`benchmarks.gpu_check.robe_inputs`), for Z = 32 and 128:
 
-1. **breakdown** of ``torch.ops.robe.forward``: the whole op; its input checks alone
-   (``check_inputs``: the data-dependent ones synchronize with the host); the op with the
-   checks switched off; allocating the zeroed output alone; the backward scatter with and
-   without its checks;
-2. **launch shapes**: blocks per program (``BLOCK_B``, set through the column tile) times
-   warps per program, forward and backward scatter without checks. Every forward output is
+1. **breakdown** of ``torch.ops.robe.forward``: the whole op, with its input checks deferred
+   (the default on CUDA) and read at the call (one synchronisation with the host); the
+   checks alone, both ways and one by one; the op with the checks switched off; allocating
+   the zeroed output alone; the backward scatter reusing the forward's check, with checks
+   of its own, and without checks;
+2. **launch shapes**: blocks per program (``BLOCK_B``, set through the column tile), or bags
+   a program for the short-bags kernels, times warps per program, forward and backward
+   scatter without checks. Every forward output is
    compared bitwise with the default shape's (the shape must never change a result); the
    backward's float32 atomics make it compared to 1e-5 instead.
 
@@ -72,21 +74,27 @@ def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None
 
 
 def _timed(rows: Dict[str, Callable[[], object]], timer: Timer, reps: int, inner: int,
-           warmup: int) -> Dict[str, float]:
+           warmup: int, host: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """Median device ms per call of each row; ``host``, if given, gets the median host ms."""
     samples: Dict[str, List[float]] = {name: [] for name in rows}
+    host_samples: Dict[str, List[float]] = {name: [] for name in rows}
     for fn in rows.values():
         for _ in range(warmup + 1):
             fn()
     for _ in range(reps):
         for name, fn in rows.items():
             samples[name].append(timer(fn, inner))
+            host_samples[name].append(timer.host_ms)
+    if host is not None:
+        host.update({name: statistics.median(s) for name, s in host_samples.items()})
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
               timer: Timer) -> List[str]:
-    from robe_torchrec.ops import triton_kernels as tk
-    from robe_torchrec.ops.validation import check_backward_inputs, check_inputs
+    from robe_torchrec.ops import deferred_checks, triton_kernels as tk
+    from robe_torchrec.ops.deferred_checks import defer_checks
+    from robe_torchrec.ops.validation import check_inputs
 
     inputs = robe_inputs(setting, ids, device, z)
     w, flat, grad = inputs.weights, inputs.flat, inputs.grad
@@ -105,23 +113,40 @@ def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
         with torch.no_grad():
             return torch.ops.robe.forward(trainable, *flat)
 
+    def checks(defer, fn):
+        def run():
+            with defer_checks(defer):
+                return fn()
+        return run
+
     rows = {
         "torch.ops.robe.forward, no_grad, weights requiring grad": registered_op,
-        "forward op (checks included)": lambda: tk.forward(w, *flat),
-        "input checks alone": lambda: check_inputs(w, *flat, tk._summarize_inputs),
+        "forward op, checks deferred": checks(True, lambda: tk.forward(w, *flat)),
+        "forward op, checks read at the call": checks(False, lambda: tk.forward(w, *flat)),
+        "input checks alone, deferred": checks(
+            True, lambda: check_inputs(w, *flat, tk._summarize_inputs)),
+        "input checks alone, read at the call": checks(
+            False, lambda: check_inputs(w, *flat, tk._summarize_inputs)),
+        "input checks one by one (no summary kernel)": lambda: check_inputs(w, *flat),
         "forward without checks": unchecked(lambda: tk.forward(w, *flat)),
         "zeroed output alone": lambda: torch.zeros(setting.batch, output_dim, device=device),
-        "backward scatter (checks included)": lambda: tk.backward_dense(*backward_args),
-        "backward input checks alone": lambda: check_backward_inputs(*backward_args,
-                                                                     tk._summarize_inputs),
-        "input checks one by one (no summary kernel)": lambda: check_inputs(w, *flat),
+        "backward scatter, the forward's check reused": lambda: tk.backward_dense(
+            *backward_args),
+        # another tensor object for the same ids: no forward checked it, so its own checks
+        "backward scatter, its own checks": lambda: tk.backward_dense(
+            grad, w, values.view(-1), *backward_args[3:]),
         "backward scatter without checks": unchecked(lambda: tk.backward_dense(*backward_args)),
     }
-    medians = _timed(rows, timer, setting.reps, setting.inner, setting.warmup)
-    whole = medians["forward op (checks included)"]
+    host: Dict[str, float] = {}
+    medians = _timed(rows, timer, setting.reps, setting.inner, setting.warmup, host)
+    deferred_checks.raise_pending_checks()
+    whole = medians["forward op, checks deferred"]
     out = [f"### Z = {z}: where the op's time goes", "",
-           "| part | ms | / forward op |", "|---|---|---|"]
-    out += [f"| {name} | {ms:.4f} | {ms / whole:.2f} |" for name, ms in medians.items()]
+           "Device ms: CUDA events around back-to-back calls; host ms: the host's time to "
+           "issue them (the same as the device's when the host limits the calls).", "",
+           "| part | device ms | / forward op | host ms |", "|---|---|---|---|"]
+    out += [f"| {name} | {ms:.4f} | {ms / whole:.2f} | {host[name]:.4f} |"
+            for name, ms in medians.items()]
     return out + [""]
 
 
@@ -165,30 +190,28 @@ def shapes(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
             with launch_shape(**shape):
                 return tk.forward(w, *flat)
 
-        rows[f"forward {key}"] = fwd
-        grad_err = float("nan")
-        if kernel == "per bag":  # the backward has one kernel: one bag a program
-            def bwd(shape=shape):
-                with launch_shape(**shape):
-                    return tk.backward_dense(grad, w, values, offsets, psw, meta, z,
-                                             hash_mode, params)
+        def bwd(shape=shape):
+            with launch_shape(**shape):
+                return tk.backward_dense(grad, w, values, offsets, psw, meta, z, hash_mode,
+                                         params)
 
-            rows[f"backward {key}"] = bwd
-            grad_err = float((bwd() - expected_grad).abs().max())
-        notes[key] = (torch.equal(fwd(), expected), grad_err)
+        rows[f"forward {key}"], rows[f"backward {key}"] = fwd, bwd
+        notes[key] = (torch.equal(fwd(), expected),
+                      float((bwd() - expected_grad).abs().max()))
     medians = _timed(rows, timer, setting.reps, setting.inner, setting.warmup)
     base = medians[f"forward {default}"]
+    base_backward = medians[f"backward {default}"]
     out = [f"### Z = {z}: launch shapes (checks off)", "",
-           f"Default: {default[0]} kernel, BLOCK_B = {default[1]}, {default[2]} bags a "
-           f"program, {default[3]} warps. The backward has one kernel (one bag a program).",
+           f"Default: {default[0]} kernels, BLOCK_B = {default[1]}, {default[2]} bags a "
+           f"program, {default[3]} warps. The backward follows the forward's kernel choice.",
            "", "| kernel | BLOCK_B | bags a program | warps | forward ms | / default | "
-           "backward ms | forward bitwise equal | backward max abs diff |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "backward ms | / default | forward bitwise equal | backward max abs diff |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for key, (equal, err) in notes.items():
-        f = medians[f"forward {key}"]
-        b = medians.get(f"backward {key}", float("nan"))
+        f, b = medians[f"forward {key}"], medians[f"backward {key}"]
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {f:.4f} | {f / base:.2f} | "
-                   f"{b:.4f} | {'yes' if equal else 'NO'} | {err:.2e} |")
+                   f"{b:.4f} | {b / base_backward:.2f} | {'yes' if equal else 'NO'} | "
+                   f"{err:.2e} |")
     return out + [""]
 
 

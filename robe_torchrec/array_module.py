@@ -28,6 +28,7 @@ from robe_torchrec.config import RobeConfig
 from robe_torchrec.fused_lookup import fused_lookup
 from robe_torchrec.layout import RobeLayout
 from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.rowwise_install import ArrayOwner
 
@@ -197,6 +198,8 @@ class RobeArrayModule(ArrayOwner):
     def _explain(self, err: Exception, features: KeyedJaggedTensor) -> Exception:
         """The op's error in the input's terms: the feature's name next to its index, and the
         lengths the caller gave rather than the offsets computed from them."""
+        if isinstance(err, DeferredCheckError):
+            return err  # another call's input, perhaps another module's: its index only
         message = str(err)
         found = re.search(r"of feature (\d+)", message)
         names = self._layout.feature_names

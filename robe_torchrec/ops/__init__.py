@@ -21,6 +21,10 @@ implementations with one signature:
 data-parallel path; torch.optim's functional steps), :mod:`robe_torchrec.ops.args` holds the
 arguments as one structure (:class:`LookupArgs`).
 
+On CUDA tensors the Triton ops read their input checks' answer after they return, so that
+the host never waits for the GPU (:mod:`robe_torchrec.ops.deferred_checks`:
+:func:`defer_checks`, :func:`raise_pending_checks`, ``ROBE_DEFER_CHECKS``).
+
 For CPU tensors the implementation can be switched (tests, benchmarks) with
 :func:`cpu_backend` or the ``ROBE_CPU_BACKEND`` environment variable
 (``cpp`` | ``triton`` | ``reference``). ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
@@ -44,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from typing import Iterator, List, Optional
@@ -53,12 +58,15 @@ from torch import Tensor
 
 from robe_torchrec.ops import meta
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops.deferred_checks import (DeferredCheckError, defer_checks,
+                                               raise_pending_checks)
 from robe_torchrec.ops.validation import check_static
 
 _BACKENDS = ("cpp", "triton", "reference")
 _cpu_backend = os.environ.get("ROBE_CPU_BACKEND", "cpp")
 
 
+@functools.lru_cache(maxsize=None)
 def _module_for(backend: str):
     if backend not in _BACKENDS:
         raise ValueError(f"robe: unknown backend {backend!r}; expected one of {_BACKENDS}")
@@ -296,15 +304,18 @@ def _counted_backward_fused_fake(*args) -> None:
 
 
 __all__ = [
+    "DeferredCheckError",
     "LayoutArgs",
     "LookupArgs",
     "backward_dense",
     "backward_fused_",
     "counted_backward_fused_",
     "cpu_backend",
+    "defer_checks",
     "forward",
     "meta",
     "per_sample_weights_grad",
+    "raise_pending_checks",
     "robe_unpooled_lookup",
 ]
 

@@ -46,9 +46,10 @@ from robe_torchrec.hashing import (
     HashMode,
     to_signed64,
 )
+from robe_torchrec.ops import deferred_checks
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_inputs,
-                                          check_optimizer_args)
+                                          check_optimizer_args, meta_facts)
 
 try:
     import triton
@@ -128,9 +129,12 @@ def _fmix64(x):
 
 @triton.jit
 def _reference_start(key, blk, span, a, b, c):
-    """``((key * A + blk * B + C) mod P) mod span`` in int64 (validated keys never overflow)."""
-    h = (key * a + blk * b + c) % _REFERENCE_PRIME
-    return h % span
+    """``((key * A + blk * B + C) mod P) mod span``. Validated keys never overflow int64, so
+    the sum is non-negative and its unsigned remainder is the signed one; a key that fails
+    its check (reported later when checks are deferred) may wrap, and the unsigned
+    remainder still lands in ``[0, P)``, so that no start falls outside the array."""
+    h = (key * a + blk * b + c).to(tl.uint64, bitcast=True) % _REFERENCE_PRIME
+    return h.to(tl.int64, bitcast=True) % span
 
 
 @triton.jit
@@ -194,7 +198,18 @@ def _feature_meta(meta_ptr, num_features, t):
 
 
 @triton.jit
-def _bag_setup(meta_ptr, offsets_ptr, bag, batch, num_features, Z: tl.constexpr,
+def _bag_range(offsets_ptr, bag, num_values, mask):
+    """Bag ``bag``'s id range ``[lo, hi)`` with ``lo >= 0`` and ``hi <= num_values`` (empty
+    when ``hi <= lo``): with the input checks deferred, bad offsets reach the kernels, and
+    must neither make them read outside ``values`` nor loop for ever (the check reports
+    them later). Valid offsets pass unchanged."""
+    lo = tl.load(offsets_ptr + bag, mask=mask, other=0).to(tl.int64)
+    hi = tl.load(offsets_ptr + bag + 1, mask=mask, other=0).to(tl.int64)
+    return tl.maximum(lo, 0), tl.minimum(hi, num_values)
+
+
+@triton.jit
+def _bag_setup(meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z: tl.constexpr,
                ACC: tl.constexpr):
     """What every kernel needs about bag ``bag`` (feature-major): its sample ``b``, its
     feature's output offset, dim, array offset, hash span and row offset, its id range
@@ -203,8 +218,7 @@ def _bag_setup(meta_ptr, offsets_ptr, bag, batch, num_features, Z: tl.constexpr,
     b = bag % batch
     out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
                                                                            num_features, t)
-    lo = tl.load(offsets_ptr + bag).to(tl.int64)
-    hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    lo, hi = _bag_range(offsets_ptr, bag, num_values, bag >= 0)
     divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
     return b, out_offset, dim, w_offset, w_size - Z + 1, row_offset, lo, hi, divisor
 
@@ -247,6 +261,32 @@ def _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
     return rows
 
 
+@triton.jit
+def _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features, num_values, Z: tl.constexpr,
+                      ACC: tl.constexpr, BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr,
+                      BLOCK_Z: tl.constexpr):
+    """What the short-bags kernels need about their ``BLOCK_BAGS`` bags (``program_id(0)`` =
+    feature * groups + group) and column tile (``program_id(1)``): the bags' samples
+    ``[BLOCK_BAGS]``, their feature's output offset, array offset, hash span and row offset,
+    their id ranges and divisors, the longest bag (0 when the tile holds no column of the
+    feature), the column tile, and the mask of the bags' valid output elements."""
+    groups = tl.cdiv(batch, BLOCK_BAGS)
+    t = tl.program_id(0).to(tl.int64) // groups
+    group = tl.program_id(0).to(tl.int64) % groups
+    tile = tl.program_id(1).to(tl.int64)
+    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
+                                                                           num_features, t)
+    blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    b = group * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS).to(tl.int64)
+    bag_mask = b < batch
+    lo, hi = _bag_range(offsets_ptr, t * batch + b, num_values, bag_mask)
+    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
+    longest = tl.where(tile * BLOCK_B * Z >= dim, 0, tl.max(hi - lo, axis=0))
+    mask = bag_mask[:, None, None] & col_mask[None, :, :]
+    return (b, out_offset, w_offset, w_size - Z + 1, row_offset, lo, hi, divisor, longest,
+            blk, s, cols, col_mask, mask)
+
+
 # =========================================================================================
 # Kernels
 # =========================================================================================
@@ -254,7 +294,7 @@ def _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
 def _forward_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
-    batch, num_features, out_stride,
+    batch, num_features, num_values, out_stride,
     p0: tl.int64, p1: tl.int64, p2: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
@@ -263,7 +303,7 @@ def _forward_kernel(
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
-        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
+        meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
     if tile * BLOCK_B * Z >= dim:  # no column of this feature in the tile: skip the ids
         hi = lo
@@ -284,7 +324,7 @@ def _forward_kernel(
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
 def _forward_short_bags_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
-    batch, num_features, out_stride,
+    batch, num_features, num_values, out_stride,
     p0: tl.int64, p1: tl.int64, p2: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
@@ -297,23 +337,9 @@ def _forward_short_bags_kernel(
     program leaves the GPU waiting on that chain, several keep their loads in flight
     together. Sums run in id order: one- and two-id bags pool exactly as
     ``_forward_kernel`` does (bitwise)."""
-    groups = tl.cdiv(batch, BLOCK_BAGS)
-    t = tl.program_id(0).to(tl.int64) // groups
-    group = tl.program_id(0).to(tl.int64) % groups
-    tile = tl.program_id(1).to(tl.int64)
-    out_offset, dim, w_offset, w_size, row_offset, pooling = _feature_meta(meta_ptr,
-                                                                           num_features, t)
-    span = w_size - Z + 1
-    blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
-    b = group * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS).to(tl.int64)
-    bag_mask = b < batch
-    bag = t * batch + b
-    lo = tl.load(offsets_ptr + bag, mask=bag_mask, other=0).to(tl.int64)
-    hi = tl.load(offsets_ptr + bag + 1, mask=bag_mask, other=0).to(tl.int64)
-    divisor = tl.where(pooling == _MEAN, tl.maximum(hi - lo, 1), 1).to(ACC)
-    # no column of this feature in the tile: skip the ids
-    longest = tl.where(tile * BLOCK_B * Z >= dim, 0, tl.max(hi - lo, axis=0))
-
+    (b, out_offset, w_offset, span, row_offset, lo, hi, divisor, longest, blk, s, cols,
+     col_mask, mask) = _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features,
+                                         num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
     acc = tl.zeros([BLOCK_BAGS, BLOCK_B, BLOCK_Z], dtype=ACC)
     for k in range(0, longest):
         i = lo + k
@@ -324,13 +350,42 @@ def _forward_short_bags_kernel(
 
     acc = _div_rn(acc, divisor[:, None, None])
     tl.store(out_ptr + b[:, None, None] * out_stride + out_offset + cols[None, :, :],
-             acc.to(out_ptr.dtype.element_ty), mask=bag_mask[:, None, None] & col_mask[None, :, :])
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _backward_short_bags_kernel(
+    grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
+    batch, num_features, num_values, grad_stride,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    """``_backward_kernel`` for short bags, laid out as ``_forward_short_bags_kernel``:
+    ``BLOCK_BAGS`` bags of one feature a program, their ids scattered in step."""
+    (b, out_offset, w_offset, span, row_offset, lo, hi, divisor, longest, blk, s, cols,
+     col_mask, mask) = _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features,
+                                         num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
+    grad = tl.load(grad_out_ptr + b[:, None, None] * grad_stride + out_offset + cols[None, :, :],
+                   mask=mask, other=0.0)
+    grad = _div_rn(grad.to(ACC), divisor[:, None, None])
+    for k in range(0, longest):
+        i = lo + k
+        id_mask = i < hi
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                               p0, p1, p2, HASH_MODE)
+        contrib = grad
+        if HAS_PSW:
+            psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
+            contrib = contrib * psw[:, None, None]
+        tl.atomic_add(grad_w_ptr + idx, contrib, mask=id_mask[:, None, None] & mask,
+                      sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
 def _backward_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
-    batch, num_features, grad_stride,
+    batch, num_features, num_values, grad_stride,
     p0: tl.int64, p1: tl.int64, p2: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
@@ -339,7 +394,7 @@ def _backward_kernel(
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
-        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
+        meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
     if tile * BLOCK_B * Z >= dim:
         hi = lo
@@ -362,7 +417,7 @@ def _backward_kernel(
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
 def _psw_grad_kernel(
     grad_out_ptr, w_ptr, values_ptr, offsets_ptr, meta_ptr, out_ptr,
-    batch, num_features, grad_stride,
+    batch, num_features, num_values, grad_stride,
     p0: tl.int64, p1: tl.int64, p2: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
@@ -370,7 +425,7 @@ def _psw_grad_kernel(
     """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
-        meta_ptr, offsets_ptr, bag, batch, num_features, Z, ACC)
+        meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
     num_tiles = tl.cdiv(dim, BLOCK_B * Z)
     grad_row = grad_out_ptr + b * grad_stride + out_offset
 
@@ -615,11 +670,11 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return out
 
 
-def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
-                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                      id_check: IdCheck) -> bool:
-    """The data-dependent input checks in one launch and one copy to the host: whether they
-    all pass (see :func:`robe_torchrec.ops.validation.check_inputs`)."""
+def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
+                    per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                    id_check: IdCheck) -> torch.Tensor:
+    """The data-dependent input checks in one launch: four problem counts on the device
+    (see :func:`robe_torchrec.ops.validation.check_inputs`)."""
     kernels = _kernels_for(values.device)
     num_bags = offsets.numel() - 1
     num_features = table_meta.shape[1]
@@ -636,23 +691,39 @@ def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
         KEY_LIMIT=key_limit is not None and not id_check.in_bounds,
         SEARCH_STEPS=num_features.bit_length(), BLOCK=_SUMMARY_BLOCK,
     )
+    return problems
+
+
+def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
+                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                      meta_cpu: torch.Tensor, id_check: IdCheck) -> bool:
+    """The forward's summary: whether the inputs pass, read at once, or ``True`` with the
+    answer queued for a later call (:mod:`robe_torchrec.ops.deferred_checks`). Either way
+    the backward ops of the same inputs reuse it."""
+    deferred_checks.raise_ready()
+    problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)
+    if deferred_checks.deferred_for(values.device):
+        deferred_checks.submit(problems, values, offsets, per_sample_weights, table_meta,
+                               meta_cpu, id_check)
+        return True
+    clean = not any(problems.tolist())
+    if clean:
+        deferred_checks.remember_clean(values, offsets, per_sample_weights, id_check)
+    return clean
+
+
+def _summarize_backward_inputs(values: torch.Tensor, offsets: torch.Tensor,
+                               per_sample_weights: Optional[torch.Tensor],
+                               table_meta: torch.Tensor, meta_cpu: torch.Tensor,
+                               id_check: IdCheck) -> bool:
+    """The backward ops' summary: the forward's answer when it checked these same inputs
+    (read now, before anything is written), else a summary of their own, read at once (a
+    backward writes gradients or updates weights: it never runs on unchecked input)."""
+    deferred_checks.raise_ready()
+    if deferred_checks.checked_before(values, offsets, per_sample_weights, meta_cpu, id_check):
+        return True
+    problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)
     return not any(problems.tolist())
-
-
-def _max_dim(meta_cpu: torch.Tensor) -> int:
-    return int(meta_cpu[m.DIM].max()) if meta_cpu.shape[1] else 0
-
-
-def _covers_every_column(meta_cpu: torch.Tensor, output_dim: int) -> bool:
-    """Whether the features' output columns tile ``[0, output_dim)`` exactly (then the
-    kernel writes every element of the output and it needs no zeroing)."""
-    starts, dims = meta_cpu[m.OUT_OFFSET].tolist(), meta_cpu[m.DIM].tolist()
-    end = 0
-    for start, dim in sorted(zip(starts, dims)):
-        if start != end:
-            return False
-        end = start + dim
-    return end == output_dim
 
 
 def forward(
@@ -679,18 +750,18 @@ def forward(
     batch = num_bags // num_features
     # columns no feature covers (output_dim > sum of dims) must read 0
     shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
-    out = (_empty(*shape, dtype=dtype, device=weights.device)
-           if _covers_every_column(meta_cpu, output_dim)
+    facts = meta_facts(meta_cpu, block_size, output_dim)
+    out = (_empty(*shape, dtype=dtype, device=weights.device) if facts.covers_output
            else torch.zeros(shape, dtype=dtype, device=weights.device))
     if batch == 0 or output_dim == 0:
         return out
-    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
+    tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
     psw = per_sample_weights
     args = (weights.contiguous(), values.contiguous(), offsets.contiguous(),
             weights if psw is None else psw.contiguous(),
             table_meta.to(weights.device).contiguous(), out,
-            batch, num_features, output_dim, *params)
+            batch, num_features, values.numel(), output_dim, *params)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
     if tiles.short_bags:
@@ -711,7 +782,7 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                  per_sample_weights=per_sample_weights)
     meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
                                      table_meta, block_size, hash_mode, hash_params,
-                                     _summarize_inputs)
+                                     _summarize_backward_inputs)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
@@ -721,18 +792,24 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     if values.numel() == 0:
         return grad
     num_bags = offsets.numel() - 1
-    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
+    tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
+                   values.numel(), num_bags,
                    _is_interpreted(kernels))
     psw = per_sample_weights
-    grad_output = grad_output.contiguous()
-    kernels._backward_kernel[(num_bags, tiles.col_tiles)](
-        grad_output, values.contiguous(), offsets.contiguous(),
-        weights if psw is None else psw.contiguous(),
-        table_meta.to(weights.device).contiguous(), grad,
-        batch, num_features, output_dim, *params,
-        Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
-        ACC=_acc_dtype(weights), **tiles.kwargs(),
-    )
+    args = (grad_output.contiguous(), values.contiguous(), offsets.contiguous(),
+            weights if psw is None else psw.contiguous(),
+            table_meta.to(weights.device).contiguous(), grad,
+            batch, num_features, values.numel(), output_dim, *params)
+    constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
+                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
+    if tiles.short_bags:
+        grid = (num_features * triton.cdiv(batch, tiles.block_bags), tiles.col_tiles)
+        kernels._backward_short_bags_kernel[grid](*args, BLOCK_BAGS=tiles.block_bags,
+                                                  num_warps=tiles.short_bags_warps,
+                                                  **constants)
+    else:
+        kernels._backward_kernel[(num_bags, tiles.col_tiles)](
+            *args, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, **constants)
     return grad
 
 
@@ -765,7 +842,8 @@ def per_sample_weights_grad(
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
     meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, None, table_meta,
-                                     block_size, hash_mode, hash_params, _summarize_inputs)
+                                     block_size, hash_mode, hash_params,
+                                     _summarize_backward_inputs)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
@@ -775,12 +853,13 @@ def per_sample_weights_grad(
     if values.numel() == 0:
         return out
     num_bags = offsets.numel() - 1
-    tiles = _Tiles(_max_dim(meta_cpu), block_size, values.numel(), num_bags,
+    tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
+                   values.numel(), num_bags,
                    _is_interpreted(kernels))
     kernels._psw_grad_kernel[(num_bags,)](
         grad_output.contiguous(), weights.contiguous(), values.contiguous(),
         offsets.contiguous(), table_meta.to(weights.device).contiguous(), out,
-        batch, num_features, output_dim, *params,
+        batch, num_features, values.numel(), output_dim, *params,
         Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), **tiles.kwargs(),
     )
     return out

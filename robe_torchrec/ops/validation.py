@@ -8,7 +8,8 @@ no Python loop runs over ids.
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional
+import functools
+from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -64,10 +65,15 @@ def check_static(
     check_enum("hash_mode", hash_mode, HashMode)
 
 
+@functools.lru_cache(maxsize=None)
+def _members(kind: type) -> FrozenSet[int]:
+    return frozenset(int(member) for member in kind)
+
+
 def check_enum(argument: str, value: int, kind: type) -> None:
     """Refuse an integer that is no member of the IntEnum ``kind``, naming ``argument``
     (an unknown value would otherwise fall through to a kernel's default branch)."""
-    if int(value) not in {int(member) for member in kind}:
+    if int(value) not in _members(kind):
         names = [f"{int(member)} ({member.name.lower()})" for member in kind]
         choices = ", ".join(names[:-1]) + f" or {names[-1]}"
         raise ValueError(f"robe: {argument} must be {choices}, got {value}")
@@ -127,21 +133,21 @@ def check_inputs(
     if len(hash_params) != 3:
         raise ValueError(f"robe: hash_params must hold 3 integers, got {len(hash_params)}")
     meta_cpu = checked_table_meta(table_meta, output_dim, block_size, weights.numel())
-    dims, sizes = meta_cpu[m.DIM], meta_cpu[m.W_SIZE]
+    facts = meta_facts(meta_cpu, block_size, output_dim)
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     if batch > 0 and output_dim > (2**63 - 1) // 8 // batch:
         raise ValueError(f"robe: the output of {batch} samples x output_dim {output_dim} "
                          "elements is too large to allocate")
-    if hash_mode == HashMode.MIX and int((sizes - block_size + 1).max()) >= 2**32:
+    if hash_mode == HashMode.MIX and facts.max_span >= 2**32:
         raise ValueError("robe: the mix hash needs memory_size - block_size + 1 < 2**32")
     key_limit = None
     if bounds_check != m.BoundsCheck.ERROR and hash_mode == HashMode.REFERENCE:
-        key_limit = reference_key_limit(int((-(-dims // block_size)).max()), hash_params)
+        key_limit = reference_key_limit(facts.max_blocks, hash_params)
     id_check = IdCheck(bounds_check == m.BoundsCheck.ERROR, key_limit)
     if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
-                                           id_check):
+                                           meta_cpu, id_check):
         return meta_cpu
-    _check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+    check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
     return meta_cpu
 
 
@@ -153,11 +159,12 @@ class IdCheck(NamedTuple):
     key_limit: Optional[int]
 
 
-#: ``summarize(values, offsets, per_sample_weights, table_meta, id_check) -> clean``: whether
-#: every data-dependent check passes (offsets start at 0, end at ``values.numel()`` and never
-#: decrease; per-sample weights are finite; every id passes ``id_check``)
+#: ``summarize(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check) -> clean``:
+#: whether every data-dependent check passes (offsets start at 0, end at ``values.numel()``
+#: and never decrease; per-sample weights are finite; every id passes ``id_check``), or will
+#: be reported by a later call (the Triton ops' deferred checks)
 Summarize = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor,
-                      IdCheck], bool]
+                      torch.Tensor, IdCheck], bool]
 
 #: table_meta tensor -> (its version, the arguments it was checked with, its CPU copy)
 _CHECKED_META: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -185,10 +192,53 @@ def checked_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: in
         # hold its own key alive
         kept = meta_cpu.clone() if meta_cpu.data_ptr() == table_meta.data_ptr() else meta_cpu
         _CHECKED_META[table_meta] = (version, arguments, kept)
+        return kept  # never the caller's tensor: what is derived from it may be kept too
     return meta_cpu
 
 
-def _check_data(values: torch.Tensor, offsets: torch.Tensor,
+class MetaFacts(NamedTuple):
+    """What the ops derive on the host from a checked ``table_meta`` (CPU copy)."""
+    max_dim: int
+    #: the most ROBE blocks a feature's row spans, ``ceil(dim / block_size)``
+    max_blocks: int
+    #: the largest ``memory_size - block_size + 1`` (the hash's range of block starts)
+    max_span: int
+    #: whether the features' columns tile ``[0, output_dim)`` exactly (then a kernel writes
+    #: every output element, and the output needs no zeroing)
+    covers_output: bool
+
+
+#: id(meta_cpu) -> (meta_cpu, (block_size, output_dim, its version), MetaFacts); the entry
+#: holds meta_cpu (a small host tensor), so its id cannot be reused while it is here
+_FACTS: Dict[int, Tuple[torch.Tensor, Tuple[int, int, int], "MetaFacts"]] = {}
+_MAX_FACTS = 64
+
+
+def meta_facts(meta_cpu: torch.Tensor, block_size: int, output_dim: int) -> MetaFacts:
+    """:class:`MetaFacts` of ``meta_cpu``, computed once per tensor, version and arguments
+    (a dozen small host ops a call otherwise, a real share of a GPU op's host time)."""
+    try:
+        key: Optional[Tuple[int, int, int]] = (block_size, output_dim, meta_cpu._version)
+    except RuntimeError:  # an inference tensor: no version to key on
+        key = None
+    hit = _FACTS.get(id(meta_cpu))
+    if key is not None and hit is not None and hit[0] is meta_cpu and hit[1] == key:
+        return hit[2]
+    dims, sizes = meta_cpu[m.DIM].tolist(), meta_cpu[m.W_SIZE].tolist()
+    end = 0
+    for start, dim in sorted(zip(meta_cpu[m.OUT_OFFSET].tolist(), dims)):
+        end = end + dim if start == end else -1
+    facts = MetaFacts(max(dims, default=0), max((-(-d // block_size) for d in dims), default=0),
+                      max((size - block_size + 1 for size in sizes), default=0),
+                      end == output_dim)
+    if key is not None:
+        if len(_FACTS) >= _MAX_FACTS:
+            _FACTS.clear()
+        _FACTS[id(meta_cpu)] = (meta_cpu, key, facts)
+    return facts
+
+
+def check_data(values: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                 meta_cpu: torch.Tensor, id_check: IdCheck) -> None:
     """The data-dependent checks one by one, in order: raises the first problem's message."""

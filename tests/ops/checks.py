@@ -21,7 +21,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from robe_torchrec.hashing import HashMode
-from robe_torchrec.ops import cpu_backend, reference
+from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, reference
+from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
 
@@ -142,9 +143,9 @@ def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
 
 
 @contextlib.contextmanager
-def forward_kernel(short_bags: bool):
-    """The Triton forward takes its short-bags kernel (or its one-bag-a-program kernel)
-    whatever the bag lengths, inside the block."""
+def bag_kernels(short_bags: bool):
+    """The Triton forward and backward take their short-bags kernels (or their
+    one-bag-a-program kernels) whatever the bag lengths, inside the block."""
     saved = tk._SHORT_BAG_MEAN
     tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
     try:
@@ -159,31 +160,86 @@ def check_forward_both_kernels(case: OpCase) -> None:
     expected = reference.forward(*case.forward_args())
     outputs = []
     for short_bags in (False, True):
-        with forward_kernel(short_bags):
+        with bag_kernels(short_bags):
             outputs.append(tk.forward(*case.forward_args()))
         assert_close(outputs[-1], expected, _tol(case))
     if int((case.offsets[1:] - case.offsets[:-1]).max()) <= 2:
         assert torch.equal(*outputs), "the two forward kernels differ on short bags"
 
 
-def check_bad_input_is_refused(case: OpCase) -> None:
-    """The Triton ops' one-pass input checks refuse an id out of range and decreasing
-    offsets with the reference's message."""
-    args = list(case.forward_args())  # weights, values, offsets, ...
+def check_backward_both_kernels(case: OpCase) -> None:
+    """Both Triton backward kernels (one bag a program, several) against the reference."""
+    for short_bags in (False, True):
+        with bag_kernels(short_bags):
+            check_backward_dense(case)
+
+
+def _bad_inputs(case: OpCase) -> List[Tuple[int, torch.Tensor]]:
+    """``(position in forward_args, bad tensor)``: an id out of range, decreasing offsets."""
     bad_ids = case.values.clone()
     bad_ids[-1] = 10**9
     bad_offsets = case.offsets.clone()
     middle = bad_offsets.numel() // 2
     bad_offsets[middle] = bad_offsets[middle + 1] + 1
-    for position, bad in ((1, bad_ids), (2, bad_offsets)):
+    return [(1, bad_ids), (2, bad_offsets)]
+
+
+def _with(args: tuple, position: int, tensor: torch.Tensor) -> tuple:
+    return args[:position] + (tensor,) + args[position + 1:]
+
+
+def check_bad_input_is_refused(case: OpCase) -> None:
+    """The Triton ops' one-pass input checks, read at the call, refuse an id out of range
+    and decreasing offsets with the reference's message."""
+    args = case.forward_args()  # weights, values, offsets, ...
+    for position, bad in _bad_inputs(case):
         messages = []
         for impl in (tk, reference):
             try:
-                impl.forward(*args[:position], bad, *args[position + 1:])
+                with defer_checks(False):
+                    impl.forward(*_with(args, position, bad))
                 messages.append(None)
             except ValueError as exc:
                 messages.append(str(exc))
         assert messages[0] is not None and messages[0] == messages[1], messages
+
+
+def check_deferred_bad_input(case: OpCase) -> None:
+    """Deferred checks: a forward on bad input returns; the problem is raised later with
+    the reference's message, and by the fused backward of the same inputs before it
+    changes the weights or the optimizer state."""
+    args = case.forward_args()
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    for position, bad in _bad_inputs(case):
+        expected = None
+        try:
+            reference.forward(*_with(args, position, bad))
+        except ValueError as exc:
+            expected = str(exc)
+        assert expected is not None, "the reference took the bad input"
+        with defer_checks(True):
+            tk.forward(*_with(args, position, bad))  # must not raise: the answer is queued
+            try:
+                raise_pending_checks()
+                raised = None
+            except DeferredCheckError as exc:
+                raised = str(exc)
+            assert raised is not None and raised.startswith(expected), (raised, expected)
+
+            weights, state = case.weights.clone(), fused_states(case, optimizer)
+            before = [weights.clone()] + [s.clone() for s in state]
+            bad_case = OpCase(**{**case.__dict__, "weights": weights,
+                                 ("values", "offsets")[position - 1]: bad})
+            tk.forward(*bad_case.forward_args())
+            grad, _, *lookup = bad_case.backward_args(case.grad())
+            try:
+                tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+                raised = None
+            except DeferredCheckError as exc:
+                raised = str(exc)
+            assert raised is not None and raised.startswith(expected), (raised, expected)
+            for kept, now in zip(before, [weights] + state):
+                assert torch.equal(kept, now), "the fused backward changed state on bad input"
 
 
 def check_index_dtypes_agree(case: OpCase) -> None:
@@ -287,7 +343,9 @@ def triton_checks(device, quick: bool = False) -> List[Tuple[str, Callable[[], N
         dict(LARGE, max_bag=2, batch=300))
     checks += [
         ("forward_both_kernels", lambda: check_forward_both_kernels(short_bags())),
+        ("backward_both_kernels", lambda: check_backward_both_kernels(short_bags())),
         ("bad_input_refused", lambda: check_bad_input_is_refused(case(matrix[1], batch=4)())),
+        ("deferred_bad_input", lambda: check_deferred_bad_input(case(matrix[1], batch=4)())),
         ("int32_int64_ids_agree", lambda: check_index_dtypes_agree(case(matrix[2], batch=4)())),
         ("registered_op_autograd", lambda: check_registered_op(case(matrix[1], batch=4)())),
         ("torch_compile", lambda: check_compiled(case(matrix[1], batch=4)())),

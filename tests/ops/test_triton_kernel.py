@@ -55,9 +55,9 @@ def test_forward(kw):
 
 @pytest.mark.parametrize("kernel", ["per_bag", "short_bags"])
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
-def test_forward_each_kernel(kw, kernel, monkeypatch):
-    """Both forward kernels on every case, whatever its bag lengths (the short-bags one
-    with a group size that leaves a partial last group)."""
+def test_each_kernel(kw, kernel, monkeypatch):
+    """Both forward kernels and both backward kernels on every case, whatever its bag
+    lengths (the short-bags ones with a group size that leaves a partial last group)."""
     monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if kernel == "short_bags" else -1.0)
     monkeypatch.setattr(tk, "_BAGS_PER_PROGRAM", 4)
     if kernel == "short_bags" and kw.get("max_bag", 0) > 100:
@@ -65,6 +65,7 @@ def test_forward_each_kernel(kw, kernel, monkeypatch):
         # half a minute; 40 still gives every group bags of very different lengths
         kw = dict(kw, max_bag=40)
     check_forward(random_case(**kw))
+    check_backward_dense(random_case(**kw))
 
 
 def test_short_bags_kernel_is_bitwise_the_per_bag_kernel_on_one_and_two_id_bags(monkeypatch):
@@ -471,6 +472,7 @@ CONFIGS = [  # kernel, hash mode / optimizer, weights dtype, ids dtype
     ("forward", 0, "bf16", "i64"), ("optimizer", 0, "fp16", None),
     ("optimizer", 1, "fp32", None), ("optimizer", 2, "fp64", None),
     ("short_bags", 0, "fp32", "i64"), ("short_bags", 1, "bf16", "i32"),
+    ("backward_short_bags", 1, "fp32", "i32"), ("backward_short_bags", 0, "fp64", "i64"),
     ("summary", 0, "fp32", "i64"), ("summary", 1, "fp16", "i32"),
 ]
 for which, mode, weights, index in CONFIGS:
@@ -496,6 +498,9 @@ for which, mode, weights, index in CONFIGS:
         "short_bags": (tk._forward_short_bags_kernel,
                        dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
                             HAS_PSW=True, BLOCK_BAGS=8)),
+        "backward_short_bags": (tk._backward_short_bags_kernel,
+                                dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
+                                     HAS_PSW=True, BLOCK_BAGS=4)),
         "summary": (tk._input_summary_kernel,
                     dict(HAS_PSW=True, IN_BOUNDS=mode == 0, KEY_LIMIT=mode == 1,
                          SEARCH_STEPS=5, BLOCK=1024)),
@@ -529,7 +534,7 @@ def test_kernels_compile_for_cuda(tmp_path):
     if "cannot find" in result.stderr and "ptxas" in result.stderr:  # pragma: no cover
         pytest.skip("ptxas unavailable")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 11
+    assert result.stdout.count("compiled") == 13  # one line per entry of CONFIGS
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,252 @@
+"""Input checks whose answer is read after the op returns: how the Triton ops avoid waiting
+for the GPU on every call.
+
+The Triton ops reduce their data-dependent input checks (offsets, ids, per-sample weights) to
+four counts on the device (``_input_summary_kernel``). Reading the counts at once makes the
+host wait for the GPU on every call, which stalls a host that would otherwise queue work
+ahead (a train pipeline, or just the next layer). With deferred checks the op queues the
+counts' copy to pinned host memory and returns; the answer is read later:
+
+* at the start of any later Triton op, for every earlier check the device has finished
+  (no wait);
+* by the backward ops, before they write anything, for the inputs the forward checked: the
+  same ``values``, ``offsets`` and per-sample weights, unchanged since. The backward waits
+  for that check (the device finished it long before the backward was queued) instead of
+  running its own. A training step therefore raises before any weight or optimizer state
+  changes. (With checks read at the call the backward reuses the forward's answer too;
+  a backward given inputs no forward checked reads its own checks at once);
+* by :func:`raise_pending_checks`, which waits for all of them;
+* once more than :data:`MAX_PENDING` answers are unread, the oldest is waited for.
+
+A problem raises the message it raises at the call in immediate mode, with a note that the
+call returned before it was found. The kernels never read or write outside their tensors on
+bad input (offsets are clamped, hashed positions wrap into the array), so what a deferred call
+computed from bad input is wrong but harmless, and the error still comes before any update.
+
+Deferred checks are on for CUDA tensors and off for CPU tensors (Triton's interpreter, where
+reading the counts costs nothing). ``ROBE_DEFER_CHECKS=0`` turns them off everywhere (every
+error at its call, one wait per op), ``=1`` on everywhere; :func:`defer_checks` sets it for a
+block.
+
+Example::
+
+    >>> with defer_checks(True):
+    ...     out = torch.ops.robe.forward(weights, bad_values, offsets, ...)  # returns
+    ...     raise_pending_checks()      # DeferredCheckError: robe: id 7 at position 3 of feature 0 ...
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import weakref
+from typing import Deque, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.validation import IdCheck, check_data
+
+#: unread answers allowed before the oldest is waited for (bounds the inputs kept alive)
+MAX_PENDING = 16
+
+_ENV = "ROBE_DEFER_CHECKS"
+
+
+class DeferredCheckError(ValueError):
+    """Bad input found by a deferred check: raised by a later call than the one that took
+    the input (its message is that call's, with a note saying so)."""
+
+
+def _setting_from_env() -> Optional[bool]:
+    value = os.environ.get(_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"robe: {_ENV}={value!r}; expected 1 (defer the input checks), "
+                     "0 (check at every call) or auto (defer on CUDA)")
+
+
+_setting: Optional[bool] = _setting_from_env()
+
+
+@contextlib.contextmanager
+def defer_checks(enabled: bool) -> Iterator[None]:
+    """Defer the Triton ops' data checks (``True``) or read them at every call (``False``)
+    inside the block, on every device. Answers still unread when the block ends stay queued."""
+    global _setting
+    previous, _setting = _setting, bool(enabled)
+    try:
+        yield
+    finally:
+        _setting = previous
+
+
+def deferred_for(device: torch.device) -> bool:
+    """Whether checks on ``device`` are deferred now."""
+    return device.type == "cuda" if _setting is None else _setting
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One summary's counts on their way to the host, and the inputs it checked (kept until
+    the counts are read, to name the first problem)."""
+    counts: torch.Tensor
+    event: Optional["torch.cuda.Event"]
+    inputs: Optional[Tuple]
+    versions: Tuple[int, ...]
+    clean: Optional[bool] = None
+    error: str = ""
+
+    def done(self) -> bool:
+        return self.clean is not None or self.event is None or self.event.query()
+
+    def resolve(self) -> None:
+        """Wait for the counts if needed; raise the first problem's message if any (again
+        on every later call: a backward must not take inputs already found bad)."""
+        if self.clean is None:
+            if self.event is not None:
+                self.event.synchronize()
+            counts, inputs, self.inputs = self.counts.tolist(), self.inputs, None
+            self.clean = not any(counts)
+            if not self.clean:
+                self.error = _problem_message(counts, inputs, self.versions)
+        if not self.clean:
+            raise DeferredCheckError(self.error)
+
+
+@dataclasses.dataclass
+class _Record:
+    """What a forward checked, for the backward ops that get the same inputs."""
+    offsets: "weakref.ref[torch.Tensor]"
+    per_sample_weights: Optional["weakref.ref[torch.Tensor]"]
+    versions: Tuple[int, ...]
+    id_check: IdCheck
+    pending: _Pending
+
+
+_pending: Deque[_Pending] = collections.deque()
+#: values tensor -> the last check of it (weak keys: a record never keeps its inputs alive)
+_records: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _versions(*tensors: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+    try:
+        return tuple(-1 if t is None else t._version for t in tensors)
+    except RuntimeError:  # inference tensors carry no version: nothing can be matched later
+        return None
+
+
+def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+           per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+           meta_cpu: torch.Tensor, id_check: IdCheck) -> None:
+    """Queue the answer of a summary (``problems``: its four counts, on the device) for a
+    later read, and remember what it checked."""
+    versions = _versions(values, offsets, per_sample_weights)
+    event = None
+    if problems.is_cuda:
+        counts = torch.empty(problems.shape, dtype=problems.dtype, pin_memory=True)
+        counts.copy_(problems, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        counts = problems
+    pending = _Pending(counts, event,
+                       (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check),
+                       versions or ())
+    _pending.append(pending)
+    _remember(values, offsets, per_sample_weights, versions, id_check, pending)
+    while len(_pending) > MAX_PENDING:
+        _pending.popleft().resolve()
+
+
+def remember_clean(values: torch.Tensor, offsets: torch.Tensor,
+                   per_sample_weights: Optional[torch.Tensor], id_check: IdCheck) -> None:
+    """Record inputs whose checks passed at the call (checks not deferred), so that the
+    backward ops of the same inputs need not check them again."""
+    passed = _Pending(torch.zeros(0), None, None, (), clean=True)
+    _remember(values, offsets, per_sample_weights,
+              _versions(values, offsets, per_sample_weights), id_check, passed)
+
+
+def _remember(values: torch.Tensor, offsets: torch.Tensor,
+              per_sample_weights: Optional[torch.Tensor], versions: Optional[Tuple[int, ...]],
+              id_check: IdCheck, pending: _Pending) -> None:
+    if versions is not None:
+        psw = None if per_sample_weights is None else weakref.ref(per_sample_weights)
+        _records[values] = _Record(weakref.ref(offsets), psw, versions, id_check, pending)
+
+
+def raise_ready() -> None:
+    """Read every queued answer the device has finished, oldest first (no wait); raise the
+    first problem found."""
+    while _pending and _pending[0].done():
+        _pending.popleft().resolve()
+
+
+def raise_pending_checks() -> None:
+    """Wait for every queued answer and raise the first problem found; after it returns,
+    every input a Triton op has taken so far passed its checks."""
+    while _pending:
+        _pending.popleft().resolve()
+
+
+def checked_before(values: torch.Tensor, offsets: torch.Tensor,
+                   per_sample_weights: Optional[torch.Tensor], meta_cpu: torch.Tensor,
+                   id_check: IdCheck) -> bool:
+    """Whether an earlier call checked these very inputs, unchanged since, with a check at
+    least as strict as ``id_check``. If so, its answer is read now (waiting for the device
+    if needed) and a problem raises; ``True`` then means the inputs passed."""
+    record = _records.get(values)
+    if record is None or record.offsets() is not offsets:
+        return False
+    now = _versions(values, offsets, per_sample_weights)
+    if now is None or now[:2] != record.versions[:2]:
+        return False
+    # a call without per-sample weights (their gradient's) needs none of their checks
+    if per_sample_weights is not None and (
+            record.per_sample_weights is None
+            or record.per_sample_weights() is not per_sample_weights
+            or now[2] != record.versions[2]):
+        return False
+    if not _covers(record.id_check, id_check, meta_cpu):
+        return False
+    record.pending.resolve()
+    return True
+
+
+def _covers(done: IdCheck, wanted: IdCheck, meta_cpu: torch.Tensor) -> bool:
+    """Whether passing ``done`` implies passing ``wanted``."""
+    if done == wanted or (not wanted.in_bounds and wanted.key_limit is None):
+        return True
+    if done.in_bounds and not wanted.in_bounds:
+        # ids in [0, num_rows) give keys below row_offset + num_rows
+        largest = int((meta_cpu[m.ROW_OFFSET] + meta_cpu[m.NUM_ROWS]).max())
+        return largest <= wanted.key_limit
+    return False
+
+
+_PROBLEMS = ("bags with decreasing offsets", "ids that fail their check",
+             "non-finite per-sample weights", "offsets that do not start at 0 or end at "
+             "len(values)")
+_NOTE = ("(found by a deferred input check, after the call that took this input returned; "
+         f"set {_ENV}=0 to raise at the call)")
+
+
+def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]) -> str:
+    values, offsets, per_sample_weights, table_meta, meta_cpu, id_check = inputs
+    if _versions(values, offsets, per_sample_weights) == versions:
+        try:
+            check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+        except ValueError as exc:
+            return f"{exc} {_NOTE}"
+    # the inputs changed in place since (or hold no version): say what the counts say
+    found = ", ".join(f"{n} {what}" for n, what in zip(counts, _PROBLEMS) if n)
+    return (f"robe: an earlier call's input had {found}; it changed before the problem "
+            f"could be named {_NOTE}")

@@ -1,0 +1,274 @@
+"""Deferred input checks (robe_torchrec.ops.deferred_checks), run by the Triton kernels on
+CPU tensors in Triton's interpreter: the answers a GPU would read later are read later here
+too. ``_Pending.done`` is patched to ``False`` where a test needs a device that lags behind
+the host (on CPU every answer is ready at once)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this module
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from robe_torchrec.ops import deferred_checks as dc  # noqa: E402
+from robe_torchrec.ops import defer_checks, raise_pending_checks  # noqa: E402
+from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
+from robe_torchrec.ops.deferred_checks import DeferredCheckError  # noqa: E402
+
+from .cases import OpCase, case_matrix, random_case  # noqa: E402
+from .checks import OPTIMIZERS, check_deferred_bad_input, fused_states  # noqa: E402
+
+if not tk._is_interpreted(tk):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file in its "
+                "own process", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def deferred():
+    """Deferred checks on CPU tensors, and no answer left over from another test."""
+    dc._pending.clear()
+    with defer_checks(True):
+        yield
+    dc._pending.clear()
+
+
+@pytest.fixture
+def lagging_device(monkeypatch):
+    """Answers are never ready without a wait: as on a GPU the host runs ahead of."""
+    monkeypatch.setattr(dc._Pending, "done", lambda self: self.clean is not None)
+
+
+@pytest.fixture
+def summaries(monkeypatch):
+    """Counts the summary kernel's launches."""
+    launches = []
+    original = tk._launch_summary
+
+    def counted(*args):
+        launches.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(tk, "_launch_summary", counted)
+    return launches
+
+
+def weighted_case(**extra) -> OpCase:
+    return random_case(**dict(case_matrix()[2], batch=4, **extra))
+
+
+def bad_ids(case: OpCase) -> OpCase:
+    values = case.values.clone()
+    values[-1] = 10**9
+    return OpCase(**{**case.__dict__, "values": values})
+
+
+def test_clean_input_gives_the_immediate_results_bitwise():
+    case = weighted_case()
+    g = case.grad()
+    outputs = []
+    for defer in (False, True):
+        with defer_checks(defer):
+            outputs.append((tk.forward(*case.forward_args()),
+                            tk.backward_dense(*case.backward_args(g)),
+                            tk.per_sample_weights_grad(*case.psw_grad_args(g))))
+    for immediate, deferred in zip(*outputs):
+        assert torch.equal(immediate, deferred)
+    raise_pending_checks()
+
+
+def test_bad_input_raises_later_with_the_reference_message():
+    check_deferred_bad_input(random_case(**dict(case_matrix()[1], batch=4)))
+
+
+def test_the_next_call_raises_an_earlier_problem():
+    case = weighted_case()
+    tk.forward(*bad_ids(case).forward_args())
+    with pytest.raises(DeferredCheckError, match=r"id 1000000000 at position .* deferred"):
+        tk.forward(*case.forward_args())
+    tk.forward(*case.forward_args())  # raised once: the queue is clean again
+    raise_pending_checks()
+
+
+def test_backward_reads_the_forward_answer_before_writing(lagging_device, summaries):
+    """The device lags: nothing is read until the fused backward of the same inputs, which
+    waits for the forward's answer, raises, and leaves weights and state as they were."""
+    case = bad_ids(weighted_case())
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    weights, state = case.weights.clone(), fused_states(case, optimizer)
+    kept = [weights.clone()] + [s.clone() for s in state]
+    tk.forward(*case.forward_args())
+    tk.forward(*weighted_case().forward_args())  # the bad answer stays unread
+    assert len(dc._pending) == 2
+    grad, _, *lookup = case.backward_args(case.grad())
+    with pytest.raises(DeferredCheckError, match="id 1000000000"):
+        tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+    assert len(summaries) == 2, "the backward ran a summary of its own"
+    for before, after in zip(kept, [weights] + state):
+        assert torch.equal(before, after)
+    # found once, the same inputs are refused again, whoever reads the queue first
+    with pytest.raises(DeferredCheckError):
+        raise_pending_checks()
+    with pytest.raises(DeferredCheckError, match="id 1000000000"):
+        tk.backward_dense(*case.backward_args(case.grad()))
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_backward_reuses_the_forward_check_of_the_same_inputs(lagging_device, summaries, defer):
+    """Deferred or read at the call, the forward's check serves the backward ops."""
+    case = weighted_case()
+    g = case.grad()
+    with defer_checks(defer):
+        tk.forward(*case.forward_args())
+    tk.backward_dense(*case.backward_args(g))
+    tk.per_sample_weights_grad(*case.psw_grad_args(g))
+    assert len(summaries) == 1, "a backward checked the forward's inputs again"
+
+    # different per-sample weights, or values changed in place: checked again, at once
+    other = OpCase(**{**case.__dict__, "per_sample_weights": case.per_sample_weights.clone()})
+    tk.backward_dense(*other.backward_args(g))
+    assert len(summaries) == 2
+    case.values.add_(0)
+    tk.backward_dense(*case.backward_args(g))
+    assert len(summaries) == 3
+
+
+def test_backward_without_a_forward_checks_at_once(lagging_device):
+    case = weighted_case()
+    offsets = case.offsets.clone()
+    offsets[1] = offsets[2] + 1
+    case = OpCase(**{**case.__dict__, "offsets": offsets})
+    with pytest.raises(ValueError, match="offsets decrease at bag") as raised:
+        tk.backward_dense(*case.backward_args(case.grad()))
+    assert not isinstance(raised.value, DeferredCheckError)  # raised at its own call
+
+
+def test_input_changed_before_the_answer_is_read_is_described_by_counts(lagging_device):
+    case = bad_ids(weighted_case())
+    tk.forward(*case.forward_args())
+    case.values[-1] = 0  # repaired in place: the one-by-one checks would find nothing
+    with pytest.raises(DeferredCheckError, match="1 ids that fail their check; it changed"):
+        raise_pending_checks()
+
+
+def test_unread_answers_are_bounded(lagging_device):
+    case = weighted_case()
+    for _ in range(dc.MAX_PENDING + 5):
+        tk.forward(*case.forward_args())
+        assert len(dc._pending) <= dc.MAX_PENDING
+    raise_pending_checks()
+    assert not dc._pending
+
+
+def test_module_training_step_raises_before_the_fused_update():
+    """A TorchRec user's step: the module's forward on bad ids returns, the backward raises
+    the deferred error (the feature's index, no name: it may be another call's input), and
+    the array keeps its values."""
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.optim import apply_optimizer_in_backward
+
+    from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+    from robe_torchrec.ops import cpu_backend
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100,
+                                 feature_names=["f"])]
+    module = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=256, block_size=4))
+    apply_optimizer_in_backward(torch.optim.Adagrad, [module.weight], {"lr": 0.1})
+    kept = module.weight.detach().clone()
+    features = KeyedJaggedTensor(keys=["f"], values=torch.tensor([3, 100, 5]),
+                                 lengths=torch.tensor([1, 1, 1]))
+    with cpu_backend("triton"):
+        pooled = module(features).values()
+        with pytest.raises(DeferredCheckError, match=r"id 100 at position 1 of feature 0 is"):
+            pooled.sum().backward()
+    assert torch.equal(module.weight.detach(), kept)
+
+
+def test_the_mode_follows_the_device_and_the_environment(monkeypatch):
+    monkeypatch.setattr(dc, "_setting", None)
+    assert dc.deferred_for(torch.device("cuda")) and not dc.deferred_for(torch.device("cpu"))
+    for value, expected in (("0", False), ("1", True), ("auto", None), ("", None)):
+        monkeypatch.setenv("ROBE_DEFER_CHECKS", value)
+        assert dc._setting_from_env() is expected
+    monkeypatch.setenv("ROBE_DEFER_CHECKS", "sometimes")
+    with pytest.raises(ValueError, match="ROBE_DEFER_CHECKS='sometimes'; expected 1"):
+        dc._setting_from_env()
+
+
+_WILD_INPUT = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from robe_torchrec.hashing import HashMode, hash_params
+    from robe_torchrec.ops import defer_checks, raise_pending_checks
+    from robe_torchrec.ops import triton_kernels as tk
+    from robe_torchrec.ops.deferred_checks import DeferredCheckError
+    from robe_torchrec.ops.meta import BoundsCheck, build_table_meta
+
+    # the backward kernels run on the wild input too (a backward normally refuses it first)
+    tk._summarize_backward_inputs = lambda *args: True
+    meta = build_table_meta([8, 8], [0, 0], [64, 64], [0, 10], [10, 10], [0, 0])
+    weights = torch.randn(64)
+    params = hash_params(HashMode.REFERENCE, seed=3)
+    psw = torch.rand(4)
+    cases = {
+        "offsets far past values": (torch.tensor([1, 2, 3, 4]),
+                                    torch.tensor([0, 2**40, 2, -2**40, 4])),
+        "ids that wrap the reference hash": (torch.tensor([2**62, -2**62, 7, 2**63 - 1]),
+                                             torch.tensor([0, 1, 2, 3, 4])),
+    }
+    for name, (values, offsets) in cases.items():
+        with defer_checks(True):
+            out = tk.forward(weights, values, offsets, psw, meta, 16, 4, 0, params,
+                             int(BoundsCheck.UNBOUNDED))
+            tk.backward_dense(out, weights, values, offsets, psw, meta, 4, 0, params)
+            tk.per_sample_weights_grad(out, weights, values, offsets, meta, 4, 0, params)
+        try:
+            raise_pending_checks()
+        except DeferredCheckError as exc:
+            print(name, "->", exc)
+""")
+
+
+def test_wild_input_never_reads_outside_its_tensors():
+    """Offsets a terabyte past ``values`` and ids whose hash wraps negative reach the kernels
+    when checks are deferred; the kernels clamp them, the process survives (in a child, so
+    that a wild read fails this test instead of the run) and the problem is reported."""
+    result = subprocess.run([sys.executable, "-c", _WILD_INPUT], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "offsets far past values -> robe: offsets" in result.stdout, result.stdout
+    assert "ids that wrap the reference hash -> robe: id" in result.stdout, result.stdout
+
+
+def test_wrapped_reference_hash_still_lands_in_the_array():
+    """Keys past the reference hash's limit overflow int64 and could give a negative start
+    (a read before the array); the kernels' hash moves every start into ``[0, span)``."""
+    from robe_torchrec.hashing import HashMode, hash_params
+
+    keys = torch.tensor([2**62, -2**62, 2**63 - 1, -(2**63), 12345, -7])
+    memory_size, block_size = 1000, 8
+    for seed in range(20):
+        starts = tk.block_starts(keys, 16, memory_size, block_size, int(HashMode.REFERENCE),
+                                 hash_params(HashMode.REFERENCE, seed=seed))
+        assert int(starts.min()) >= 0 and int(starts.max()) <= memory_size - block_size
+
+
+def test_registered_op_backward_reuses_the_forward_check(lagging_device, summaries):
+    """Through ``torch.ops.robe.forward``'s autograd, as a model trains: one summary a step."""
+    from robe_torchrec.ops import cpu_backend
+
+    case = weighted_case()
+    weights = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+    args = case.forward_args()
+    with cpu_backend("triton"):
+        out = torch.ops.robe.forward(weights, args[1], args[2], psw, *args[4:])
+        out.sum().backward()
+    assert len(summaries) == 1
+    assert weights.grad is not None and psw.grad is not None
