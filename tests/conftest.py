@@ -23,13 +23,11 @@ SPREAD_FILES = ("tests/test_examples.py",)
 
 def pytest_collection_modifyitems(config, items):
     """A test file is one xdist group unless its tests name their own (the docs test groups its
-    blocks by page), meant to keep its tests on one worker.
+    blocks by page), so that its tests run on one worker, in order, sharing its fixtures.
 
-    With pytest 9.2 and pytest-xdist 3.8 no group takes effect: xdist tags a group onto
-    ``item._nodeid``, and pytest 9 builds ``nodeid`` from ``item._id`` instead, so
-    ``--dist loadgroup`` schedules test by test (a file whose four tests are all marked
-    ``xdist_group("g")`` runs on both workers). Expensive fixtures (a trained run, a
-    checkpoint) are therefore session-scoped: each worker builds one at most once."""
+    pytest-xdist 3.8 tags a test's group onto ``item._nodeid``, which pytest 9 no longer
+    reads (it builds ``nodeid`` from ``item._id``), so ``--dist loadgroup`` would schedule
+    test by test; :func:`_tag_group` puts the tag where pytest reads it."""
     import pytest
 
     for item in items:
@@ -39,3 +37,20 @@ def pytest_collection_modifyitems(config, items):
             # group each, so that they spread over both workers
             group = item.nodeid if path in SPREAD_FILES else path
             item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "dist", None) == "loadgroup" or getattr(config.option,
+                                                                        "loadgroup", False):
+        for item in items:
+            _tag_group(item)
+
+
+def _tag_group(item) -> None:
+    """``nodeid@group``, as xdist's loadgroup scheduler expects, where this pytest reads it."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # an older pytest: xdist's own tag takes effect
+        return
+    if "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                    for mark in item.iter_markers("xdist_group")})
+    item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
