@@ -757,21 +757,37 @@ def forward(
         return out
     tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
+    _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel), tiles,
+                       weights, weights, out, values, offsets, per_sample_weights, table_meta,
+                       output_dim, block_size, hash_mode, params)
+    return out
+
+
+def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: torch.Tensor,
+                       target: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                       per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                       width: int, block_size: int, hash_mode: int, params: List[int]) -> None:
+    """Launch a bag kernel that reads ``source`` (weights, or the output gradient of ``width``
+    columns) and writes ``target``: ``variants[1]`` (several short bags a program) when
+    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program)."""
+    num_features = table_meta.shape[1]
+    num_bags = offsets.numel() - 1
+    batch = num_bags // num_features
     psw = per_sample_weights
-    args = (weights.contiguous(), values.contiguous(), offsets.contiguous(),
+    args = (source.contiguous(), values.contiguous(), offsets.contiguous(),
             weights if psw is None else psw.contiguous(),
-            table_meta.to(weights.device).contiguous(), out,
-            batch, num_features, values.numel(), output_dim, *params)
+            table_meta.to(weights.device).contiguous(), target,
+            batch, num_features, values.numel(), width, *params)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
+    per_bag, short_bags = variants
     if tiles.short_bags:
         grid = (num_features * triton.cdiv(batch, tiles.block_bags), tiles.col_tiles)
-        kernels._forward_short_bags_kernel[grid](*args, BLOCK_BAGS=tiles.block_bags,
-                                                 num_warps=tiles.short_bags_warps, **constants)
+        short_bags[grid](*args, BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps,
+                         **constants)
     else:
-        kernels._forward_kernel[(num_bags, tiles.col_tiles)](
-            *args, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, **constants)
-    return out
+        per_bag[(num_bags, tiles.col_tiles)](*args, BLOCK_N=tiles.block_n,
+                                             num_warps=tiles.num_warps, **constants)
 
 
 def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights, table_meta,
@@ -783,33 +799,17 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
                                      table_meta, block_size, hash_mode, hash_params,
                                      _summarize_backward_inputs)
-    num_features = table_meta.shape[1]
-    batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
     if values.numel() == 0:
         return grad
-    num_bags = offsets.numel() - 1
     tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
-                   values.numel(), num_bags,
-                   _is_interpreted(kernels))
-    psw = per_sample_weights
-    args = (grad_output.contiguous(), values.contiguous(), offsets.contiguous(),
-            weights if psw is None else psw.contiguous(),
-            table_meta.to(weights.device).contiguous(), grad,
-            batch, num_features, values.numel(), output_dim, *params)
-    constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
-                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
-    if tiles.short_bags:
-        grid = (num_features * triton.cdiv(batch, tiles.block_bags), tiles.col_tiles)
-        kernels._backward_short_bags_kernel[grid](*args, BLOCK_BAGS=tiles.block_bags,
-                                                  num_warps=tiles.short_bags_warps,
-                                                  **constants)
-    else:
-        kernels._backward_kernel[(num_bags, tiles.col_tiles)](
-            *args, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, **constants)
+                   values.numel(), offsets.numel() - 1, _is_interpreted(kernels))
+    _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel), tiles,
+                       grad_output, weights, grad, values, offsets, per_sample_weights,
+                       table_meta, output_dim, block_size, hash_mode, params)
     return grad
 
 
