@@ -47,7 +47,6 @@ from typing import Deque, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.validation import IdCheck, check_data
 
 #: unread answers allowed before the oldest is waited for (bounds the inputs kept alive)
@@ -127,6 +126,8 @@ class _Record:
     offsets: "weakref.ref[torch.Tensor]"
     per_sample_weights: Optional["weakref.ref[torch.Tensor]"]
     versions: Tuple[int, ...]
+    #: the checked CPU copy of table_meta (one object per tensor version and arguments)
+    meta_cpu: torch.Tensor
     id_check: IdCheck
     pending: _Pending
 
@@ -161,26 +162,31 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
                        (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check),
                        versions or ())
     _pending.append(pending)
-    _remember(values, offsets, per_sample_weights, versions, id_check, pending)
+    _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
     while len(_pending) > MAX_PENDING:
         _pending.popleft().resolve()
 
 
+#: the answer of every check read at the call that passed
+_PASSED = _Pending(torch.zeros(0), None, None, (), clean=True)
+
+
 def remember_clean(values: torch.Tensor, offsets: torch.Tensor,
-                   per_sample_weights: Optional[torch.Tensor], id_check: IdCheck) -> None:
+                   per_sample_weights: Optional[torch.Tensor], meta_cpu: torch.Tensor,
+                   id_check: IdCheck) -> None:
     """Record inputs whose checks passed at the call (checks not deferred), so that the
     backward ops of the same inputs need not check them again."""
-    passed = _Pending(torch.zeros(0), None, None, (), clean=True)
     _remember(values, offsets, per_sample_weights,
-              _versions(values, offsets, per_sample_weights), id_check, passed)
+              _versions(values, offsets, per_sample_weights), meta_cpu, id_check, _PASSED)
 
 
 def _remember(values: torch.Tensor, offsets: torch.Tensor,
               per_sample_weights: Optional[torch.Tensor], versions: Optional[Tuple[int, ...]],
-              id_check: IdCheck, pending: _Pending) -> None:
+              meta_cpu: torch.Tensor, id_check: IdCheck, pending: _Pending) -> None:
     if versions is not None:
         psw = None if per_sample_weights is None else weakref.ref(per_sample_weights)
-        _records[values] = _Record(weakref.ref(offsets), psw, versions, id_check, pending)
+        _records[values] = _Record(weakref.ref(offsets), psw, versions, meta_cpu, id_check,
+                                   pending)
 
 
 def raise_ready() -> None:
@@ -200,11 +206,12 @@ def raise_pending_checks() -> None:
 def checked_before(values: torch.Tensor, offsets: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor], meta_cpu: torch.Tensor,
                    id_check: IdCheck) -> bool:
-    """Whether an earlier call checked these very inputs, unchanged since, with a check at
-    least as strict as ``id_check``. If so, its answer is read now (waiting for the device
-    if needed) and a problem raises; ``True`` then means the inputs passed."""
+    """Whether an earlier call checked these very inputs against the same ``table_meta``
+    (``meta_cpu`` is one object per tensor version), unchanged since, with a check at least
+    as strict as ``id_check``. If so, its answer is read now (waiting for the device if
+    needed) and a problem raises; ``True`` then means the inputs passed."""
     record = _records.get(values)
-    if record is None or record.offsets() is not offsets:
+    if record is None or record.offsets() is not offsets or record.meta_cpu is not meta_cpu:
         return False
     now = _versions(values, offsets, per_sample_weights)
     if now is None or now[:2] != record.versions[:2]:
@@ -215,21 +222,16 @@ def checked_before(values: torch.Tensor, offsets: torch.Tensor,
             or record.per_sample_weights() is not per_sample_weights
             or now[2] != record.versions[2]):
         return False
-    if not _covers(record.id_check, id_check, meta_cpu):
+    if not _covers(record.id_check, id_check):
         return False
     record.pending.resolve()
     return True
 
 
-def _covers(done: IdCheck, wanted: IdCheck, meta_cpu: torch.Tensor) -> bool:
+def _covers(done: IdCheck, wanted: IdCheck) -> bool:
     """Whether passing ``done`` implies passing ``wanted``."""
-    if done == wanted or (not wanted.in_bounds and wanted.key_limit is None):
-        return True
-    if done.in_bounds and not wanted.in_bounds:
-        # ids in [0, num_rows) give keys below row_offset + num_rows
-        largest = int((meta_cpu[m.ROW_OFFSET] + meta_cpu[m.NUM_ROWS]).max())
-        return largest <= wanted.key_limit
-    return False
+    return (done == wanted or (not wanted.in_bounds and wanted.key_limit is None)
+            or (done.in_bounds and wanted.implied_by_bounds))
 
 
 _PROBLEMS = ("bags with decreasing offsets", "ids that fail their check",

@@ -708,7 +708,8 @@ def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
         return True
     clean = not any(problems.tolist())
     if clean:
-        deferred_checks.remember_clean(values, offsets, per_sample_weights, id_check)
+        deferred_checks.remember_clean(values, offsets, per_sample_weights, meta_cpu,
+                                       id_check)
     return clean
 
 

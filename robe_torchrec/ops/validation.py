@@ -143,7 +143,11 @@ def check_inputs(
     key_limit = None
     if bounds_check != m.BoundsCheck.ERROR and hash_mode == HashMode.REFERENCE:
         key_limit = reference_key_limit(facts.max_blocks, hash_params)
-    id_check = IdCheck(bounds_check == m.BoundsCheck.ERROR, key_limit)
+    in_bounds = bounds_check == m.BoundsCheck.ERROR
+    # whether ids inside [0, num_rows) already pass the key limit (a forward's bounds check
+    # then vouches for a backward's key check)
+    id_check = IdCheck(in_bounds, key_limit,
+                       in_bounds or (key_limit is not None and facts.max_key_end <= key_limit))
     if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
                                            meta_cpu, id_check):
         return meta_cpu
@@ -157,6 +161,8 @@ class IdCheck(NamedTuple):
     ``id + row_offset < key_limit``; neither (mix hash, unbounded): nothing."""
     in_bounds: bool
     key_limit: Optional[int]
+    #: whether every id inside its feature's ``[0, num_rows)`` passes this check
+    implied_by_bounds: bool = False
 
 
 #: ``summarize(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check) -> clean``:
@@ -206,6 +212,8 @@ class MetaFacts(NamedTuple):
     #: whether the features' columns tile ``[0, output_dim)`` exactly (then a kernel writes
     #: every output element, and the output needs no zeroing)
     covers_output: bool
+    #: the largest ``row_offset + num_rows``: every in-range id's key lies below it
+    max_key_end: int
 
 
 #: id(meta_cpu) -> (meta_cpu, (block_size, output_dim, its version), MetaFacts); the entry
@@ -225,12 +233,13 @@ def meta_facts(meta_cpu: torch.Tensor, block_size: int, output_dim: int) -> Meta
     if key is not None and hit is not None and hit[0] is meta_cpu and hit[1] == key:
         return hit[2]
     dims, sizes = meta_cpu[m.DIM].tolist(), meta_cpu[m.W_SIZE].tolist()
+    key_ends = (meta_cpu[m.ROW_OFFSET] + meta_cpu[m.NUM_ROWS]).tolist()
     end = 0
     for start, dim in sorted(zip(meta_cpu[m.OUT_OFFSET].tolist(), dims)):
         end = end + dim if start == end else -1
     facts = MetaFacts(max(dims, default=0), max((-(-d // block_size) for d in dims), default=0),
                       max((size - block_size + 1 for size in sizes), default=0),
-                      end == output_dim)
+                      end == output_dim, max(key_ends, default=0))
     if key is not None:
         if len(_FACTS) >= _MAX_FACTS:
             _FACTS.clear()

@@ -138,6 +138,25 @@ def test_backward_reuses_the_forward_check_of_the_same_inputs(lagging_device, su
     assert len(summaries) == 3
 
 
+def test_backward_with_another_table_meta_checks_again(lagging_device, summaries):
+    """The forward's answer holds for the table_meta it was checked against only."""
+    case = weighted_case()
+    g = case.grad()
+    tk.forward(*case.forward_args())
+    other = OpCase(**{**case.__dict__, "table_meta": case.table_meta.clone()})
+    tk.backward_dense(*other.backward_args(g))
+    assert len(summaries) == 2
+
+
+def test_a_bounds_check_vouches_for_the_reference_key_limit(lagging_device, summaries):
+    """Reference hash: the forward checks ids against num_rows, the backward needs keys below
+    the hash's limit; in-range ids imply it, so the backward reuses the forward's answer."""
+    case = random_case(**dict(case_matrix()[1], batch=4))  # reference hash, bounds ERROR
+    tk.forward(*case.forward_args())
+    tk.backward_dense(*case.backward_args(case.grad()))
+    assert len(summaries) == 1
+
+
 def test_backward_without_a_forward_checks_at_once(lagging_device):
     case = weighted_case()
     offsets = case.offsets.clone()
