@@ -73,7 +73,7 @@ CASE_IDS = [f"seed{c['seed']}" for c in CASES]
 @pytest.fixture(params=["direct", "plan"])
 def backward_path(request):
     """The backward's two ways to scatter: straight into the gradient (one thread and an array
-    of at most 512 KiB, as in these tests) and through the bucketed plan (more threads, larger
+    of at most 12 MiB, as in these tests) and through the bucketed plan (more threads, larger
     arrays)."""
     with num_threads(1 if request.param == "direct" else 2):
         # the tests' arrays are at most 40,000 float64s: the kernel must take the path named
@@ -81,13 +81,19 @@ def backward_path(request):
         yield request.param
 
 
-def test_direct_scatter_limit():
+def test_direct_scatter_limits():
     ext = cpu.extension()
     with num_threads(1):
-        assert ext.use_direct_scatter(131_072, 4) and not ext.use_direct_scatter(131_073, 4)
-        assert ext.use_direct_scatter(65_536, 8) and not ext.use_direct_scatter(65_537, 8)
+        assert ext.use_direct_scatter(3 << 20, 4) and not ext.use_direct_scatter((3 << 20) + 1, 4)
+        assert ext.use_direct_scatter(3 << 19, 8) and not ext.use_direct_scatter((3 << 19) + 1, 8)
     with num_threads(2):
         assert not ext.use_direct_scatter(1_000, 4)
+    # beyond L2 (512 KiB) it prefetches a window of blocks ahead
+    assert not ext.direct_scatter_windowed(131_072, 4) and ext.direct_scatter_windowed(131_073, 4)
+
+
+# Arrays on either side of the direct scatter's window: 400 KB and 1.2 MB of float32
+_DIRECT_SCATTER_SIZES = [pytest.param(100_000, id="direct"), pytest.param(300_000, id="windowed")]
 
 
 def grad_output_for(case: OpCase, seed: int = 0) -> torch.Tensor:
@@ -306,13 +312,15 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
         cpu.extension()
 
 
+@pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
-def test_same_result_at_1_and_2_threads(mode):
-    # One thread scatters the backward straight into the gradient (the array is small), two
-    # threads go through the bucketed plan: the sums must still be bitwise the same. Dim 12
-    # gives partial blocks, and blocks straddle the plan's 16384-float ranges.
+def test_same_result_at_1_and_2_threads(mode, memory_size):
+    # One thread scatters the backward straight into the gradient (with or without its window
+    # of prefetched blocks), two threads go through the bucketed plan: the sums must still be
+    # bitwise the same. Dim 12 gives partial blocks, and blocks straddle the plan's ranges.
     case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,
-                       hash_mode=int(mode), weighted=True, memory_size=100_000)
+                       hash_mode=int(mode), weighted=True, memory_size=memory_size)
+    assert cpu.extension().direct_scatter_windowed(memory_size, 4) == (memory_size > 131_072)
     grad_output = grad_output_for(case)
     results = []
     for n in (1, 2):
@@ -605,11 +613,12 @@ def test_rowwise_adagrad_brute_force():
         assert_close(state, expected_s)
 
 
+@pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
-def test_rowwise_adagrad_same_at_1_and_2_threads(mode):
+def test_rowwise_adagrad_same_at_1_and_2_threads(mode, memory_size):
     # Z = 12 does not divide the plan's 16384-float ranges: rows straddle them
     case = random_case(43, dims=[32, 12], batch=3000, block_size=12, hash_mode=int(mode),
-                       weighted=True, memory_size=100_003)
+                       weighted=True, memory_size=memory_size + 3)
     rows = rowwise_state_size(case.weights.numel(), 12)
     results = []
     for n in (1, 2):
