@@ -64,7 +64,6 @@ class _FusedLookup(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         args: LookupArgs = ctx.args
         weights, optimizer = ctx.weights, ctx.optimizer
-        grad_output = grad_output.contiguous()
         grad_psw = None
         if ctx.psw_needs_grad and ctx.needs_input_grad[0]:
             grad_psw = args.per_sample_weights_grad(grad_output, weights)

@@ -145,7 +145,6 @@ def _forward_backward(ctx, grad_output: Tensor):
     weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
     args = LookupArgs(values, offsets, per_sample_weights,
                       ctx.layout._replace(table_meta=table_meta))
-    grad_output = grad_output.contiguous()
     grad_weights = grad_psw = None
     if ctx.needs_input_grad[0]:
         grad_weights = args.backward_dense(grad_output, weights)

@@ -342,6 +342,38 @@ def test_same_result_at_1_and_2_threads(mode, memory_size):
     assert_close(results[0][1], reference.backward_dense(*case.backward_args(grad_output)))
 
 
+@pytest.mark.parametrize("layout", ["broadcast scalar", "broadcast row", "column slice",
+                                    "transposed"])
+def test_backward_reads_gradient_rows_of_any_stride(layout, backward_path):
+    """The backward ops read the gradient where it lies: sum(output)'s gradient is a scalar
+    broadcast to [B, D] (strides 0, 0), and copying it out would cost more than the scatter.
+    Every layout gives bitwise the result of the same gradient made contiguous."""
+    case = random_case(45, dims=[8, 12], batch=40, block_size=4, weighted=True, memory_size=300)
+    rows, cols = case.batch, case.output_dim
+    g = torch.Generator().manual_seed(1)
+    grad = {
+        "broadcast scalar": lambda: torch.tensor(0.75).expand(rows, cols),
+        "broadcast row": lambda: torch.randn(cols, generator=g).expand(rows, cols),
+        "column slice": lambda: torch.randn(rows, cols + 5, generator=g)[:, 2:2 + cols],
+        "transposed": lambda: torch.randn(cols, rows, generator=g).t(),
+    }[layout]()
+    assert not grad.is_contiguous()
+    dense = grad.contiguous()
+    for op, args in ((cpu.backward_dense, case.backward_args),
+                     (cpu.per_sample_weights_grad, case.psw_grad_args)):
+        assert torch.equal(op(*args(grad)), op(*args(dense)))
+    updated = []
+    for gradient in (grad, dense):
+        w, s1, s2 = case.weights.clone(), torch.zeros_like(case.weights), torch.zeros_like(case.weights)
+        cpu.backward_fused_(gradient, w, s1, s2, case.values, case.offsets, case.per_sample_weights,
+                            case.table_meta, case.block_size, case.hash_mode, case.hash_params,
+                            int(Optimizer.ADAGRAD), [0.1, 1e-8, 0.9, 0.999, 0.0], 1)
+        updated.append((w, s1))
+    assert all(torch.equal(a, b) for a, b in zip(*updated))
+    assert_close(cpu.backward_dense(*case.backward_args(grad)),
+                 reference.backward_dense(*case.backward_args(dense)))
+
+
 # ---------------------------------------------------------------------------------------
 # the profiling aids of the CPU benchmark (forward_hash_only, forward_gather_only)
 # ---------------------------------------------------------------------------------------

@@ -959,6 +959,7 @@ struct BackwardInputs {
   at::Tensor grad_output, values, offsets, psw;
   Layout L;
   int64_t N = 0;
+  int64_t ldg = 0;  // grad_output's row stride (its columns are contiguous)
 };
 
 BackwardInputs prepare_backward(const at::Tensor& grad_output, const at::Tensor& weights,
@@ -980,7 +981,15 @@ BackwardInputs prepare_backward(const at::Tensor& grad_output, const at::Tensor&
   if (grad_output.size(0) != in.L.B) {
     fail(cat("robe: grad_output has ", grad_output.size(0), " rows but the offsets describe ", in.L.B, " samples"));
   }
-  in.grad_output = grad_output.to(acc_st).contiguous();
+  // Rows may have any stride, 0 included: the gradient of sum(output) is one row broadcast to
+  // all B, and copying it out would cost more than the whole scatter (16 MiB for the pair model).
+  in.grad_output = grad_output.to(acc_st);
+  if (in.grad_output.size(1) > 1 && in.grad_output.stride(1) != 1) {
+    in.grad_output = in.grad_output.stride(0) == 0  // a broadcast scalar: one row is enough
+                         ? in.grad_output.narrow(0, 0, 1).contiguous().expand(in.grad_output.sizes())
+                         : in.grad_output.contiguous();
+  }
+  in.ldg = in.grad_output.stride(0);
   in.values = values.contiguous();
   in.offsets = offsets.contiguous();
   in.N = in.values.numel();
@@ -1005,7 +1014,7 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
     const acc_t* pswp = in.psw.defined() ? in.psw.data_ptr<acc_t>() : nullptr;
     dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
       Plan<acc_t> plan = build_plan<acc_t>(in.offsets.data_ptr<index_t>(), in.values.data_ptr<index_t>(),
-                                           pswp, in.L, hash, in.N, weights_numel, in.grad_output.size(1));
+                                           pswp, in.L, hash, in.N, weights_numel, in.ldg);
       fn(plan);
       t_sorted.trim();
     });
@@ -1073,7 +1082,7 @@ template <typename acc_t, bool kWindowed>
 void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std::vector<int64_t>& hash_params,
                          acc_t* __restrict__ buf) {
   const Layout& L = in.L;
-  const int64_t B = L.B, Z = L.Z, ldg = in.grad_output.size(1);
+  const int64_t B = L.B, Z = L.Z, ldg = in.ldg;
   const acc_t* go = in.grad_output.data_ptr<acc_t>();
   const acc_t* psw = in.psw.defined() ? in.psw.data_ptr<acc_t>() : nullptr;
   ScatterWindow<acc_t> window;
@@ -1407,7 +1416,7 @@ at::Tensor per_sample_weights_grad(const at::Tensor& grad_output, const at::Tens
       dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
         psw_grad_kernel<scalar_t, index_t>(in.grad_output.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
                                            in.values.data_ptr<index_t>(), in.offsets.data_ptr<index_t>(),
-                                           out.data_ptr<scalar_t>(), in.grad_output.size(1), in.L, hash, in.N);
+                                           out.data_ptr<scalar_t>(), in.ldg, in.L, hash, in.N);
       });
     });
   });
