@@ -51,6 +51,15 @@ def test_quick_report_states_the_floor_targets():
     assert all(profile.count(f"| {name} |") == 2 for name in names)  # split and floors tables
     backward = report.split("## Backward profile")[1].split("## Step rows")[0]
     assert all(f"| {name} |" in backward for name in names)
+    # the step's own work beyond its floor: one row per 1-thread sum(outputs) step, each with
+    # serial >= overlapped >= the step floor
+    step_section = report.split("### What stands between the step and its floor")[1]
+    step_rows = re.findall(r"^\| ours \w+ M=[0-9,]+ Z=\d+ \| sgd \| ([0-9.]+) \| ([0-9.]+) \| "
+                           r"([0-9.]+) \| ([0-9.]+) \|", step_section, flags=re.M)
+    assert len(step_rows) == len(step)
+    for _, floor, serial, overlapped in step_rows:
+        assert float(serial) >= float(overlapped) >= float(floor)
+    assert "target lies below the serial floor in" in step_section
     # the floor rows report 1.00x against themselves, for both losses
     floor_rows = [line for line in report.splitlines() if line.startswith("| floor |")]
     assert len(floor_rows) == 2 * len(sizes.robe_sizes)
@@ -85,3 +94,27 @@ def test_touched_lines_are_the_lines_of_each_block():
         lines = [line for s in starts for line in range(s // 16, (s + z - 1) // 16 + 1)]
         assert runner.touched_lines(batch).tolist() == lines
         assert abs(len(lines) / len(starts) - cpu_ops.expected_lines(z)) < 0.05 * cpu_ops.expected_lines(z)
+
+
+def test_step_floors_add_the_work_the_step_floor_leaves_out():
+    sizes = cpu_ops.QUICK_SIZES
+    memory = sizes.robe_sizes[0]
+    case = cpu_ops.ForwardCase(HashMode.REFERENCE, memory, 32)
+    # store floor 2, hash 1, line reads 3 (ms); one read of the gradient 1.5
+    profile = cpu_ops.ForwardProfile(case, floor=2.0, hash=1.0, gather=4.0, forward=6.0, lines=3.0,
+                                     hashes=10, line_count=20.0)
+
+    def row(model: str, key: str, cpu_total: float) -> cpu_ops.Result:
+        spec = cpu_ops.RowSpec(key, model, "sgd", "dense", memory, 32, lambda: None, loss="sum")
+        return cpu_ops.Result(spec, 1, phases={"cpu total": cpu_total})
+
+    results = [row("floor", "floor", 10.0), row("ours", "ours", 25.0)]
+    (s,) = cpu_ops.step_floors([profile], {(1, "cpu read"): 1.5}, results, sizes,
+                               HashMode.REFERENCE)
+    assert s.floor == 10.0 and s.step == 25.0
+    assert s.serial == 10.0 + 1.0 + 2 * 3.0
+    # forward: max(2, 1, 3) - 2 = 1 more than its floor; scatter: max(1.5, 3) - 1.5 = 1.5 more
+    assert s.overlapped == 10.0 + 1.0 + 1.5
+    section = cpu_ops.step_floors_section([s])
+    assert "| 1.70x | 1.25x | 1.47x | only with overlap |" in section
+    assert "below the serial floor in 1 of 1 rows" in section
