@@ -374,6 +374,12 @@ def test_backward_reads_gradient_rows_of_any_stride(layout, backward_path):
                  reference.backward_dense(*case.backward_args(dense)))
 
 
+def test_backward_of_an_empty_broadcast_gradient():
+    case = random_case(46, dims=[8], batch=0, block_size=4, memory_size=300)
+    grad = torch.tensor(1.0).expand(0, case.output_dim)
+    assert torch.equal(cpu.backward_dense(*case.backward_args(grad)), torch.zeros(300))
+
+
 # ---------------------------------------------------------------------------------------
 # the profiling aids of the CPU benchmark (forward_hash_only, forward_gather_only)
 # ---------------------------------------------------------------------------------------

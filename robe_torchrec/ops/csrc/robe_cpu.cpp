@@ -985,7 +985,7 @@ BackwardInputs prepare_backward(const at::Tensor& grad_output, const at::Tensor&
   // all B, and copying it out would cost more than the whole scatter (16 MiB for the pair model).
   in.grad_output = grad_output.to(acc_st);
   if (in.grad_output.size(1) > 1 && in.grad_output.stride(1) != 1) {
-    in.grad_output = in.grad_output.stride(0) == 0  // a broadcast scalar: one row is enough
+    in.grad_output = in.grad_output.stride(0) == 0 && in.grad_output.size(0) > 0  // a broadcast scalar: one row
                          ? in.grad_output.narrow(0, 0, 1).contiguous().expand(in.grad_output.sizes())
                          : in.grad_output.contiguous();
   }
