@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -37,10 +38,19 @@ def pytest_collection_modifyitems(config, items):
             # group each, so that they spread over both workers
             group = item.nodeid if path in SPREAD_FILES else path
             item.add_marker(pytest.mark.xdist_group(group))
+    # Slowest groups first: xdist hands a worker the next group whenever it finishes one, so
+    # the long groups start early and the many short ones fill in at the end, instead of one
+    # worker running a long group alone at the end. (A stable sort: each group keeps its order.)
+    slow_tests = collections.Counter(_group(item) for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_tests[_group(item)])
     if getattr(config.option, "dist", None) == "loadgroup" or getattr(config.option,
                                                                         "loadgroup", False):
         for item in items:
             _tag_group(item)
+
+
+def _group(item) -> str:
+    return str(item.get_closest_marker("xdist_group").args[0])
 
 
 def _tag_group(item) -> None:
