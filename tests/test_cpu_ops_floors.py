@@ -1,5 +1,6 @@
 """The CPU op benchmark's floors and the targets it states against them (tiny sizes)."""
 
+import dataclasses
 import re
 
 import torch
@@ -118,3 +119,11 @@ def test_step_floors_add_the_work_the_step_floor_leaves_out():
     section = cpu_ops.step_floors_section([s])
     assert "| 1.70x | 1.25x | 1.47x | only with overlap |" in section
     assert "below the serial floor in 1 of 1 rows" in section
+
+
+def test_step_floors_say_when_the_floor_bounds_nothing():
+    row = cpu_ops.StepFloors("ours fused M=4,096 Z=32", "adagrad", step=5.0, floor=10.0,
+                             serial=17.0, overlapped=12.5)
+    section = cpu_ops.step_floors_section([row])
+    assert "1 rows (adagrad) take less than their overlapped floor" in section
+    assert "no lower bound" not in cpu_ops.step_floors_section([dataclasses.replace(row, step=13.0)])
