@@ -50,7 +50,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _group(item) -> str:
-    return str(item.get_closest_marker("xdist_group").args[0])
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
 
 
 def _tag_group(item) -> None:

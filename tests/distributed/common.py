@@ -153,3 +153,15 @@ def sharded_and_unsharded_step(dmp, ref: RobeEmbeddingBagCollection, rank: int, 
     ref_out = ref(kjt).values()
     (0.5 * ((ref_out - tgt) ** 2).sum() / world).backward()
     return (out.detach() - ref_out[lo:hi].detach()).abs().max().item()
+
+
+def run_cases(rank: int, world: int, run_case, names: List[str]) -> Dict[str, object]:
+    """``run_case(rank, world, name)`` for every name, in one process per rank (a test module
+    pays the processes' start once instead of once per case); a failure names its case."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_case(rank, world, name)
+        except Exception as exc:
+            raise RuntimeError(f"case {name!r} failed on rank {rank}") from exc
+    return results

@@ -73,10 +73,17 @@ def _run(rank, world, name):
     return worst_out, diff_w, diff_s, moved
 
 
+@pytest.fixture(scope="module")
+def results():
+    """Every case's results by rank, from one pair of processes."""
+    return run_ranks(common.run_cases, 2, _run, list(CASES), timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_sharded_rowwise_adagrad_matches_unsharded(name):
-    for worst_out, diff_w, diff_s, moved in run_ranks(_run, 2, name):
+def test_sharded_rowwise_adagrad_matches_unsharded(name, results):
+    for by_case in results:
+        worst_out, diff_w, diff_s, moved = by_case[name]
         assert moved > 1e-3
         assert worst_out <= 1e-5 and diff_w <= 1e-5 and diff_s <= 1e-5, \
             (worst_out, diff_w, diff_s)

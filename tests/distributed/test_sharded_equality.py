@@ -79,11 +79,18 @@ def _run_case(rank: int, world: int, name: str):
     return worst_out, worst_w, moved
 
 
+@pytest.fixture(scope="module")
+def results():
+    """Every case's results by rank, from one pair of processes (starting a pair costs more
+    than most cases)."""
+    return run_ranks(common.run_cases, 2, _run_case, list(CASES), timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_sharded_matches_unsharded(name):
-    results = run_ranks(_run_case, 2, name)
-    for worst_out, worst_w, moved in results:
+def test_sharded_matches_unsharded(name, results):
+    for by_case in results:
+        worst_out, worst_w, moved = by_case[name]
         assert moved > 1e-3  # training did change the arrays
         assert worst_out <= 1e-5, (name, worst_out)
         assert worst_w <= 1e-5, (name, worst_w)

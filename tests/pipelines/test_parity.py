@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipelines.model import travel_diff
-from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
+from robe_torchrec.dlrm import OptimizerSpec
+from tests.distributed import common
 from tests.distributed.multiprocess import run_ranks
 from tests.pipelines import ranks
 
@@ -51,12 +52,28 @@ MAX_TRAVEL_DIFF = {"adagrad": 0.3, "sgd": 0.05, "sgd_stash": 0.45}
 MAX_LOSS_DIFF = 0.02
 
 
-def _run(sharding: str, spec: DLRMSpec = ranks.SMALL, variants=None
-         ) -> Dict[str, Tuple[Dict[str, torch.Tensor], List[float], int]]:
-    # rank 0's result: the states are assembled in full on every rank
-    out = run_ranks(ranks.run_variants, 2, spec, sharding, variants or VARIANTS)[0]
-    return {label: ({k: torch.from_numpy(v) for k, v in state.items()}, losses, steps)
-            for label, (state, losses, steps) in out.items()}
+_SGD = replace(ranks.SMALL, embedding_optimizer=OptimizerSpec("sgd", lr=0.5))
+#: the runs the tests check: (model, sharding, pipeline variants)
+RUNS = {
+    "robe data_parallel": (ranks.SMALL, "data_parallel", VARIANTS),
+    "robe table_wise": (ranks.SMALL, "table_wise", VARIANTS),
+    "stock table_wise": (replace(ranks.SMALL, robe=None), "table_wise", VARIANTS),
+    "sgd data_parallel": (_SGD, "data_parallel", VARIANTS_SEMI),
+}
+
+
+def _run_named(rank: int, world: int, name: str):
+    return ranks.run_variants(rank, world, *RUNS[name])
+
+
+@pytest.fixture(scope="module")
+def runs() -> Dict[str, Dict[str, Tuple[Dict[str, torch.Tensor], List[float], int]]]:
+    """Every run's results, from one pair of processes (rank 0's: the states are assembled in
+    full on every rank)."""
+    out = run_ranks(common.run_cases, 2, _run_named, list(RUNS), timeout=600)[0]
+    return {name: {label: ({k: torch.from_numpy(v) for k, v in state.items()}, losses, steps)
+                   for label, (state, losses, steps) in by_label.items()}
+            for name, by_label in out.items()}
 
 
 def check_semi_sync(results, label: str, bound: float) -> float:
@@ -93,20 +110,19 @@ def _check(results) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["data_parallel", "table_wise"])
-def test_robe_parity(sharding):
-    _check(_run(sharding))
+def test_robe_parity(sharding, runs):
+    _check(runs[f"robe {sharding}"])
 
 
 @pytest.mark.slow
-def test_stock_ebc_parity():
-    _check(_run("table_wise", replace(ranks.SMALL, robe=None)))
+def test_stock_ebc_parity(runs):
+    _check(runs["stock table_wise"])
 
 
 @pytest.mark.slow
-def test_semi_sync_drift_with_sgd():
+def test_semi_sync_drift_with_sgd(runs):
     """With SGD embeddings the one-step staleness costs little: the documented, tight bound."""
-    sgd = replace(ranks.SMALL, embedding_optimizer=OptimizerSpec("sgd", lr=0.5))
-    results = _run("data_parallel", sgd, VARIANTS_SEMI)
+    results = runs["sgd data_parallel"]
     check_semi_sync(results, "semi_sync", MAX_TRAVEL_DIFF["sgd"])
     check_semi_sync(results, "semi_sync_stash", MAX_TRAVEL_DIFF["sgd_stash"])
 
