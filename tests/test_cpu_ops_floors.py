@@ -127,3 +127,22 @@ def test_step_floors_say_when_the_floor_bounds_nothing():
     section = cpu_ops.step_floors_section([row])
     assert "1 rows (adagrad) take less than their overlapped floor" in section
     assert "no lower bound" not in cpu_ops.step_floors_section([dataclasses.replace(row, step=13.0)])
+
+
+def test_two_thread_forwards_are_set_beside_the_machines_own_scaling():
+    sizes = cpu_ops.QUICK_SIZES
+    cases = cpu_ops.forward_cases(sizes)
+    fwd = {(1, cpu_ops.COMPUTE_REFERENCE): 4.0, (2, cpu_ops.COMPUTE_REFERENCE): 2.6}
+    for i, case in enumerate(cases):  # 2t / 1t = 0.55, 0.65, 0.55, ...
+        fwd[(1, case.name)] = 10.0
+        fwd[(2, case.name)] = 5.5 if i % 2 == 0 else 6.5
+    text = cpu_ops.machine_scaling_summary(fwd, [1, 2], sizes)
+    assert "takes 0.65x its 1-thread time, where 2 free cores give 0.50x" in text
+    assert "our forwards take 0.55x to 0.65x" in text
+    assert f"{len(cases)} of {len(cases)} at or below the reference's ratio" in text
+    assert "asks more of this machine than it gave" in text
+    fwd[(2, cpu_ops.COMPUTE_REFERENCE)] = 2.2  # the machine scales 0.55x: the target stands
+    text = cpu_ops.machine_scaling_summary(fwd, [1, 2], sizes)
+    assert f"{(len(cases) + 1) // 2} of {len(cases)} at or below" in text
+    assert "at or below the 0.6x target in this run" in text
+    assert cpu_ops.machine_scaling_summary(fwd, [1], sizes) == ""
