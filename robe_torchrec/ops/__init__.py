@@ -51,7 +51,7 @@ import contextlib
 import functools
 import importlib
 import os
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 from torch import Tensor
@@ -94,42 +94,48 @@ def _cuda_impl():
     return _module_for("triton")
 
 
+#: the ``robe`` namespace. The lookup ops are defined with ``torch.library.define`` and their
+#: kernels registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call
+#: then goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call
+#: Python layer (an aliasing check, a TorchDynamo guard). That layer was a third of the
+#: dispatch's host time, and a GPU forward at the paper's setting waits on its host
+#: (``benchmarks/results/host_overhead.md``).
+_LIB = torch.library.Library("robe", "FRAGMENT")
+
+
+def _define(schema: str, fake: Callable[..., object]) -> str:
+    """Define ``robe::<schema>``: its CPU kernel (the implementation :func:`cpu_backend`
+    picks), its CUDA kernel (Triton) and its fake kernel; returns the op's name."""
+    name = schema.split("(", 1)[0]
+    qualname = f"robe::{name}"
+    _LIB.define(schema)
+
+    def cpu_kernel(*args):
+        return getattr(_cpu_impl(), name)(*args)
+
+    def cuda_kernel(*args):
+        return getattr(_cuda_impl(), name)(*args)
+
+    torch.library.impl(qualname, "cpu", cpu_kernel, lib=_LIB)
+    torch.library.impl(qualname, "cuda", cuda_kernel, lib=_LIB)
+    torch.library.register_fake(qualname, fake, lib=_LIB)
+    return qualname
+
+
 # ---------------------------------------------------------------------------------------
 # robe::forward
 # ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("robe::forward", mutates_args=())
-def forward(
-    weights: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Optional[Tensor],
-    table_meta: Tensor,
-    output_dim: int,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-    bounds_check: int,
-) -> Tensor:
-    raise NotImplementedError(f"robe::forward has no kernel for device {weights.device}")
-
-
-@forward.register_kernel("cpu")
-def _forward_cpu(*args) -> Tensor:
-    return _cpu_impl().forward(*args)
-
-
-@forward.register_kernel("cuda")
-def _forward_cuda(*args) -> Tensor:
-    return _cuda_impl().forward(*args)
-
-
-@forward.register_fake
 def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, output_dim,
                   block_size, hash_mode, hash_params, bounds_check) -> Tensor:
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.shape[0] - 1) // table_meta.shape[1]
     return weights.new_empty(batch, output_dim, dtype=meta.accumulation_dtype(weights.dtype))
+
+
+_define("forward(Tensor weights, Tensor values, Tensor offsets, Tensor? per_sample_weights, "
+        "Tensor table_meta, SymInt output_dim, SymInt block_size, SymInt hash_mode, "
+        "SymInt[] hash_params, SymInt bounds_check) -> Tensor", _forward_fake)
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -153,79 +159,39 @@ def _forward_backward(ctx, grad_output: Tensor):
     return (grad_weights, None, None, grad_psw) + (None,) * len(LayoutArgs._fields)
 
 
-forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+torch.library.register_autograd("robe::forward", _forward_backward,
+                                setup_context=_forward_setup_context, lib=_LIB)
 
 
 # ---------------------------------------------------------------------------------------
-# robe::backward_dense
+# robe::backward_dense, robe::per_sample_weights_grad
 # ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("robe::backward_dense", mutates_args=())
-def backward_dense(
-    grad_output: Tensor,
-    weights: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Optional[Tensor],
-    table_meta: Tensor,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-) -> Tensor:
-    raise NotImplementedError(f"robe::backward_dense has no kernel for device {weights.device}")
-
-
-@backward_dense.register_kernel("cpu")
-def _backward_dense_cpu(*args) -> Tensor:
-    return _cpu_impl().backward_dense(*args)
-
-
-@backward_dense.register_kernel("cuda")
-def _backward_dense_cuda(*args) -> Tensor:
-    return _cuda_impl().backward_dense(*args)
-
-
-@backward_dense.register_fake
 def _backward_dense_fake(grad_output, weights, *rest) -> Tensor:
     return torch.empty_like(weights, dtype=meta.accumulation_dtype(weights.dtype))
 
 
-# ---------------------------------------------------------------------------------------
-# robe::per_sample_weights_grad
-# ---------------------------------------------------------------------------------------
-
-@torch.library.custom_op("robe::per_sample_weights_grad", mutates_args=())
-def per_sample_weights_grad(
-    grad_output: Tensor,
-    weights: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    table_meta: Tensor,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-) -> Tensor:
-    raise NotImplementedError(f"robe::per_sample_weights_grad has no kernel for {weights.device}")
+_define("backward_dense(Tensor grad_output, Tensor weights, Tensor values, Tensor offsets, "
+        "Tensor? per_sample_weights, Tensor table_meta, SymInt block_size, SymInt hash_mode, "
+        "SymInt[] hash_params) -> Tensor", _backward_dense_fake)
 
 
-@per_sample_weights_grad.register_kernel("cpu")
-def _psw_grad_cpu(*args) -> Tensor:
-    return _cpu_impl().per_sample_weights_grad(*args)
-
-
-@per_sample_weights_grad.register_kernel("cuda")
-def _psw_grad_cuda(*args) -> Tensor:
-    return _cuda_impl().per_sample_weights_grad(*args)
-
-
-@per_sample_weights_grad.register_fake
 def _psw_grad_fake(grad_output, weights, values, *rest) -> Tensor:
     return weights.new_empty(values.shape[0], dtype=meta.accumulation_dtype(weights.dtype))
 
 
+_define("per_sample_weights_grad(Tensor grad_output, Tensor weights, Tensor values, "
+        "Tensor offsets, Tensor table_meta, SymInt block_size, SymInt hash_mode, "
+        "SymInt[] hash_params) -> Tensor", _psw_grad_fake)
+
+
 # ---------------------------------------------------------------------------------------
-# robe::backward_fused_
+# robe::backward_fused_, robe::counted_backward_fused_
 # ---------------------------------------------------------------------------------------
+#
+# The ops that write their arguments stay ``torch.library.custom_op``s: it bumps the version
+# of every tensor they write (autograd and the input checks' caches see the change) and
+# tells torch.compile what they mutate. They run once per backward, not per lookup.
 
 @torch.library.custom_op("robe::backward_fused_", mutates_args=("weights", "state1", "state2"))
 def backward_fused_(
@@ -262,10 +228,6 @@ def _backward_fused_fake(*args) -> None:
     return None
 
 
-# ---------------------------------------------------------------------------------------
-# robe::counted_backward_fused_
-# ---------------------------------------------------------------------------------------
-
 @torch.library.custom_op("robe::counted_backward_fused_",
                          mutates_args=("weights", "state1", "state2", "step"))
 def counted_backward_fused_(
@@ -300,6 +262,12 @@ def counted_backward_fused_(
 @counted_backward_fused_.register_fake
 def _counted_backward_fused_fake(*args) -> None:
     return None
+
+
+# the ops as module attributes (torch.ops.robe.<name>), as ``robe_torchrec.ops.<name>``
+forward = torch.ops.robe.forward
+backward_dense = torch.ops.robe.backward_dense
+per_sample_weights_grad = torch.ops.robe.per_sample_weights_grad
 
 
 __all__ = [

@@ -651,6 +651,11 @@ class _Tiles:
                     num_warps=self.num_warps)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: a Triton function, whose host call costs microseconds
+    return -(-a // b)
+
+
 def _hash_args(hash_params: List[int]):
     if len(hash_params) != 3:
         raise ValueError(f"robe: hash_params must hold 3 ints, got {len(hash_params)}")
@@ -680,7 +685,7 @@ def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
     num_features = table_meta.shape[1]
     problems = torch.zeros(4, dtype=torch.int64, device=values.device)
     key_limit = id_check.key_limit
-    programs = triton.cdiv(max(values.numel(), num_bags, 1), _SUMMARY_BLOCK)
+    programs = _cdiv(max(values.numel(), num_bags, 1), _SUMMARY_BLOCK)
     psw = per_sample_weights
     kernels._input_summary_kernel[(programs,)](
         values.contiguous(), offsets.contiguous(), values if psw is None else psw.contiguous(),
@@ -783,7 +788,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
     per_bag, short_bags = variants
     if tiles.short_bags:
-        grid = (num_features * triton.cdiv(batch, tiles.block_bags), tiles.col_tiles)
+        grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
         short_bags[grid](*args, BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps,
                          **constants)
     else:
@@ -900,14 +905,14 @@ def backward_fused_(
         num_rows = state1.numel()
         block_z = _next_pow2(block_size)
         rows = max(1, _OPTIM_BLOCK // block_z)
-        kernels._rowwise_adagrad_kernel[(triton.cdiv(num_rows, rows),)](
+        kernels._rowwise_adagrad_kernel[(_cdiv(num_rows, rows),)](
             weights, grad, state1, numel, num_rows, lr, eps, weight_decay,
             Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
             COMPUTE=_acc_dtype(weights), ROWS=rows, BLOCK_Z=block_z,
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
-    kernels._optimizer_kernel[(triton.cdiv(numel, _OPTIM_BLOCK),)](
+    kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
         lr, eps, beta2, weight_decay, 1.0 - beta1, step_size, bias2_sqrt,
         OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
@@ -925,7 +930,7 @@ def block_starts(keys: torch.Tensor, num_blocks: int, memory_size: int, block_si
     if keys.numel() == 0 or num_blocks == 0:
         return out
     block_k = 64
-    kernels._block_starts_kernel[(triton.cdiv(keys.numel(), block_k),)](
+    kernels._block_starts_kernel[(_cdiv(keys.numel(), block_k),)](
         keys, out, keys.numel(), int(memory_size) - int(block_size) + 1, *_hash_args(params),
         NUM_BLOCKS=int(num_blocks), HASH_MODE=int(mode), BLOCK_K=block_k,
         BLOCK_B=_next_pow2(num_blocks),
