@@ -46,15 +46,18 @@ WARPS = (1, 2, 4, 8)
 @contextlib.contextmanager
 def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None,
                  short_bags: Optional[bool] = None, bags_per_program: Optional[int] = None,
-                 unchecked_meta: Optional[torch.Tensor] = None):
+                 unchecked_meta: Optional[torch.Tensor] = None,
+                 summary_kernel: bool = False):
     """Runs the Triton ops with another column tile, warp count, forward kernel (short bags
-    or one bag a program) or bags a program, and without input checks when
-    ``unchecked_meta`` (the CPU copy of ``table_meta`` the checks would return) is given
-    (profiling only: bad input would then reach the kernels)."""
+    or one bag a program) or bags a program; with the forward's checks in the summary
+    kernel instead of counted by the forward kernel (``summary_kernel``); or without input
+    checks when ``unchecked_meta`` (the CPU copy of ``table_meta`` the checks would return)
+    is given (profiling only: bad input would then reach the kernels)."""
     from robe_torchrec.ops import triton_kernels as tk
+    from robe_torchrec.ops.validation import IdCheck
 
     names = ("_COL_TILE", "_NUM_WARPS", "_SHORT_BAG_MEAN", "_BAGS_PER_PROGRAM",
-             "check_inputs", "check_backward_inputs")
+             "check_layout", "check_backward_inputs", "_summarize_inputs", "_counts_in_kernel")
     saved = {name: getattr(tk, name) for name in names}
     if col_tile is not None:
         tk._COL_TILE = col_tile
@@ -64,8 +67,12 @@ def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None
         tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
     if bags_per_program is not None:
         tk._BAGS_PER_PROGRAM = bags_per_program
+    if summary_kernel or unchecked_meta is not None:
+        tk._counts_in_kernel = lambda *args: False
     if unchecked_meta is not None:
-        tk.check_inputs = tk.check_backward_inputs = lambda *args, **kwargs: unchecked_meta
+        tk.check_layout = lambda *args, **kwargs: (unchecked_meta, IdCheck(False, None))
+        tk._summarize_inputs = lambda *args: True
+        tk.check_backward_inputs = lambda *args, **kwargs: unchecked_meta
     try:
         yield
     finally:
@@ -109,6 +116,12 @@ def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
                 return fn()
         return run
 
+    def summary(fn):
+        def run():
+            with launch_shape(summary_kernel=True):
+                return fn()
+        return run
+
     def registered_op():
         with torch.no_grad():
             return torch.ops.robe.forward(trainable, *flat)
@@ -123,9 +136,11 @@ def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
         "torch.ops.robe.forward, no_grad, weights requiring grad": registered_op,
         "forward op, checks deferred": checks(True, lambda: tk.forward(w, *flat)),
         "forward op, checks read at the call": checks(False, lambda: tk.forward(w, *flat)),
-        "input checks alone, deferred": checks(
+        "forward op, checks deferred, by the summary kernel": checks(True, summary(
+            lambda: tk.forward(w, *flat))),
+        "summary kernel checks alone, deferred": checks(
             True, lambda: check_inputs(w, *flat, tk._summarize_inputs)),
-        "input checks alone, read at the call": checks(
+        "summary kernel checks alone, read at the call": checks(
             False, lambda: check_inputs(w, *flat, tk._summarize_inputs)),
         "input checks one by one (no summary kernel)": lambda: check_inputs(w, *flat),
         "forward without checks": unchecked(lambda: tk.forward(w, *flat)),

@@ -2,7 +2,8 @@
 for the GPU on every call.
 
 The Triton ops reduce their data-dependent input checks (offsets, ids, per-sample weights) to
-four counts on the device (``_input_summary_kernel``). Reading the counts at once makes the
+four counts on the device (counted by the forward kernel as it pools, else by
+``_input_summary_kernel``). Reading the counts at once makes the
 host wait for the GPU on every call, which stalls a host that would otherwise queue work
 ahead (a train pipeline, or just the next layer). With deferred checks the op queues the
 counts' copy to pinned host memory and returns; the answer is read later:

@@ -48,8 +48,8 @@ from robe_torchrec.hashing import (
 )
 from robe_torchrec.ops import deferred_checks
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_inputs,
-                                          check_optimizer_args, meta_facts)
+from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_data,
+                                          check_layout, check_optimizer_args, meta_facts)
 
 try:
     import triton
@@ -287,19 +287,62 @@ def _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features, num_values, Z:
             blk, s, cols, col_mask, mask)
 
 
+@triton.jit
+def _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows, row_offset, key_limit,
+                    HAS_PSW: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr):
+    """1 at each position ``i`` whose id fails its check (IN_BOUNDS: outside
+    ``[0, num_rows)``; KEY_LIMIT: negative, or ``id + row_offset >= key_limit``), and 1 at each
+    whose per-sample weight is not finite; 0 where masked: the value checks of
+    ``_input_summary_kernel``, for a kernel that reads the ids anyway."""
+    bad_id = id_mask.to(tl.int64) * 0
+    if IN_BOUNDS or KEY_LIMIT:
+        ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
+        if IN_BOUNDS:
+            bad = (ids < 0) | (ids >= num_rows)
+        else:
+            bad = (ids < 0) | (ids + row_offset >= key_limit)
+        bad_id = (bad & id_mask).to(tl.int64)
+    bad_weight = id_mask.to(tl.int64) * 0
+    if HAS_PSW:
+        w = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(tl.float64)
+        bad_weight = (((w != w) | (tl.abs(w) == float("inf"))) & id_mask).to(tl.int64)
+    return bad_id, bad_weight
+
+
+@triton.jit
+def _report_problems(problems_ptr, offsets_ptr, num_bags, num_values, counts_here,
+                     first_program, decreasing, bad_ids, bad_weights):
+    """Adds a program's counts to ``problems_ptr[0:4]`` (the summary kernel's four counts),
+    only where ``counts_here`` and only those above 0 (most programs add nothing); the first
+    program also checks that the offsets start at 0 and end at ``num_values``."""
+    tl.atomic_add(problems_ptr, decreasing, mask=counts_here & (decreasing > 0))
+    tl.atomic_add(problems_ptr + 1, bad_ids, mask=counts_here & (bad_ids > 0))
+    tl.atomic_add(problems_ptr + 2, bad_weights, mask=counts_here & (bad_weights > 0))
+    first_offset = tl.load(offsets_ptr, mask=first_program, other=0).to(tl.int64)
+    last_offset = tl.load(offsets_ptr + num_bags, mask=first_program,
+                          other=num_values).to(tl.int64)
+    ends_off = (first_offset != 0) | (last_offset != num_values)
+    tl.atomic_add(problems_ptr + 3, ends_off.to(tl.int64), mask=first_program & ends_off)
+
+
 # =========================================================================================
 # Kernels
 # =========================================================================================
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0", "p1", "p2", "key_limit"])
 def _forward_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, out_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]."""
+    """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)].
+
+    With ``CHECK`` it also counts the input checks' problems into ``problems_ptr[0:4]``, as
+    ``_input_summary_kernel`` does (the programs of column tile 0 read every id of their
+    bag when every feature has a column), so the forward needs no launch of its own for them."""
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
@@ -307,26 +350,44 @@ def _forward_kernel(
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
     if tile * BLOCK_B * Z >= dim:  # no column of this feature in the tile: skip the ids
         hi = lo
+    num_rows = 0
+    if CHECK and IN_BOUNDS:
+        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * num_features.to(tl.int64) + bag // batch)
 
     acc = tl.zeros([BLOCK_B, BLOCK_Z], dtype=ACC)
+    bad_ids = tl.zeros([BLOCK_N], dtype=tl.int64)
+    bad_weights = tl.zeros([BLOCK_N], dtype=tl.int64)
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
         acc += tl.sum(rows, axis=0)
+        if CHECK:
+            bad_id, bad_weight = _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows,
+                                                 row_offset, key_limit, HAS_PSW, IN_BOUNDS,
+                                                 KEY_LIMIT)
+            bad_ids += bad_id
+            bad_weights += bad_weight
 
     acc = _div_rn(acc, divisor)
     tl.store(out_ptr + b * out_stride + out_offset + cols,
              acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    if CHECK:
+        raw_lo = tl.load(offsets_ptr + bag).to(tl.int64)
+        raw_hi = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+        _report_problems(problems_ptr, offsets_ptr, batch * num_features, num_values,
+                         tile == 0, (bag == 0) & (tile == 0), (raw_hi < raw_lo).to(tl.int64),
+                         tl.sum(bad_ids), tl.sum(bad_weights))
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0", "p1", "p2", "key_limit"])
 def _forward_short_bags_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, out_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     """``_forward_kernel`` for short bags: a program pools ``BLOCK_BAGS`` consecutive bags
@@ -336,21 +397,43 @@ def _forward_short_bags_kernel(
     A one-id bag is a short chain of dependent loads (offsets, id, hash, rows); one bag per
     program leaves the GPU waiting on that chain, several keep their loads in flight
     together. Sums run in id order: one- and two-id bags pool exactly as
-    ``_forward_kernel`` does (bitwise)."""
+    ``_forward_kernel`` does (bitwise). ``CHECK`` counts the input checks' problems as
+    ``_forward_kernel`` does."""
     (b, out_offset, w_offset, span, row_offset, lo, hi, divisor, longest, blk, s, cols,
      col_mask, mask) = _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features,
                                          num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
+    t = tl.program_id(0).to(tl.int64) // tl.cdiv(batch, BLOCK_BAGS)
+    tile = tl.program_id(1)
+    num_rows = 0
+    if CHECK and IN_BOUNDS:
+        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * num_features.to(tl.int64) + t)
     acc = tl.zeros([BLOCK_BAGS, BLOCK_B, BLOCK_Z], dtype=ACC)
+    bad_ids = tl.zeros([BLOCK_BAGS], dtype=tl.int64)
+    bad_weights = tl.zeros([BLOCK_BAGS], dtype=tl.int64)
     for k in range(0, longest):
         i = lo + k
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
         acc += rows
+        if CHECK:
+            bad_id, bad_weight = _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows,
+                                                 row_offset, key_limit, HAS_PSW, IN_BOUNDS,
+                                                 KEY_LIMIT)
+            bad_ids += bad_id
+            bad_weights += bad_weight
 
     acc = _div_rn(acc, divisor[:, None, None])
     tl.store(out_ptr + b[:, None, None] * out_stride + out_offset + cols[None, :, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if CHECK:
+        bag_mask = b < batch
+        raw_lo = tl.load(offsets_ptr + t * batch + b, mask=bag_mask, other=0).to(tl.int64)
+        raw_hi = tl.load(offsets_ptr + t * batch + b + 1, mask=bag_mask, other=0).to(tl.int64)
+        decreasing = tl.sum(((raw_hi < raw_lo) & bag_mask).to(tl.int64))
+        _report_problems(problems_ptr, offsets_ptr, batch * num_features, num_values,
+                         tile == 0, (tl.program_id(0) == 0) & (tile == 0), decreasing,
+                         tl.sum(bad_ids), tl.sum(bad_weights))
 
 
 @triton.jit(do_not_specialize=["p0", "p1", "p2"])
@@ -675,6 +758,15 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return out
 
 
+def _key_limit_arg(id_check: IdCheck) -> int:
+    return 0 if id_check.key_limit is None else min(id_check.key_limit, 2**63 - 1)
+
+
+def _id_check_constants(id_check: IdCheck) -> dict:
+    return dict(IN_BOUNDS=id_check.in_bounds,
+                KEY_LIMIT=id_check.key_limit is not None and not id_check.in_bounds)
+
+
 def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
                     per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                     id_check: IdCheck) -> torch.Tensor:
@@ -684,29 +776,25 @@ def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
     num_bags = offsets.numel() - 1
     num_features = table_meta.shape[1]
     problems = torch.zeros(4, dtype=torch.int64, device=values.device)
-    key_limit = id_check.key_limit
     programs = _cdiv(max(values.numel(), num_bags, 1), _SUMMARY_BLOCK)
     psw = per_sample_weights
     kernels._input_summary_kernel[(programs,)](
         values.contiguous(), offsets.contiguous(), values if psw is None else psw.contiguous(),
         table_meta.to(values.device).contiguous(), problems,
         values.numel(), num_bags, num_bags // num_features, num_features,
-        0 if key_limit is None else min(key_limit, 2**63 - 1),
-        HAS_PSW=psw is not None, IN_BOUNDS=id_check.in_bounds,
-        KEY_LIMIT=key_limit is not None and not id_check.in_bounds,
+        _key_limit_arg(id_check), HAS_PSW=psw is not None, **_id_check_constants(id_check),
         SEARCH_STEPS=num_features.bit_length(), BLOCK=_SUMMARY_BLOCK,
     )
     return problems
 
 
-def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
-                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                      meta_cpu: torch.Tensor, id_check: IdCheck) -> bool:
-    """The forward's summary: whether the inputs pass, read at once, or ``True`` with the
-    answer queued for a later call (:mod:`robe_torchrec.ops.deferred_checks`). Either way
-    the backward ops of the same inputs reuse it."""
-    deferred_checks.raise_ready()
-    problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)
+def _answer(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+            per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+            meta_cpu: torch.Tensor, id_check: IdCheck) -> bool:
+    """Whether the inputs whose problems a kernel counted (``problems``, its four counts on
+    the device) pass, read at once, or ``True`` with the answer queued for a later call
+    (:mod:`robe_torchrec.ops.deferred_checks`). Either way the backward ops of the same
+    inputs reuse it."""
     if deferred_checks.deferred_for(values.device):
         deferred_checks.submit(problems, values, offsets, per_sample_weights, table_meta,
                                meta_cpu, id_check)
@@ -716,6 +804,22 @@ def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
         deferred_checks.remember_clean(values, offsets, per_sample_weights, meta_cpu,
                                        id_check)
     return clean
+
+
+def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
+                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                      meta_cpu: torch.Tensor, id_check: IdCheck) -> bool:
+    """The summary kernel's answer (:func:`_answer`), for a forward whose kernel does not
+    count the problems itself (see :func:`_counts_in_kernel`)."""
+    deferred_checks.raise_ready()
+    return _answer(_launch_summary(values, offsets, per_sample_weights, table_meta, id_check),
+                   values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+
+
+def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
+    """Whether the forward kernel counts the input checks' problems (one launch less): when
+    it reads every id, that is when it runs at all and every feature has a column."""
+    return batch > 0 and output_dim > 0 and facts.min_dim > 0
 
 
 def _summarize_backward_inputs(values: torch.Tensor, offsets: torch.Tensor,
@@ -747,35 +851,53 @@ def forward(
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    meta_cpu = check_inputs(weights, values, offsets, per_sample_weights, table_meta,
-                            output_dim, block_size, hash_mode, hash_params, bounds_check,
-                            _summarize_inputs)
+    psw = per_sample_weights
+    meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
+                                      block_size, hash_mode, hash_params, bounds_check)
     params = _hash_args(hash_params)
     num_features = table_meta.shape[1]
     num_bags = offsets.numel() - 1
     batch = num_bags // num_features
+    facts = meta_facts(meta_cpu, block_size, output_dim)
+    counted = _counts_in_kernel(batch, output_dim, facts)
+    if not counted and not _summarize_inputs(values, offsets, psw, table_meta, meta_cpu,
+                                             id_check):
+        check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     # columns no feature covers (output_dim > sum of dims) must read 0
     shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
-    facts = meta_facts(meta_cpu, block_size, output_dim)
     out = (_empty(*shape, dtype=dtype, device=weights.device) if facts.covers_output
            else torch.zeros(shape, dtype=dtype, device=weights.device))
     if batch == 0 or output_dim == 0:
         return out
+    if counted:
+        deferred_checks.raise_ready()
+        problems = torch.zeros(4, dtype=torch.int64, device=weights.device)
+        check_args = (problems, _key_limit_arg(id_check))
+        check_constants = dict(CHECK=True, **_id_check_constants(id_check))
+    else:  # the kernel never touches the problem counts: any pointer will do
+        check_args = (out, 0)
+        check_constants = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False)
     tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
                    _is_interpreted(kernels))
     _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel), tiles,
-                       weights, weights, out, values, offsets, per_sample_weights, table_meta,
-                       output_dim, block_size, hash_mode, params)
+                       weights, weights, out, values, offsets, psw, table_meta, output_dim,
+                       block_size, hash_mode, params, check_args, check_constants)
+    # bad input made the kernel compute a wrong output but touch nothing outside its
+    # tensors; the problem is raised here, or by a later call when the checks are deferred
+    if counted and not _answer(problems, values, offsets, psw, table_meta, meta_cpu, id_check):
+        check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     return out
 
 
 def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: torch.Tensor,
                        target: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
                        per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                       width: int, block_size: int, hash_mode: int, params: List[int]) -> None:
+                       width: int, block_size: int, hash_mode: int, params: List[int],
+                       extra_args: tuple = (), extra_constants: Optional[dict] = None) -> None:
     """Launch a bag kernel that reads ``source`` (weights, or the output gradient of ``width``
     columns) and writes ``target``: ``variants[1]`` (several short bags a program) when
-    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program)."""
+    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program).
+    ``extra_args`` and ``extra_constants`` are the forward kernels' check arguments."""
     num_features = table_meta.shape[1]
     num_bags = offsets.numel() - 1
     batch = num_bags // num_features
@@ -783,9 +905,10 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
     args = (source.contiguous(), values.contiguous(), offsets.contiguous(),
             weights if psw is None else psw.contiguous(),
             table_meta.to(weights.device).contiguous(), target,
-            batch, num_features, values.numel(), width, *params)
+            batch, num_features, values.numel(), width, *params, *extra_args)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
-                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z)
+                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
+                     **(extra_constants or {}))
     per_bag, short_bags = variants
     if tiles.short_bags:
         grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)

@@ -128,6 +128,31 @@ def check_inputs(
     checks to one answer, clean or not, in one pass and one copy to the host; only when it
     is not clean do the checks run one by one, to raise the first problem's message. Without
     it they always run one by one (on an accelerator, a synchronisation each)."""
+    meta_cpu, id_check = check_layout(weights, values, offsets, per_sample_weights, table_meta,
+                                      output_dim, block_size, hash_mode, hash_params,
+                                      bounds_check)
+    if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
+                                           meta_cpu, id_check):
+        return meta_cpu
+    check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+    return meta_cpu
+
+
+def check_layout(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    output_dim: int,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+    bounds_check: int,
+) -> Tuple[torch.Tensor, "IdCheck"]:
+    """The checks of :func:`check_inputs` that read no data (dtypes, shapes, ``table_meta``,
+    the hash's range); returns ``table_meta`` on the CPU and what every id is to be checked
+    against, for a kernel that checks the data as it reads them."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     check_enum("bounds_check", bounds_check, m.BoundsCheck)
     if len(hash_params) != 3:
@@ -148,11 +173,7 @@ def check_inputs(
     # then vouches for a backward's key check)
     id_check = IdCheck(in_bounds, key_limit,
                        in_bounds or (key_limit is not None and facts.max_key_end <= key_limit))
-    if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
-                                           meta_cpu, id_check):
-        return meta_cpu
-    check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
-    return meta_cpu
+    return meta_cpu, id_check
 
 
 class IdCheck(NamedTuple):
@@ -214,6 +235,9 @@ class MetaFacts(NamedTuple):
     covers_output: bool
     #: the largest ``row_offset + num_rows``: every in-range id's key lies below it
     max_key_end: int
+    #: the smallest dim (a kernel that skips the ids of a feature without columns reads
+    #: every id only when it is at least 1)
+    min_dim: int
 
 
 #: id(meta_cpu) -> (meta_cpu, (block_size, output_dim, its version), MetaFacts); the entry
@@ -239,7 +263,7 @@ def meta_facts(meta_cpu: torch.Tensor, block_size: int, output_dim: int) -> Meta
         end = end + dim if start == end else -1
     facts = MetaFacts(max(dims, default=0), max((-(-d // block_size) for d in dims), default=0),
                       max((size - block_size + 1 for size in sizes), default=0),
-                      end == output_dim, max(key_ends, default=0))
+                      end == output_dim, max(key_ends, default=0), min(dims, default=0))
     if key is not None:
         if len(_FACTS) >= _MAX_FACTS:
             _FACTS.clear()

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from robe_torchrec.ops import deferred_checks as dc  # noqa: E402
 from robe_torchrec.ops import defer_checks, raise_pending_checks  # noqa: E402
+from robe_torchrec.ops import meta as m  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.deferred_checks import DeferredCheckError  # noqa: E402
 
@@ -46,15 +47,23 @@ def lagging_device(monkeypatch):
 
 @pytest.fixture
 def summaries(monkeypatch):
-    """Counts the summary kernel's launches."""
+    """Counts the checks run on the device: the summary kernel's launches, and the forwards
+    whose kernel counts the problems itself."""
     launches = []
-    original = tk._launch_summary
+    launch_summary, counts_in_kernel = tk._launch_summary, tk._counts_in_kernel
 
-    def counted(*args):
-        launches.append(args)
-        return original(*args)
+    def summary(*args):
+        launches.append(("summary", args))
+        return launch_summary(*args)
 
-    monkeypatch.setattr(tk, "_launch_summary", counted)
+    def forward_counts(*args):
+        counts = counts_in_kernel(*args)
+        if counts:
+            launches.append(("forward", args))
+        return counts
+
+    monkeypatch.setattr(tk, "_launch_summary", summary)
+    monkeypatch.setattr(tk, "_counts_in_kernel", forward_counts)
     return launches
 
 
@@ -155,6 +164,28 @@ def test_a_bounds_check_vouches_for_the_reference_key_limit(lagging_device, summ
     tk.forward(*case.forward_args())
     tk.backward_dense(*case.backward_args(case.grad()))
     assert len(summaries) == 1
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_the_forward_kernel_counts_its_own_checks_unless_it_skips_ids(summaries, defer):
+    """The forward counts the checks' problems in its own kernel (no summary launch), and
+    falls back to the summary kernel when the kernel would not read every id: a feature with
+    no column (dim 0), or no bag to pool. Either way a bad id raises."""
+    case = weighted_case()
+    with defer_checks(defer):
+        tk.forward(*case.forward_args())
+    assert [kind for kind, _ in summaries] == ["forward"]
+
+    dims = [4, 0]  # the second feature has ids but no column: its ids are still checked
+    meta = m.build_table_meta(dims, [0, 0], [64, 64], [0, 10], [10, 10], [0, 0])
+    values, offsets = torch.tensor([1, 2, 10]), torch.tensor([0, 1, 2, 3, 3])
+    args = (torch.randn(64), values, offsets, None, meta, 4, 2, 0, [1, 2, 3], 0)
+    summaries.clear()
+    with defer_checks(defer):
+        with pytest.raises(ValueError, match=r"id 10 at position 2 of feature 1"):
+            tk.forward(*args)
+            raise_pending_checks()
+    assert [kind for kind, _ in summaries] == ["summary"]
 
 
 def test_backward_without_a_forward_checks_at_once(lagging_device):

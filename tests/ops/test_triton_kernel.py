@@ -19,11 +19,11 @@ pytest.importorskip("triton")
 
 from robe_torchrec import hashing  # noqa: E402
 from robe_torchrec.hashing import HashMode, hash_params  # noqa: E402
-from robe_torchrec.ops import cpu_backend, reference  # noqa: E402
+from robe_torchrec.ops import cpu_backend, defer_checks, reference  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
-from robe_torchrec.ops.validation import check_inputs  # noqa: E402
+from robe_torchrec.ops.validation import check_inputs, check_layout  # noqa: E402
 
 from .cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
 from .checks import (  # noqa: E402
@@ -485,19 +485,22 @@ for which, mode, weights, index in CONFIGS:
                  p2="i64", grad_ptr=f"*{acc}", state1_ptr=f"*{weights}",
                  state2_ptr=f"*{weights}", numel="i64", lr="fp64", eps="fp64", beta2="fp64",
                  weight_decay="fp64", lerp_weight="fp64", step_size="fp64", bias2_sqrt="fp64",
-                 num_values="i64", num_bags="i64", key_limit="i64")
+                 num_values="i64", num_bags="i64", key_limit="i64", problems_ptr="*i64")
     if which == "summary":
         types["out_ptr"] = "*i64"
     tiles = dict(Z=3, HASH_MODE=mode, ACC=acc_dtype, BLOCK_N=16, BLOCK_B=32, BLOCK_Z=4)
+    # the forwards' input checks: off once, ids against their bounds or the key limit
+    checks = dict(CHECK=not (which == "forward" and weights == "fp32"),
+                  IN_BOUNDS=weights != "bf16", KEY_LIMIT=weights == "bf16")
     kernel, constexprs = {
-        "forward": (tk._forward_kernel, dict(tiles, HAS_PSW=True)),
+        "forward": (tk._forward_kernel, dict(tiles, HAS_PSW=True, **checks)),
         "backward": (tk._backward_kernel, dict(tiles, HAS_PSW=True)),
         "psw": (tk._psw_grad_kernel, tiles),
         "optimizer": (tk._optimizer_kernel, dict(OPTIMIZER=mode, HAS_WEIGHT_DECAY=True,
                                                  COMPUTE=acc_dtype, BLOCK=1024)),
         "short_bags": (tk._forward_short_bags_kernel,
                        dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
-                            HAS_PSW=True, BLOCK_BAGS=8)),
+                            HAS_PSW=True, BLOCK_BAGS=8, **checks)),
         "backward_short_bags": (tk._backward_short_bags_kernel,
                                 dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
                                      HAS_PSW=True, BLOCK_BAGS=4)),
@@ -632,3 +635,46 @@ def test_input_summary_agrees_with_the_checks_one_by_one(bounds):
         assert summaries[0] == (not raised), f"trial {trial}: summary {summaries[0]}, raised {raised}"
         outcomes.add(raised)
     assert outcomes == {True, False}, "the trials must include clean and bad inputs"
+
+
+@pytest.mark.parametrize("bounds", ["error", "unbounded"])
+@pytest.mark.parametrize("short_bags", [False, True])
+def test_forward_kernel_counts_the_problems_the_summary_counts(bounds, short_bags,
+                                                               monkeypatch):
+    """The forward kernel counts the input checks' problems as it pools (one launch less
+    than the summary kernel): over the summary test's random inputs, both forward kernels
+    find each kind of problem exactly when the summary kernel does (with the offsets
+    well formed; else both find an offsets problem), and the forward raises exactly then."""
+    counted = []
+    answer = tk._answer
+    monkeypatch.setattr(tk, "_answer", lambda problems, *rest: counted.append(
+        problems.tolist()) or answer(problems, *rest))
+    monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if short_bags else -1.0)
+    g = torch.Generator().manual_seed(11)
+    weights = torch.zeros(64)
+    kinds = set()
+    for trial in range(16):
+        num_features = int(torch.randint(1, 8, (1,), generator=g))
+        batch = int(torch.randint(1, 6, (1,), generator=g))
+        values, offsets, psw, meta = _summary_case(g, num_features, batch)
+        args = (weights, values, offsets, psw, meta, 4 * num_features, 4,
+                int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=trial),
+                int(BoundsCheck[bounds.upper()]))
+        _, id_check = check_layout(*args)
+        summary = tk._launch_summary(values, offsets, psw, meta, id_check).tolist()
+        counted.clear()
+        with defer_checks(False):
+            try:
+                tk.forward(*args)
+                raised = False
+            except ValueError:
+                raised = True
+        assert len(counted) == 1, "the forward kernel did not count the problems"
+        found, expected = [c > 0 for c in counted[0]], [c > 0 for c in summary]
+        if expected[0] or expected[3]:  # offsets off: ids may lie outside every bag
+            assert found[0] or found[3], f"trial {trial}: {counted[0]} against {summary}"
+        else:
+            assert found == expected, f"trial {trial}: {counted[0]} against {summary}"
+        assert raised == any(expected), f"trial {trial}: raised {raised}, summary {summary}"
+        kinds.update(i for i, bad in enumerate(expected) if bad)
+    assert kinds >= {0, 2, 3, 1 if bounds == "error" else 0}, kinds
