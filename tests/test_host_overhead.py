@@ -15,6 +15,7 @@ def test_report_times_every_row_and_restores_the_launches():
     assert all(v > 0 for v in result["medians"].values())
     report = host_overhead.render(result)
     assert "behind `custom_op` (same kernel, same run)" in report
+    assert "with the summary kernel's host work" in report
     assert all(f"| {row} |" in report for row in host_overhead.ROWS)
 
 
