@@ -288,25 +288,25 @@ def _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features, num_values, Z:
 
 
 @triton.jit
-def _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows, row_offset, key_limit,
-                    HAS_PSW: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr):
-    """1 at each position ``i`` whose id fails its check (IN_BOUNDS: outside
-    ``[0, num_rows)``; KEY_LIMIT: negative, or ``id + row_offset >= key_limit``), and 1 at each
-    whose per-sample weight is not finite; 0 where masked: the value checks of
-    ``_input_summary_kernel``, for a kernel that reads the ids anyway."""
-    bad_id = id_mask.to(tl.int64) * 0
+def _count_value_problems(bad_ids, bad_weights, values_ptr, psw_ptr, i, id_mask, num_rows,
+                          row_offset, key_limit, HAS_PSW: tl.constexpr,
+                          IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr):
+    """``bad_ids`` and ``bad_weights`` (counts per lane) plus 1 at each position ``i`` whose
+    id fails its check (IN_BOUNDS: outside ``[0, num_rows)``; KEY_LIMIT: negative, or
+    ``id + row_offset >= key_limit``), respectively whose per-sample weight is not finite;
+    masked positions add 0. The value checks of ``_input_summary_kernel``, for a kernel that
+    reads the ids anyway."""
     if IN_BOUNDS or KEY_LIMIT:
         ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
         if IN_BOUNDS:
             bad = (ids < 0) | (ids >= num_rows)
         else:
             bad = (ids < 0) | (ids + row_offset >= key_limit)
-        bad_id = (bad & id_mask).to(tl.int64)
-    bad_weight = id_mask.to(tl.int64) * 0
+        bad_ids += (bad & id_mask).to(tl.int64)
     if HAS_PSW:
         w = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(tl.float64)
-        bad_weight = (((w != w) | (tl.abs(w) == float("inf"))) & id_mask).to(tl.int64)
-    return bad_id, bad_weight
+        bad_weights += (((w != w) | (tl.abs(w) == float("inf"))) & id_mask).to(tl.int64)
+    return bad_ids, bad_weights
 
 
 @triton.jit
@@ -364,11 +364,9 @@ def _forward_kernel(
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
         acc += tl.sum(rows, axis=0)
         if CHECK:
-            bad_id, bad_weight = _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows,
-                                                 row_offset, key_limit, HAS_PSW, IN_BOUNDS,
-                                                 KEY_LIMIT)
-            bad_ids += bad_id
-            bad_weights += bad_weight
+            bad_ids, bad_weights = _count_value_problems(
+                bad_ids, bad_weights, values_ptr, psw_ptr, i, id_mask, num_rows, row_offset,
+                key_limit, HAS_PSW, IN_BOUNDS, KEY_LIMIT)
 
     acc = _div_rn(acc, divisor)
     tl.store(out_ptr + b * out_stride + out_offset + cols,
@@ -417,11 +415,9 @@ def _forward_short_bags_kernel(
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
         acc += rows
         if CHECK:
-            bad_id, bad_weight = _value_problems(values_ptr, psw_ptr, i, id_mask, num_rows,
-                                                 row_offset, key_limit, HAS_PSW, IN_BOUNDS,
-                                                 KEY_LIMIT)
-            bad_ids += bad_id
-            bad_weights += bad_weight
+            bad_ids, bad_weights = _count_value_problems(
+                bad_ids, bad_weights, values_ptr, psw_ptr, i, id_mask, num_rows, row_offset,
+                key_limit, HAS_PSW, IN_BOUNDS, KEY_LIMIT)
 
     acc = _div_rn(acc, divisor[:, None, None])
     tl.store(out_ptr + b[:, None, None] * out_stride + out_offset + cols[None, :, :],

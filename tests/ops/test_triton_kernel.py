@@ -610,21 +610,27 @@ def _summary_case(g: torch.Generator, num_features: int, batch: int):
     return values, offsets, psw, meta
 
 
+def _summary_trials(bounds: str, trials: int, max_features: int, min_batch: int):
+    """``(trial, forward arguments)`` of :func:`_summary_case` inputs: up to
+    ``max_features - 1`` features of dim 4, ``min_batch`` to 5 samples."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.zeros(64)
+    for trial in range(trials):
+        num_features = int(torch.randint(1, max_features, (1,), generator=g))
+        batch = int(torch.randint(min_batch, 6, (1,), generator=g))
+        values, offsets, psw, meta = _summary_case(g, num_features, batch)
+        yield trial, (weights, values, offsets, psw, meta, 4 * num_features, 4,
+                      int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=trial),
+                      int(BoundsCheck[bounds.upper()]))
+
+
 @pytest.mark.parametrize("bounds", ["error", "unbounded"])
 def test_input_summary_agrees_with_the_checks_one_by_one(bounds):
     """The one-launch summary (what a GPU runs) finds a problem exactly when the checks run
     one by one raise, over random inputs with and without problems, many features (its
     binary search over feature ends) and empty bags."""
-    g = torch.Generator().manual_seed(11)
-    weights = torch.zeros(64)
     outcomes = set()
-    for trial in range(40):
-        num_features = int(torch.randint(1, 40, (1,), generator=g))
-        batch = int(torch.randint(0, 6, (1,), generator=g))
-        values, offsets, psw, meta = _summary_case(g, num_features, batch)
-        args = (weights, values, offsets, psw, meta, 4 * num_features, 4,
-                int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=trial),
-                int(BoundsCheck[bounds.upper()]))
+    for trial, args in _summary_trials(bounds, trials=40, max_features=40, min_batch=0):
         summaries = []
         try:
             check_inputs(*args, summarize=lambda *a: summaries.append(tk._summarize_inputs(*a)))
@@ -650,16 +656,9 @@ def test_forward_kernel_counts_the_problems_the_summary_counts(bounds, short_bag
     monkeypatch.setattr(tk, "_answer", lambda problems, *rest: counted.append(
         problems.tolist()) or answer(problems, *rest))
     monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if short_bags else -1.0)
-    g = torch.Generator().manual_seed(11)
-    weights = torch.zeros(64)
     kinds = set()
-    for trial in range(16):
-        num_features = int(torch.randint(1, 8, (1,), generator=g))
-        batch = int(torch.randint(1, 6, (1,), generator=g))
-        values, offsets, psw, meta = _summary_case(g, num_features, batch)
-        args = (weights, values, offsets, psw, meta, 4 * num_features, 4,
-                int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=trial),
-                int(BoundsCheck[bounds.upper()]))
+    for trial, args in _summary_trials(bounds, trials=16, max_features=8, min_batch=1):
+        _, values, offsets, psw, meta = args[:5]
         _, id_check = check_layout(*args)
         summary = tk._launch_summary(values, offsets, psw, meta, id_check).tolist()
         counted.clear()
