@@ -97,8 +97,8 @@ def _cuda_impl():
 #: the ``robe`` namespace. The lookup ops are defined with ``torch.library.define`` and their
 #: kernels registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call
 #: then goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call
-#: Python layer (an aliasing check, a TorchDynamo guard): 16-22 us of host time a call on a
-#: CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
+#: Python layer (an aliasing check, a TorchDynamo guard): about 20 us of host time a call on
+#: a CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
 #: setting waits on its host.
 _LIB = torch.library.Library("robe", "FRAGMENT")
 

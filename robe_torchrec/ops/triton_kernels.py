@@ -731,7 +731,7 @@ class _Tiles:
 
 
 def _cdiv(a: int, b: int) -> int:
-    # not triton.cdiv: a Triton function, whose host call costs microseconds
+    # not triton.cdiv: a Triton function, slow to call from the host
     return -(-a // b)
 
 
