@@ -459,9 +459,9 @@ FLOOR_SOURCE_ROWS = 256  # 64 KB at dim 64: the floor's source stays in L1/L2
 LINE_FLOATS = 16  # floats per 64-byte cache line
 LINES_PER_BAG = 64  # the line-read floor pools this many lines per output row
 # The machine's own 2-thread scaling, timed in the forward section's loop: a compute-bound
-# matmul (its operands fit in L2) runs at 0.50x its 1-thread time on two free cores. A VM's
-# two vCPUs give it less when the host shares their cores, and no kernel scales better than
-# the compute it must do.
+# matmul (its operands fit in L2) runs at 0.50x its 1-thread time on two free cores, and
+# slower when the host shares a VM's two vCPUs. A reference, not a bound: a kernel that waits
+# on memory can gain more from a second thread than one that computes.
 COMPUTE_REFERENCE = "compute reference"
 COMPUTE_REFERENCE_SIZE = 512
 

@@ -103,9 +103,9 @@ def _cuda_impl():
 _LIB = torch.library.Library("robe", "FRAGMENT")
 
 
-def _define(schema: str, fake: Callable[..., object]) -> str:
+def _define(schema: str, fake: Callable[..., object]) -> None:
     """Define ``robe::<schema>``: its CPU kernel (the implementation :func:`cpu_backend`
-    picks), its CUDA kernel (Triton) and its fake kernel; returns the op's name."""
+    picks), its CUDA kernel (Triton) and its fake kernel."""
     name = schema.split("(", 1)[0]
     qualname = f"robe::{name}"
     _LIB.define(schema)
@@ -119,7 +119,6 @@ def _define(schema: str, fake: Callable[..., object]) -> str:
     torch.library.impl(qualname, "cpu", cpu_kernel, lib=_LIB)
     torch.library.impl(qualname, "cuda", cuda_kernel, lib=_LIB)
     torch.library.register_fake(qualname, fake, lib=_LIB)
-    return qualname
 
 
 # ---------------------------------------------------------------------------------------
