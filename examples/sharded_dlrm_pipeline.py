@@ -33,6 +33,8 @@ from pipelines import make_pipeline, run_to_end
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
+from robe_torchrec.distributed.process_group import (before_init_process_group,
+                                                     destroy_process_group)
 
 
 def main() -> None:
@@ -47,6 +49,7 @@ def main() -> None:
 
     if "RANK" not in os.environ:  # launched without torchrun: a 1-process group
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    before_init_process_group()  # so that destroy_process_group() can end the group's threads
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -93,7 +96,7 @@ def main() -> None:
     value = auc.compute().item()  # torchmetrics syncs the states of all ranks
     if rank == 0:
         print(f"{args.pipeline} on {world} rank(s): held-out AUC {value:.4f}")
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 if __name__ == "__main__":

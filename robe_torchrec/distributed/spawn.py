@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from robe_torchrec.distributed.process_group import (before_init_process_group,
+                                                     destroy_process_group)
+
 
 def free_port() -> int:
     """A TCP port free on this host now (for MASTER_PORT)."""
@@ -39,13 +42,13 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: Optiona
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        before_init_process_group()
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         queue.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",

@@ -28,11 +28,15 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from robe_torchrec.distributed.process_group import (before_init_process_group,
+                                                     destroy_process_group)
+
 
 def init_distributed() -> None:
     """Join the launcher's process group (env://) or create a 1-rank one."""
     if dist.is_initialized():
         return
+    before_init_process_group()
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
@@ -95,8 +99,7 @@ def main() -> None:
         sys.argv = _hydra_argv(sys.argv, dist.get_rank())
         hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()  # its threads end before the interpreter's shutdown
 
 
 if __name__ == "__main__":

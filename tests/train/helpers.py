@@ -15,6 +15,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from robe_torchrec.distributed.process_group import (before_init_process_group,
+                                                     destroy_process_group)
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -39,11 +42,12 @@ def compose(*overrides: str):
 
 @contextmanager
 def one_rank_group():
+    before_init_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def env(marker: str = "", venv_on_path: bool = True) -> Dict[str, str]:
