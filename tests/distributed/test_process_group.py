@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import TINY, env
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.train.helpers import REPO, TINY, env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
                                 reason="counts threads through Linux's /proc")
