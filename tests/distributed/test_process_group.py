@@ -17,10 +17,22 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
                                 reason="counts threads through Linux's /proc")
 
 GLOO_THREADS = textwrap.dedent("""
-    import os
+    import os, time
+    def thread_names():
+        return {t: open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")}
     def gloo_threads():
-        names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
-        return sum("gloo" in n for n in names)
+        return sum("gloo" in n for n in thread_names().values())
+    def gloo_threads_started(before, timeout=60.0):
+        # A gloo thread names itself once it first runs, so on a busy machine it may still
+        # carry the process's name just after init_process_group: wait until all threads
+        # created since `before` have taken their names.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            new = [n for t, n in thread_names().items() if t not in before]
+            if new and all("gloo" in n for n in new):
+                break
+            time.sleep(0.01)
+        return gloo_threads()
 """)
 
 
@@ -40,12 +52,13 @@ HOLD_THE_GROUP = """
     ours = sys.argv[1] == "ours"
     if ours:
         process_group.before_init_process_group()
+    before = thread_names()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert gloo_threads_started(before) > 0
     import torch.distributed.optim
     cycle = [dist.group.WORLD]
     cycle.append(cycle)
     del cycle
-    assert gloo_threads() > 0
     (process_group.destroy_process_group if ours else dist.destroy_process_group)()
     print(gloo_threads())
 """
