@@ -499,6 +499,39 @@ enum class ForwardMode {
                // chunk's cache-resident [out_dim] sum; returns the chunks' sums added up
 };
 
+// Pass 2 of the forward for samples [b0, b1): pools each row in `row` from its hashed block
+// starts (st), value scales (sc) and valid-value counts (cn), then stores it to out (in
+// GATHER_ONLY mode: adds it to row[out_dim:]). A function of its own with restrict pointers:
+// inside forward_kernel's lambda the compiler kept the cursors on the stack and reloaded
+// them around every block.
+template <typename scalar_t, typename acc_t, ForwardMode kMode>
+void pool_tile(const scalar_t* __restrict__ w, const int64_t* __restrict__ st, const acc_t* __restrict__ sc,
+               const int64_t* __restrict__ cn, int64_t b0, int64_t b1, const Layout& L, acc_t* __restrict__ row,
+               acc_t* __restrict__ out, int64_t out_dim, bool stream) {
+  const int64_t T = L.T, Z = L.Z;
+  for (int64_t b = b0; b < b1; ++b) {
+    std::fill(row, row + out_dim, acc_t(0));
+    for (int64_t t = 0; t < T; ++t) {
+      const Feature& f = L.feats[t];
+      const int64_t D = f.dim, nb = f.nblocks;
+      acc_t* __restrict__ acc = row + f.out_offset;
+      const int64_t valid = *cn++;
+      for (int64_t i = 0; i < valid; ++i) {
+        const acc_t scale = *sc++;
+        for (int64_t blk = 0; blk < nb; ++blk) {
+          add_scaled(acc + blk * Z, w + *st++, std::min(Z, D - blk * Z), scale);
+        }
+      }
+    }
+    if constexpr (kMode == ForwardMode::GATHER_ONLY) {
+#pragma omp simd
+      for (int64_t j = 0; j < out_dim; ++j) row[out_dim + j] += row[j];
+    } else {
+      store_row(out + b * out_dim, row, out_dim, stream);
+    }
+  }
+}
+
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode>
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
@@ -591,34 +624,10 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
       }
     };
 
-    // pass 2 of samples [tb0, tb1): gather and pool each row in the row buffer, store it
+    // pass 2 of samples [tb0, tb1)
     auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf& buf) {
-      const int64_t* st = buf.starts.data();
-      const acc_t* sc = buf.scales.data();
-      const int64_t* cn = buf.counts.data();
-      for (int64_t b = tb0; b < tb1; ++b) {
-        std::fill(row, row + out_dim, acc_t(0));
-        for (int64_t t = 0; t < T; ++t) {
-          const Feature& f = L.feats[t];
-          const int64_t D = f.dim, nb = f.nblocks;
-          acc_t* __restrict__ acc = row + f.out_offset;
-          const int64_t valid = *cn++;
-          for (int64_t i = 0; i < valid; ++i) {
-            const acc_t scale = *sc++;
-            for (int64_t blk = 0; blk < nb; ++blk) {
-              const scalar_t* __restrict__ src = w + *st++;
-              acc_t* __restrict__ dst = acc + blk * Z;
-              add_scaled(dst, src, std::min(Z, D - blk * Z), scale);
-            }
-          }
-        }
-        if constexpr (kMode == ForwardMode::GATHER_ONLY) {
-#pragma omp simd
-          for (int64_t j = 0; j < out_dim; ++j) row[out_dim + j] += row[j];
-        } else {
-          store_row(out + b * out_dim, row, out_dim, stream);
-        }
-      }
+      pool_tile<scalar_t, acc_t, kMode>(w, buf.starts.data(), buf.scales.data(), buf.counts.data(), tb0, tb1, L,
+                                        row, out, out_dim, stream);
     };
 
     if constexpr (kMode == ForwardMode::HASH_ONLY) {
