@@ -499,6 +499,97 @@ enum class ForwardMode {
                // chunk's cache-resident [out_dim] sum; returns the chunks' sums added up
 };
 
+// One tile's hashed lookups, pass 1's output and pass 2's input: the next tile is hashed
+// (and its weights prefetched) before this one is gathered, so every prefetch has a whole
+// tile of work to land.
+template <typename acc_t>
+struct TileBuf {
+  std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
+  std::vector<acc_t> scales;    // scale of each valid value
+  std::vector<int64_t> counts;  // valid values of each bag (sample-major)
+};
+
+// Room for `more` entries after the cursor `at` of v (grown by doubling); returns the cursor,
+// which growing moves.
+template <typename T>
+inline T* room_for(std::vector<T>& v, T* at, int64_t more) {
+  const size_t used = static_cast<size_t>(at - v.data());
+  if (used + static_cast<size_t>(more) > v.size()) {
+    v.resize(std::max(2 * v.size(), used + static_cast<size_t>(more)));
+  }
+  return v.data() + used;
+}
+
+// Pass 1 of the forward for samples [b0, b1): checks each value (recording the first bad
+// one in err), computes its scale, hashes its blocks and prefetches them, into buf (in
+// HASH_ONLY mode: only adds the block starts up, and returns their sum). A function of its
+// own with its cursors in locals: as pool_tile, not a lambda's captured references.
+template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode>
+uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
+                     const index_t* __restrict__ offs, const acc_t* __restrict__ psw, int64_t b0, int64_t b1,
+                     const Layout& L, const Hash& hash, int64_t N, IdCheck id_check, int64_t max_key,
+                     LoopErrors& err, TileBuf<acc_t>& buf) {
+  const int64_t B = L.B, T = L.T, Z = L.Z;
+  uint64_t sum = 0;
+  int64_t* st = buf.starts.data();
+  acc_t* sc = buf.scales.data();
+  int64_t* cn = buf.counts.data();
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const Feature& f = L.feats[t];
+      const int64_t bag = t * B + b;
+      const int64_t s = offs[bag], e = offs[bag + 1];
+      int64_t valid = 0;
+      if (e < s) {
+        err.offsets.record(bag);
+      } else if (s >= 0 && e <= N) {  // else: offsets decrease elsewhere, reported there
+        const acc_t len = static_cast<acc_t>(e - s);
+        const scalar_t* wf = w + f.w_offset;
+        if constexpr (kMode != ForwardMode::HASH_ONLY) {
+          st = room_for(buf.starts, st, (e - s) * f.nblocks);
+          sc = room_for(buf.scales, sc, e - s);
+        }
+        for (int64_t p = s; p < e; ++p) {
+          const int64_t id = static_cast<int64_t>(vals[p]);
+          const uint64_t key = f.key(id);
+          if (id_check == CHECK_RANGE) {
+            if (id < 0 || id >= f.num_rows) {
+              err.ids.record(p);
+              continue;
+            }
+          } else if (id_check == CHECK_REF_LIMIT) {
+            if (id < 0 || static_cast<int64_t>(key) > max_key) {
+              err.ids.record(p);
+              continue;
+            }
+          }
+          acc_t scale = acc_t(1);
+          if (psw != nullptr) {
+            scale = psw[p];
+            if (!std::isfinite(scale)) {
+              err.psw.record(p);
+              continue;
+            }
+          }
+          if (f.mean) scale = scale / len;
+          ++valid;
+          if constexpr (kMode == ForwardMode::HASH_ONLY) {
+            hash.blocks(key, f, [&](int64_t, uint64_t start) { sum += start; });
+          } else {
+            *sc++ = scale;
+            hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
+              prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
+              *st++ = f.w_offset + static_cast<int64_t>(start);
+            });
+          }
+        }
+      }
+      *cn++ = valid;
+    }
+  }
+  return sum;
+}
+
 // Pass 2 of the forward for samples [b0, b1): pools each row in `row` from its hashed block
 // starts (st), value scales (sc) and valid-value counts (cn), then stores it to out (in
 // GATHER_ONLY mode: adds it to row[out_dim:]). A function of its own with restrict pointers:
@@ -553,79 +644,18 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
     std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)) *
                                (kMode == ForwardMode::GATHER_ONLY ? 2 : 1));
     acc_t* __restrict__ row = row_buf.data();
-    // One tile's hashed lookups: the next tile is hashed (and its weights prefetched) before
-    // this one is gathered, so every prefetch has a whole tile of work to land.
-    struct TileBuf {
-      std::vector<int64_t> starts;  // flat weight index of each valid (value, block)
-      std::vector<acc_t> scales;    // scale of each valid value
-      std::vector<int64_t> counts;  // valid values of each bag (sample-major)
-    };
-    TileBuf bufs[2];
-    for (TileBuf& tb : bufs) {
-      tb.starts.reserve(4 * kTileEntries);
-      tb.scales.reserve(2 * kTileEntries);
-      tb.counts.reserve(static_cast<size_t>(tile * T));
-    }
+    TileBuf<acc_t> bufs[2];
+    for (TileBuf<acc_t>& tb : bufs) tb.counts.resize(static_cast<size_t>(tile * T));
     uint64_t local_sum = 0;
 
-    // pass 1 of samples [tb0, tb1): checks, scales, hashing, prefetch
-    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf& buf) {
-      buf.starts.clear();
-      buf.scales.clear();
-      buf.counts.clear();
-      for (int64_t b = tb0; b < tb1; ++b) {
-        for (int64_t t = 0; t < T; ++t) {
-          const Feature& f = L.feats[t];
-          const int64_t bag = t * B + b;
-          const int64_t s = offs[bag], e = offs[bag + 1];
-          int64_t valid = 0;
-          if (e < s) {
-            err.offsets.record(bag);
-          } else if (s >= 0 && e <= N) {  // else: offsets decrease elsewhere, reported there
-            const acc_t len = static_cast<acc_t>(e - s);
-            const scalar_t* wf = w + f.w_offset;
-            for (int64_t p = s; p < e; ++p) {
-              const int64_t id = static_cast<int64_t>(vals[p]);
-              const uint64_t key = f.key(id);
-              if (id_check == CHECK_RANGE) {
-                if (id < 0 || id >= f.num_rows) {
-                  err.ids.record(p);
-                  continue;
-                }
-              } else if (id_check == CHECK_REF_LIMIT) {
-                if (id < 0 || static_cast<int64_t>(key) > max_key) {
-                  err.ids.record(p);
-                  continue;
-                }
-              }
-              acc_t scale = acc_t(1);
-              if (psw != nullptr) {
-                scale = psw[p];
-                if (!std::isfinite(scale)) {
-                  err.psw.record(p);
-                  continue;
-                }
-              }
-              if (f.mean) scale = scale / len;
-              ++valid;
-              if constexpr (kMode == ForwardMode::HASH_ONLY) {
-                hash.blocks(key, f, [&](int64_t, uint64_t start) { local_sum += start; });
-              } else {
-                buf.scales.push_back(scale);
-                hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
-                  prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
-                  buf.starts.push_back(f.w_offset + static_cast<int64_t>(start));
-                });
-              }
-            }
-          }
-          buf.counts.push_back(valid);
-        }
-      }
+    // pass 1 of samples [tb0, tb1)
+    auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
+      local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode>(w, vals, offs, psw, tb0, tb1, L, hash, N,
+                                                                       id_check, max_key, err, buf);
     };
 
     // pass 2 of samples [tb0, tb1)
-    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf& buf) {
+    auto gather_tile = [&](int64_t tb0, int64_t tb1, const TileBuf<acc_t>& buf) {
       pool_tile<scalar_t, acc_t, kMode>(w, buf.starts.data(), buf.scales.data(), buf.counts.data(), tb0, tb1, L,
                                         row, out, out_dim, stream);
     };
