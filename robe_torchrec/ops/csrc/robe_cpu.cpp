@@ -487,6 +487,10 @@ inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
 // prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
 // overlap instead of each one stalling the loop.
 constexpr int64_t kTileEntries = 64;
+// A core's L2 cache. The forward prefetches its blocks from arrays larger than this: the
+// gathers from a smaller one hit the caches anyway, and prefetching them cost up to 20% of the
+// forward (results/kernel_ab_forward_prefetch_limit.md); from 2 MiB on it halves their time.
+constexpr int64_t kL2Bytes = int64_t(512) << 10;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
 
@@ -521,14 +525,15 @@ inline T* room_for(std::vector<T>& v, T* at, int64_t more) {
 }
 
 // Pass 1 of the forward for samples [b0, b1): checks each value (recording the first bad
-// one in err), computes its scale, hashes its blocks and prefetches them, into buf (in
-// HASH_ONLY mode: only adds the block starts up, and returns their sum). A function of its
-// own with its cursors in locals: as pool_tile, not a lambda's captured references.
+// one in err), computes its scale, hashes its blocks and, if `prefetch`, prefetches them,
+// into buf (in HASH_ONLY mode: only adds the block starts up, and returns their sum). A
+// function of its own with its cursors in locals: as pool_tile, not a lambda's captured
+// references.
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode>
 uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                      const index_t* __restrict__ offs, const acc_t* __restrict__ psw, int64_t b0, int64_t b1,
                      const Layout& L, const Hash& hash, int64_t N, IdCheck id_check, int64_t max_key,
-                     LoopErrors& err, TileBuf<acc_t>& buf) {
+                     bool prefetch, LoopErrors& err, TileBuf<acc_t>& buf) {
   const int64_t B = L.B, T = L.T, Z = L.Z;
   uint64_t sum = 0;
   int64_t* st = buf.starts.data();
@@ -578,7 +583,7 @@ uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__
           } else {
             *sc++ = scale;
             hash.blocks(key, f, [&](int64_t blk, uint64_t start) {
-              prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
+              if (prefetch) prefetch_block(wf + start, std::min(Z, f.dim - blk * Z));
               *st++ = f.w_offset + static_cast<int64_t>(start);
             });
           }
@@ -627,7 +632,7 @@ template <typename scalar_t, typename acc_t, typename index_t, typename Hash, Fo
 uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
                         acc_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
-                        int64_t N, IdCheck id_check, int64_t max_key, LoopErrors& err) {
+                        int64_t N, int64_t weights_numel, IdCheck id_check, int64_t max_key, LoopErrors& err) {
   const int64_t B = L.B, T = L.T, Z = L.Z;
   // work per sample ~ its multiply-adds; at least ~32k of them per task
   const int64_t avg_dim = std::max<int64_t>(L.sum_dim / std::max<int64_t>(T, 1), 1);
@@ -636,6 +641,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t entries_per_sample = std::max<int64_t>(1, N * std::max<int64_t>(L.max_blocks, 1) / std::max<int64_t>(B, 1));
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
+  const bool prefetch = weights_numel * static_cast<int64_t>(sizeof(scalar_t)) > kL2Bytes;
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
     // GATHER_ONLY: the out_dim elements after the row sum this chunk's pooled rows, in place
@@ -651,7 +657,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
     // pass 1 of samples [tb0, tb1)
     auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
       local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode>(w, vals, offs, psw, tb0, tb1, L, hash, N,
-                                                                       id_check, max_key, err, buf);
+                                                                       id_check, max_key, prefetch, err, buf);
     };
 
     // pass 2 of samples [tb0, tb1)
@@ -756,8 +762,8 @@ at::Tensor forward_impl(const at::Tensor& weights_in, const at::Tensor& values_i
       dispatch_hash(hash_mode, hash_params, [&](const auto& hash) {
         using Hash = std::decay_t<decltype(hash)>;
         checksum = forward_kernel<scalar_t, acc_t, index_t, Hash, kMode>(
-            weights.data_ptr<scalar_t>(), vals, offs, pswp, outp, output_dim, L, hash, N, id_check,
-            max_key, err);
+            weights.data_ptr<scalar_t>(), vals, offs, pswp, outp, output_dim, L, hash, N, weights.numel(),
+            id_check, max_key, err);
       });
     };
     if constexpr (kMode != ForwardMode::FULL) {  // the benchmark aids only need one weight type
@@ -1070,7 +1076,6 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // windowed scatter takes 0.4-0.8x the plan's time up to 10.5 MB arrays, and the fused steps
 // lose from 16 MB on (the direct path zeroes and steps a whole-array gradient out of cache).
 constexpr int64_t kDirectMaxBytes = int64_t(12) << 20;
-constexpr int64_t kL2Bytes = int64_t(512) << 10;
 
 // Whether the backward ops take the direct scatter for an array of weights_numel elements of
 // acc_bytes bytes each, at the current thread count (also exported, for the tests).
