@@ -489,7 +489,7 @@ inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
 constexpr int64_t kTileEntries = 64;
 // A core's L2 cache. The forward prefetches its blocks from arrays larger than this: the
 // gathers from a smaller one hit the caches anyway, and prefetching them cost up to 20% of the
-// forward (results/kernel_ab_forward_prefetch_limit.md); from 2 MiB on it halves their time.
+// forward (results/kernel_ab_forward_prefetch_limit.md).
 constexpr int64_t kL2Bytes = int64_t(512) << 10;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
