@@ -612,10 +612,28 @@ void pool_tile(const scalar_t* __restrict__ w, const int64_t* __restrict__ st, c
       const int64_t D = f.dim, nb = f.nblocks;
       acc_t* __restrict__ acc = row + f.out_offset;
       const int64_t valid = *cn++;
-      for (int64_t i = 0; i < valid; ++i) {
-        const acc_t scale = *sc++;
-        for (int64_t blk = 0; blk < nb; ++blk) {
-          add_scaled(acc + blk * Z, w + *st++, std::min(Z, D - blk * Z), scale);
+      // rows of whole blocks of a common Z: the block length is known at compile time
+      auto pool_fixed = [&](auto z_tag) {
+        constexpr int64_t kZ = decltype(z_tag)::value;
+        for (int64_t i = 0; i < valid; ++i) {
+          const acc_t scale = *sc++;
+          for (int64_t blk = 0; blk < nb; ++blk) add_scaled_fixed<kZ>(acc + blk * kZ, w + *st++, scale);
+        }
+      };
+      if (D % Z == 0 && Z == 8) {
+        pool_fixed(std::integral_constant<int64_t, 8>{});
+      } else if (D % Z == 0 && Z == 32) {
+        pool_fixed(std::integral_constant<int64_t, 32>{});
+      } else if (D % Z == 0 && Z == 16) {
+        pool_fixed(std::integral_constant<int64_t, 16>{});
+      } else if (D % Z == 0 && Z == 4) {
+        pool_fixed(std::integral_constant<int64_t, 4>{});
+      } else {
+        for (int64_t i = 0; i < valid; ++i) {
+          const acc_t scale = *sc++;
+          for (int64_t blk = 0; blk < nb; ++blk) {
+            add_scaled(acc + blk * Z, w + *st++, std::min(Z, D - blk * Z), scale);
+          }
         }
       }
     }
