@@ -1108,8 +1108,8 @@ bool direct_scatter_windowed(int64_t weights_numel, int64_t acc_bytes) {
 }
 
 // The blocks waiting to be added, in order: a block is added once kScatterWindow more have
-// been hashed (and prefetched) after it.
-template <typename acc_t>
+// been hashed (and prefetched) after it. kZ > 0: every block holds kZ elements.
+template <typename acc_t, int64_t kZ>
 class ScatterWindow {
  public:
   void push(acc_t* dst, const acc_t* src, int64_t len, acc_t scale) {
@@ -1133,21 +1133,26 @@ class ScatterWindow {
   };
   void pop() {
     const Pending& e = ring_[head_++ & kMask];
-    add_scaled(e.dst, e.src, e.len, e.scale);
+    if constexpr (kZ > 0) {
+      add_scaled_fixed<kZ>(e.dst, e.src, e.scale);
+    } else {
+      add_scaled(e.dst, e.src, e.len, e.scale);
+    }
   }
   Pending ring_[kMask + 1];
   int64_t head_ = 0, tail_ = 0;
 };
 
 // kWindowed: through a ScatterWindow (arrays beyond L2), or each block added as it is hashed.
-template <typename acc_t, bool kWindowed>
+// kZ > 0: every feature's dim is a multiple of Z = kZ, so every block holds kZ elements.
+template <typename acc_t, bool kWindowed, int64_t kZ>
 void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std::vector<int64_t>& hash_params,
                          acc_t* __restrict__ buf) {
   const Layout& L = in.L;
   const int64_t B = L.B, Z = L.Z, ldg = in.ldg;
   const acc_t* go = in.grad_output.data_ptr<acc_t>();
   const acc_t* psw = in.psw.defined() ? in.psw.data_ptr<acc_t>() : nullptr;
-  ScatterWindow<acc_t> window;
+  ScatterWindow<acc_t, kZ> window;
   AT_DISPATCH_INDEX_TYPES(in.values.scalar_type(), "robe_direct_scatter", [&] {
     const index_t* offs = in.offsets.data_ptr<index_t>();
     const index_t* vals = in.values.data_ptr<index_t>();
@@ -1163,9 +1168,11 @@ void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std:
           for (int64_t p = s; p < e; ++p) {
             const acc_t scale = value_scale(psw, p, f, len);
             hash.blocks(f.key(static_cast<int64_t>(vals[p])), f, [&](int64_t blk, uint64_t start) {
-              const int64_t n = std::min(Z, f.dim - blk * Z);
+              const int64_t n = kZ > 0 ? kZ : std::min(Z, f.dim - blk * Z);
               if constexpr (kWindowed) {
                 window.push(wbuf + start, grow + blk * Z, n, scale);
+              } else if constexpr (kZ > 0) {
+                add_scaled_fixed<kZ>(wbuf + start, grow + blk * Z, scale);
               } else {
                 add_scaled(wbuf + start, grow + blk * Z, n, scale);
               }
@@ -1181,10 +1188,28 @@ void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std:
 template <typename acc_t>
 void direct_scatter(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mode,
                     const std::vector<int64_t>& hash_params, acc_t* buf) {
-  if (direct_scatter_windowed(weights_numel, sizeof(acc_t))) {
-    direct_scatter_impl<acc_t, true>(in, hash_mode, hash_params, buf);
+  const bool windowed = direct_scatter_windowed(weights_numel, sizeof(acc_t));
+  auto run = [&](auto z_tag) {
+    constexpr int64_t kZ = decltype(z_tag)::value;
+    if (windowed) {
+      direct_scatter_impl<acc_t, true, kZ>(in, hash_mode, hash_params, buf);
+    } else {
+      direct_scatter_impl<acc_t, false, kZ>(in, hash_mode, hash_params, buf);
+    }
+  };
+  const int64_t Z = in.L.Z;
+  const bool whole_blocks = std::all_of(in.L.feats.begin(), in.L.feats.end(),
+                                        [&](const Feature& f) { return f.dim % Z == 0; });
+  if (whole_blocks && Z == 8) {
+    run(std::integral_constant<int64_t, 8>{});
+  } else if (whole_blocks && Z == 32) {
+    run(std::integral_constant<int64_t, 32>{});
+  } else if (whole_blocks && Z == 16) {
+    run(std::integral_constant<int64_t, 16>{});
+  } else if (whole_blocks && Z == 4) {
+    run(std::integral_constant<int64_t, 4>{});
   } else {
-    direct_scatter_impl<acc_t, false>(in, hash_mode, hash_params, buf);
+    run(std::integral_constant<int64_t, 0>{});
   }
 }
 
