@@ -422,6 +422,26 @@ inline void add_scaled(acc_t* __restrict__ dst, const scalar_t* __restrict__ src
   for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;
 }
 
+// Runs fn(std::integral_constant<int64_t, kZ>{}) with kZ = Z where every block holds Z
+// elements (`whole`) and Z is 4, 8, 16 or 32: the loops then add blocks of a length known at
+// compile time instead of choosing it block by block; else with kZ = 0. Only where kFixed
+// (float32): each fixed length is one more copy of the loop to compile.
+template <bool kFixed, typename Fn>
+inline void with_block_length(int64_t Z, bool whole, Fn&& fn) {
+  if constexpr (kFixed) {
+    if (whole) {
+      switch (Z) {
+        case 4: return fn(std::integral_constant<int64_t, 4>{});
+        case 8: return fn(std::integral_constant<int64_t, 8>{});
+        case 16: return fn(std::integral_constant<int64_t, 16>{});
+        case 32: return fn(std::integral_constant<int64_t, 32>{});
+        default: break;
+      }
+    }
+  }
+  fn(std::integral_constant<int64_t, 0>{});
+}
+
 // Copies a finished output row out of the thread's row buffer. Large outputs use
 // non-temporal stores: they do not fit in cache anyway, and streaming them skips the read
 // for ownership that a plain store of a cold line costs (half of the output traffic).
@@ -612,30 +632,19 @@ void pool_tile(const scalar_t* __restrict__ w, const int64_t* __restrict__ st, c
       const int64_t D = f.dim, nb = f.nblocks;
       acc_t* __restrict__ acc = row + f.out_offset;
       const int64_t valid = *cn++;
-      // rows of whole blocks of a common Z: the block length is known at compile time
-      auto pool_fixed = [&](auto z_tag) {
+      with_block_length<std::is_same_v<scalar_t, float>>(Z, D % Z == 0, [&](auto z_tag) {
         constexpr int64_t kZ = decltype(z_tag)::value;
         for (int64_t i = 0; i < valid; ++i) {
           const acc_t scale = *sc++;
-          for (int64_t blk = 0; blk < nb; ++blk) add_scaled_fixed<kZ>(acc + blk * kZ, w + *st++, scale);
-        }
-      };
-      if (D % Z == 0 && Z == 8) {
-        pool_fixed(std::integral_constant<int64_t, 8>{});
-      } else if (D % Z == 0 && Z == 32) {
-        pool_fixed(std::integral_constant<int64_t, 32>{});
-      } else if (D % Z == 0 && Z == 16) {
-        pool_fixed(std::integral_constant<int64_t, 16>{});
-      } else if (D % Z == 0 && Z == 4) {
-        pool_fixed(std::integral_constant<int64_t, 4>{});
-      } else {
-        for (int64_t i = 0; i < valid; ++i) {
-          const acc_t scale = *sc++;
           for (int64_t blk = 0; blk < nb; ++blk) {
-            add_scaled(acc + blk * Z, w + *st++, std::min(Z, D - blk * Z), scale);
+            if constexpr (kZ > 0) {
+              add_scaled_fixed<kZ>(acc + blk * kZ, w + *st++, scale);
+            } else {
+              add_scaled(acc + blk * Z, w + *st++, std::min(Z, D - blk * Z), scale);
+            }
           }
         }
-      }
+      });
     }
     if constexpr (kMode == ForwardMode::GATHER_ONLY) {
 #pragma omp simd
@@ -1200,17 +1209,7 @@ void direct_scatter(const BackwardInputs& in, int64_t weights_numel, int64_t has
   const int64_t Z = in.L.Z;
   const bool whole_blocks = std::all_of(in.L.feats.begin(), in.L.feats.end(),
                                         [&](const Feature& f) { return f.dim % Z == 0; });
-  if (whole_blocks && Z == 8) {
-    run(std::integral_constant<int64_t, 8>{});
-  } else if (whole_blocks && Z == 32) {
-    run(std::integral_constant<int64_t, 32>{});
-  } else if (whole_blocks && Z == 16) {
-    run(std::integral_constant<int64_t, 16>{});
-  } else if (whole_blocks && Z == 4) {
-    run(std::integral_constant<int64_t, 4>{});
-  } else {
-    run(std::integral_constant<int64_t, 0>{});
-  }
+  with_block_length<std::is_same_v<acc_t, float>>(Z, whole_blocks, run);
 }
 
 // The whole dense gradient gw[0, M), bitwise the same on any number of threads.
