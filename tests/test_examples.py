@@ -135,13 +135,14 @@ def test_interaction_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
     """The A/B benchmark builds a baseline kernel and says whether its outputs differ: here a
-    baseline that doubles every full block of 8 (a second C++ build, about 20 s)."""
+    baseline that doubles every block added by a fixed-length loop, the forward's and the
+    backward's (a second C++ build, about 30 s)."""
     with open(os.path.join(ROOT, "robe_torchrec", "ops", "csrc", "robe_cpu.cpp")) as f:
         source = f.read()
-    full_block = "case 8: return add_scaled_fixed<8>(dst, src, scale);"
-    assert full_block in source
+    fixed_add = "for (int64_t j = 0; j < kN; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;"
+    assert source.count(fixed_add) == 1
     mutated = tmp_path / "robe_cpu.cpp"
-    mutated.write_text(source.replace(full_block, full_block.replace("scale)", "scale + scale)")))
+    mutated.write_text(source.replace(fixed_add, fixed_add.replace("* scale;", "* (scale + scale);")))
     run_example("-m", "benchmarks.kernel_ab", "--baseline-source", str(mutated),
                 "--small", "--iters", "2", "--clock", "cpu", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]

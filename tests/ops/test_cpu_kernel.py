@@ -342,6 +342,21 @@ def test_same_result_at_1_and_2_threads(mode, memory_size):
     assert_close(results[0][1], reference.backward_dense(*case.backward_args(grad_output)))
 
 
+@pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])
+def test_whole_blocks_of_each_fixed_length(block_size, memory_size, backward_path):
+    """Every feature's dim a multiple of Z = 4, 8, 16 or 32 (float32): the forward pools and
+    the direct scatter adds each block with a loop of fixed length Z, with and without the
+    forward's prefetch (arrays beyond L2) and the scatter's window."""
+    case = random_case(500 + block_size, dims=[block_size, 2 * block_size, 4 * block_size],
+                       batch=64, max_bag=4, block_size=block_size, weighted=True,
+                       memory_size=memory_size)
+    grad_output = grad_output_for(case)
+    assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
+
+
 @pytest.mark.parametrize("layout", ["broadcast scalar", "broadcast row", "column slice",
                                     "transposed"])
 def test_backward_reads_gradient_rows_of_any_stride(layout, backward_path):
