@@ -660,7 +660,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
                         const index_t* __restrict__ offs, const acc_t* __restrict__ psw,
                         acc_t* __restrict__ out, int64_t out_dim, const Layout& L, const Hash& hash,
                         int64_t N, int64_t weights_numel, IdCheck id_check, int64_t max_key, LoopErrors& err) {
-  const int64_t B = L.B, T = L.T, Z = L.Z;
+  const int64_t B = L.B, T = L.T;
   // work per sample ~ its multiply-adds; at least ~32k of them per task
   const int64_t avg_dim = std::max<int64_t>(L.sum_dim / std::max<int64_t>(T, 1), 1);
   const int64_t work_per_sample = std::max<int64_t>(1, N * avg_dim / std::max<int64_t>(B, 1) + T * 4);
