@@ -88,8 +88,11 @@ def test_direct_scatter_limits():
         assert ext.use_direct_scatter(3 << 19, 8) and not ext.use_direct_scatter((3 << 19) + 1, 8)
     with num_threads(2):
         assert not ext.use_direct_scatter(1_000, 4)
-    # beyond L2 (512 KiB) it prefetches a window of blocks ahead
-    assert not ext.direct_scatter_windowed(131_072, 4) and ext.direct_scatter_windowed(131_073, 4)
+    # beyond L2 (512 KiB), or with grad_output rows longer than a page (4 KiB), it prefetches
+    # a window of blocks ahead
+    assert not ext.direct_scatter_windowed(131_072, 4, 4096)
+    assert ext.direct_scatter_windowed(131_073, 4, 4096)
+    assert ext.direct_scatter_windowed(1_000, 4, 4100)
 
 
 # Arrays on either side of the direct scatter's window: 400 KB and 1.2 MB of float32
@@ -320,7 +323,8 @@ def test_same_result_at_1_and_2_threads(mode, memory_size):
     # bitwise the same. Dim 12 gives partial blocks, and blocks straddle the plan's ranges.
     case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,
                        hash_mode=int(mode), weighted=True, memory_size=memory_size)
-    assert cpu.extension().direct_scatter_windowed(memory_size, 4) == (memory_size > 131_072)
+    row_bytes = case.output_dim * 4
+    assert cpu.extension().direct_scatter_windowed(memory_size, 4, row_bytes) == (memory_size > 131_072)
     grad_output = grad_output_for(case)
     results = []
     for n in (1, 2):
@@ -355,6 +359,26 @@ def test_whole_blocks_of_each_fixed_length(block_size, memory_size, backward_pat
     assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
     assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
                  reference.backward_dense(*case.backward_args(grad_output)))
+
+
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_wide_rows_take_the_window(block_size, backward_path):
+    """grad_output rows longer than a page send the direct scatter through its window even
+    for an array that fits in L2: whole and partial blocks, against the reference."""
+    case = random_case(600 + block_size, dims=[520, 512, 40], batch=24, max_bag=3,
+                       block_size=block_size, weighted=True, memory_size=5_000)
+    assert cpu.extension().direct_scatter_windowed(5_000, 4, case.output_dim * 4)
+    assert not cpu.extension().direct_scatter_windowed(5_000, 4, 4096)
+    grad_output = grad_output_for(case)
+    assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
+                 reference.backward_dense(*case.backward_args(grad_output)))
+    w = case.weights.clone()
+    cpu.backward_fused_(grad_output, w, torch.zeros(0), torch.zeros(0), case.values,
+                        case.offsets, case.per_sample_weights, case.table_meta, case.block_size,
+                        case.hash_mode, case.hash_params, int(Optimizer.SGD),
+                        [0.5, 0.0, 0.0, 0.0, 0.0], 1)
+    expected = case.weights - 0.5 * reference.backward_dense(*case.backward_args(grad_output))
+    assert_close(w, expected)
 
 
 @pytest.mark.parametrize("layout", ["broadcast scalar", "broadcast row", "column slice",

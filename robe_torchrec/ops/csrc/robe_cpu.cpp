@@ -1103,6 +1103,7 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // windowed scatter takes 0.4-0.8x the plan's time up to 10.5 MB arrays, and the fused steps
 // lose from 16 MB on (the direct path zeroes and steps a whole-array gradient out of cache).
 constexpr int64_t kDirectMaxBytes = int64_t(12) << 20;
+constexpr int64_t kPageBytes = 4096;
 
 // Whether the backward ops take the direct scatter for an array of weights_numel elements of
 // acc_bytes bytes each, at the current thread count (also exported, for the tests).
@@ -1111,9 +1112,12 @@ bool use_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
          (at::get_num_threads() == 1 || at::in_parallel_region());
 }
 
-// Whether the direct scatter goes through a ScatterWindow (also exported, for the tests).
-bool direct_scatter_windowed(int64_t weights_numel, int64_t acc_bytes) {
-  return weights_numel * acc_bytes > kL2Bytes;
+// Whether the direct scatter goes through a ScatterWindow (also exported, for the tests): for
+// an array beyond L2, or for grad_output rows longer than a page. A feature's slices of
+// successive rows then lie on different pages, where the hardware's stride prefetcher does not
+// follow, and the window's prefetches fetch them instead.
+bool direct_scatter_windowed(int64_t weights_numel, int64_t acc_bytes, int64_t row_bytes) {
+  return weights_numel * acc_bytes > kL2Bytes || row_bytes > kPageBytes;
 }
 
 // The blocks waiting to be added, in order: a block is added once kScatterWindow more have
@@ -1197,7 +1201,8 @@ void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std:
 template <typename acc_t>
 void direct_scatter(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mode,
                     const std::vector<int64_t>& hash_params, acc_t* buf) {
-  const bool windowed = direct_scatter_windowed(weights_numel, sizeof(acc_t));
+  const bool windowed = direct_scatter_windowed(weights_numel, sizeof(acc_t),
+                                                in.ldg * static_cast<int64_t>(sizeof(acc_t)));
   auto run = [&](auto z_tag) {
     constexpr int64_t kZ = decltype(z_tag)::value;
     if (windowed) {
