@@ -70,12 +70,16 @@ CASES = case_matrix() + EXTRA
 CASE_IDS = [f"seed{c['seed']}" for c in CASES]
 
 
+#: the fewest threads at which the backward scatters through the bucketed plan
+PLAN_THREADS = 3
+
+
 @pytest.fixture(params=["direct", "plan"])
 def backward_path(request):
-    """The backward's two ways to scatter: straight into the gradient (one thread and an array
-    of at most 12 MiB, as in these tests) and through the bucketed plan (more threads, larger
-    arrays)."""
-    with num_threads(1 if request.param == "direct" else 2):
+    """The backward's two ways to scatter: straight into the gradient (1 thread and an array of
+    at most 12 MiB, or 2 threads and at most 4 MiB, as in these tests) and through the bucketed plan (more threads,
+    larger arrays)."""
+    with num_threads(1 if request.param == "direct" else PLAN_THREADS):
         # the tests' arrays are at most 40,000 float64s: the kernel must take the path named
         assert cpu.extension().use_direct_scatter(40_000, 8) == (request.param == "direct")
         yield request.param
@@ -87,6 +91,8 @@ def test_direct_scatter_limits():
         assert ext.use_direct_scatter(3 << 20, 4) and not ext.use_direct_scatter((3 << 20) + 1, 4)
         assert ext.use_direct_scatter(3 << 19, 8) and not ext.use_direct_scatter((3 << 19) + 1, 8)
     with num_threads(2):
+        assert ext.use_direct_scatter(1 << 20, 4) and not ext.use_direct_scatter((1 << 20) + 1, 4)
+    with num_threads(PLAN_THREADS):
         assert not ext.use_direct_scatter(1_000, 4)
     # beyond L2 (512 KiB), or with grad_output rows longer than a page (4 KiB), it prefetches
     # a window of blocks ahead
@@ -317,17 +323,18 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
-def test_same_result_at_1_and_2_threads(mode, memory_size):
-    # One thread scatters the backward straight into the gradient (with or without its window
-    # of prefetched blocks), two threads go through the bucketed plan: the sums must still be
-    # bitwise the same. Dim 12 gives partial blocks, and blocks straddle the plan's ranges.
+def test_same_result_at_any_thread_count(mode, memory_size):
+    # One and two threads scatter the backward straight into the gradient (with or without its
+    # window of prefetched blocks; at two, the zeroing and the fused step split across threads),
+    # three go through the bucketed plan: the sums must still be bitwise the same. Dim 12 gives
+    # partial blocks, and blocks straddle the plan's ranges.
     case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,
                        hash_mode=int(mode), weighted=True, memory_size=memory_size)
     row_bytes = case.output_dim * 4
     assert cpu.extension().direct_scatter_windowed(memory_size, 4, row_bytes) == (memory_size > 131_072)
     grad_output = grad_output_for(case)
     results = []
-    for n in (1, 2):
+    for n in (1, 2, PLAN_THREADS):
         with num_threads(n):
             w, s1, s2 = case.weights.clone(), torch.zeros_like(case.weights), torch.zeros_like(case.weights)
             cpu.backward_fused_(grad_output, w, s1, s2, case.values, case.offsets,
@@ -340,8 +347,9 @@ def test_same_result_at_1_and_2_threads(mode, memory_size):
                 cpu.per_sample_weights_grad(*case.psw_grad_args(grad_output)),
                 w, s1, s2,
             ])
-    for one, two in zip(*results):
-        assert torch.equal(one, two)  # the kernels are deterministic
+    for one, *others in zip(*results):
+        for other in others:
+            assert torch.equal(one, other)  # the kernels are deterministic
     assert_close(results[0][0], reference.forward(*case.forward_args()))
     assert_close(results[0][1], reference.backward_dense(*case.backward_args(grad_output)))
 
@@ -692,18 +700,19 @@ def test_rowwise_adagrad_brute_force():
 
 @pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
-def test_rowwise_adagrad_same_at_1_and_2_threads(mode, memory_size):
+def test_rowwise_adagrad_same_at_any_thread_count(mode, memory_size):
     # Z = 12 does not divide the plan's 16384-float ranges: rows straddle them
     case = random_case(43, dims=[32, 12], batch=3000, block_size=12, hash_mode=int(mode),
                        weighted=True, memory_size=memory_size + 3)
     rows = rowwise_state_size(case.weights.numel(), 12)
     results = []
-    for n in (1, 2):
+    for n in (1, 2, PLAN_THREADS):
         with num_threads(n):
             state = [torch.zeros(rows), torch.empty(0)]
             results.append((fused_steps(cpu, case, Optimizer.ROWWISE_ADAGRAD,
                                         [0.05, 1e-8, 0.9, 0.999, 0.01], state, steps=2), state[0]))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for other in results[1:]:
+        assert torch.equal(results[0][0], other[0]) and torch.equal(results[0][1], other[1])
 
 
 def test_rowwise_adagrad_state_is_checked():

@@ -1095,9 +1095,9 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 
 // The scatter without a plan, on one thread: every (value, block) is added straight into buf
 // (the gradient of the whole flat weights) in value order and block order, the order in which
-// the plan's buckets add them, so each sum is bitwise the plan's (a test compares 1 thread with
-// 2). It skips writing, counting and sorting the records. Arrays beyond L2 go through a
-// ScatterWindow: a block's destination and gradient lines are prefetched a window of blocks
+// the plan's buckets add them, so each sum is bitwise the plan's (a test compares 1 and 2
+// threads with 3). It skips writing, counting and sorting the records. Arrays beyond L2 (and
+// grad_output rows beyond a page, see direct_scatter_windowed) go through a ScatterWindow: a block's destination and gradient lines are prefetched a window of blocks
 // before it is added, so its misses overlap the others' instead of each stalling the loop.
 // Measured on a 32 MiB-L3 EPYC at one thread (results/kernel_ab_direct_window.md), the
 // windowed scatter takes 0.4-0.8x the plan's time up to 10.5 MB arrays, and the fused steps
@@ -1105,11 +1105,26 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 constexpr int64_t kDirectMaxBytes = int64_t(12) << 20;
 constexpr int64_t kPageBytes = 4096;
 
+// At 2 threads, the direct scatter up to this size (one thread scatters, both share its
+// zeroing and fused step). The plan writes, buckets and reads back a record of every block,
+// and there those passes cost more than the second thread saves: on a 2-core EPYC the direct
+// scatter took 0.26-0.71x the plan's time up to 2.2 MB arrays, 0.93-1.05x at 4-8 MB and
+// 1.11-1.15x at 10.5 MB (results/kernel_ab_direct_at_2_threads.md). From 3 threads on: the plan.
+constexpr int64_t kDirectMaxBytesTwoThreads = int64_t(4) << 20;
+
 // Whether the backward ops take the direct scatter for an array of weights_numel elements of
 // acc_bytes bytes each, at the current thread count (also exported, for the tests).
 bool use_direct_scatter(int64_t weights_numel, int64_t acc_bytes) {
-  return weights_numel * acc_bytes <= kDirectMaxBytes &&
-         (at::get_num_threads() == 1 || at::in_parallel_region());
+  const int64_t bytes = weights_numel * acc_bytes;
+  if (at::get_num_threads() == 1 || at::in_parallel_region()) return bytes <= kDirectMaxBytes;
+  return at::get_num_threads() == 2 && bytes <= kDirectMaxBytesTwoThreads;
+}
+
+// fn(lo, hi) over [0, n) in ranges on the pool's threads, for an elementwise pass: its result
+// does not depend on how [0, n) is split.
+template <typename F>
+void elementwise_ranges(int64_t n, const F& fn) {
+  parallel_for_dynamic(n, dynamic_chunk(n, int64_t(1) << 16), fn);
 }
 
 // Whether the direct scatter goes through a ScatterWindow (also exported, for the tests): for
@@ -1222,7 +1237,7 @@ template <typename acc_t>
 void scatter_dense(const BackwardInputs& in, int64_t M, int64_t hash_mode,
                    const std::vector<int64_t>& hash_params, acc_t* gw) {
   if (use_direct_scatter(M, sizeof(acc_t))) {
-    std::fill(gw, gw + M, acc_t(0));
+    elementwise_ranges(M, [&](int64_t lo, int64_t hi) { std::fill(gw + lo, gw + hi, acc_t(0)); });
     direct_scatter<acc_t>(in, M, hash_mode, hash_params, gw);
     return;
   }
@@ -1413,9 +1428,9 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
     }
     if (use_direct_scatter(M, sizeof(T))) {
       T* grad = t_direct.get<T>(static_cast<size_t>(M));
-      std::fill(grad, grad + M, T(0));
+      elementwise_ranges(M, [&](int64_t lo, int64_t hi) { std::fill(grad + lo, grad + hi, T(0)); });
       direct_scatter<T>(in, M, hash_mode, hash_params, grad);
-      step_range(0, M, grad);
+      elementwise_ranges(M, [&](int64_t lo, int64_t hi) { step_range(lo, hi - lo, grad + lo); });
       return;
     }
     with_plan<T>(in, M, hash_mode, hash_params, [&](const Plan<T>& plan) {
