@@ -1097,8 +1097,9 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // (the gradient of the whole flat weights) in value order and block order, the order in which
 // the plan's buckets add them, so each sum is bitwise the plan's (a test compares 1 and 2
 // threads with 3). It skips writing, counting and sorting the records. Arrays beyond L2 (and
-// grad_output rows beyond a page, see direct_scatter_windowed) go through a ScatterWindow: a block's destination and gradient lines are prefetched a window of blocks
-// before it is added, so its misses overlap the others' instead of each stalling the loop.
+// grad_output rows beyond a page, see direct_scatter_windowed) go through a ScatterWindow: a
+// block's destination and gradient lines are prefetched a window of blocks before it is
+// added, so its misses overlap the others' instead of each stalling the loop.
 // Measured on a 32 MiB-L3 EPYC at one thread (results/kernel_ab_direct_window.md), the
 // windowed scatter takes 0.4-0.8x the plan's time up to 10.5 MB arrays, and the fused steps
 // lose from 16 MB on (the direct path zeroes and steps a whole-array gradient out of cache).
@@ -1108,8 +1109,9 @@ constexpr int64_t kPageBytes = 4096;
 // At 2 threads, the direct scatter up to this size (one thread scatters, both share its
 // zeroing and fused step). The plan writes, buckets and reads back a record of every block,
 // and there those passes cost more than the second thread saves: on a 2-core EPYC the direct
-// scatter took 0.26-0.71x the plan's time up to 2.2 MB arrays, 0.93-1.05x at 4-8 MB and
-// 1.11-1.15x at 10.5 MB (results/kernel_ab_direct_at_2_threads.md). From 3 threads on: the plan.
+// scatter took 0.24-0.91x the plan's time on arrays up to 2.2 MB
+// (results/kernel_ab_direct_at_2_threads.md); taken further, 0.93-1.05x at 4-8 MB and its
+// fused step 1.12-1.15x at 10.5 MB (..._12mib.md, ..._sizes.md). From 3 threads on: the plan.
 constexpr int64_t kDirectMaxBytesTwoThreads = int64_t(4) << 20;
 
 // Whether the backward ops take the direct scatter for an array of weights_numel elements of
