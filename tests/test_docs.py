@@ -143,6 +143,25 @@ def test_every_marker_belongs_to_a_block():
                 f"{path.relative_to(ROOT)}:{n + 1}: marker not right before a code block"
 
 
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+
+
+def test_relative_links_resolve():
+    """Every relative link in the prose of README.md and docs/*.md names a path that exists
+    (a moved or renamed results file would otherwise leave a link to nothing)."""
+    broken = []
+    for path in doc_files():
+        in_code = False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_code = not in_code
+                continue
+            for target in [] if in_code else LINK.findall(line):
+                if "://" not in target and not (path.parent / target).exists():
+                    broken.append(f"{path.relative_to(ROOT)}:{n}: {target}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
 class BlockRunner:
     """A tests/doc_runner.py process: runs one python block file at a time in a forked child."""
 
