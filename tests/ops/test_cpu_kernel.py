@@ -77,8 +77,8 @@ PLAN_THREADS = 3
 @pytest.fixture(params=["direct", "plan"])
 def backward_path(request):
     """The backward's two ways to scatter: straight into the gradient (1 thread and an array of
-    at most 12 MiB, or 2 threads and at most 4 MiB, as in these tests) and through the bucketed plan (more threads,
-    larger arrays)."""
+    at most 12 MiB, or 2 threads and at most 4 MiB, as in these tests) and through the bucketed
+    plan (more threads, larger arrays)."""
     with num_threads(1 if request.param == "direct" else PLAN_THREADS):
         # the tests' arrays are at most 40,000 float64s: the kernel must take the path named
         assert cpu.extension().use_direct_scatter(40_000, 8) == (request.param == "direct")
@@ -330,8 +330,8 @@ def test_same_result_at_any_thread_count(mode, memory_size):
     # partial blocks, and blocks straddle the plan's ranges.
     case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,
                        hash_mode=int(mode), weighted=True, memory_size=memory_size)
-    row_bytes = case.output_dim * 4
-    assert cpu.extension().direct_scatter_windowed(memory_size, 4, row_bytes) == (memory_size > 131_072)
+    windowed = cpu.extension().direct_scatter_windowed(memory_size, 4, case.output_dim * 4)
+    assert windowed == (memory_size > 131_072)
     grad_output = grad_output_for(case)
     results = []
     for n in (1, 2, PLAN_THREADS):
