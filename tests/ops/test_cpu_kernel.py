@@ -325,7 +325,7 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
 def test_same_result_at_any_thread_count(mode, memory_size):
     # One and two threads scatter the backward straight into the gradient (with or without its
-    # window of prefetched blocks; at two, the zeroing and the fused step split across threads),
+    # window of prefetched blocks; at two, the fused step split across threads),
     # three go through the bucketed plan: the sums must still be bitwise the same. Dim 12 gives
     # partial blocks, and blocks straddle the plan's ranges.
     case = random_case(41, dims=[32, 16, 12], batch=3000, max_bag=5, block_size=8,

@@ -1106,8 +1106,8 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 constexpr int64_t kDirectMaxBytes = int64_t(12) << 20;
 constexpr int64_t kPageBytes = 4096;
 
-// At 2 threads, the direct scatter up to this size (one thread scatters, both share its
-// zeroing and fused step). The plan writes, buckets and reads back a record of every block,
+// At 2 threads, the direct scatter up to this size (one thread zeroes and scatters, both
+// share the fused optimizer step). The plan writes, buckets and reads back a record of every block,
 // and there those passes cost more than the second thread saves: on a 2-core EPYC the direct
 // scatter took 0.24-0.91x the plan's time on arrays up to 2.2 MB
 // (results/kernel_ab_direct_at_2_threads.md); taken further, 0.93-1.05x at 4-8 MB and its
@@ -1239,7 +1239,7 @@ template <typename acc_t>
 void scatter_dense(const BackwardInputs& in, int64_t M, int64_t hash_mode,
                    const std::vector<int64_t>& hash_params, acc_t* gw) {
   if (use_direct_scatter(M, sizeof(acc_t))) {
-    elementwise_ranges(M, [&](int64_t lo, int64_t hi) { std::fill(gw + lo, gw + hi, acc_t(0)); });
+    std::fill(gw, gw + M, acc_t(0));
     direct_scatter<acc_t>(in, M, hash_mode, hash_params, gw);
     return;
   }
@@ -1430,7 +1430,7 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
     }
     if (use_direct_scatter(M, sizeof(T))) {
       T* grad = t_direct.get<T>(static_cast<size_t>(M));
-      elementwise_ranges(M, [&](int64_t lo, int64_t hi) { std::fill(grad + lo, grad + hi, T(0)); });
+      std::fill(grad, grad + M, T(0));
       direct_scatter<T>(in, M, hash_mode, hash_params, grad);
       elementwise_ranges(M, [&](int64_t lo, int64_t hi) { step_range(lo, hi - lo, grad + lo); });
       return;
