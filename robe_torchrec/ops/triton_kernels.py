@@ -83,7 +83,7 @@ _OPTIM_BLOCK = 1024
 _SUMMARY_BLOCK = 1024
 #: warps per program of the bag kernels (forward, backward, per-sample-weight gradient):
 #: one per _ELEMENTS_PER_WARP elements of a tile, 1 to _MAX_WARPS. Small tiles (one id per
-#: bag) ran 1.3x faster on one warp than on four on an H200
+#: bag, one bag a program) ran 1.2-1.5x faster on one warp than on four on an H200
 #: (benchmarks/results/triton_tiles_h200.md); _NUM_WARPS, when set, overrides the rule.
 _ELEMENTS_PER_WARP = 256
 _MAX_WARPS = 4
@@ -722,7 +722,8 @@ class _Tiles:
         self.block_bags = _BAGS_PER_PROGRAM
         self.num_warps = _warps(self.block_n * self.block_b * self.block_z)
         # one warp: its programs are many and short (the H200 sweep's best at Z = 32 and
-        # within 2% of it at Z = 128, benchmarks/results/triton_tiles_h200.md)
+        # within 2% of it at Z = 128 in triton_tiles_h200_3970638.md; within 4% of the best
+        # at Z = 32 and the best at Z = 128 in benchmarks/results/triton_tiles_h200.md)
         self.short_bags_warps = _NUM_WARPS or 1
 
     def kwargs(self):
