@@ -22,6 +22,9 @@ Rows, microseconds per call (median of ``--reps`` samples of ``--calls`` calls e
   ``torch.library.custom_op`` registration (a namespace of this benchmark's own), against
   which ``robe::forward``'s ``torch.library.define`` + ``torch.library.impl`` registration is
   measured: the two registrations side by side in one process;
+* ``register_autograd, no grad`` / ``register_autograd, with grad``: the same kernel defined
+  as ``robe::forward`` is, its autograd registered with ``torch.library.register_autograd``
+  (as ``robe::forward``'s was before it got an autograd kernel of its own);
 * ``wrapper, summary kernel``: the wrapper with its input checks in the summary kernel, as
   before the forward kernel counted them (on a GPU that is also one more Triton launch).
 
@@ -53,7 +56,8 @@ import torch
 
 BATCH, FEATURES, DIM, BLOCK_SIZE, MEMORY = 2048, 26, 128, 32, 65536
 ROWS = ("wrapper", "op, no grad", "op, with grad", "op + backward", "fused step",
-        "custom_op, no grad", "custom_op, with grad", "wrapper, summary kernel")
+        "custom_op, no grad", "custom_op, with grad", "register_autograd, no grad",
+        "register_autograd, with grad", "wrapper, summary kernel")
 
 
 class _NoLaunch:
@@ -103,6 +107,33 @@ def _custom_op_forward():
     return torch.ops.robe_host_ab.forward
 
 
+def _register_autograd_forward():
+    """``robe::forward``'s schema and kernel (namespace ``robe_host_ra``), its autograd
+    registered with ``torch.library.register_autograd``: torch's generic autograd kernel."""
+    from robe_torchrec.ops import triton_kernels
+
+    if hasattr(torch.ops.robe_host_ra, "forward"):
+        return torch.ops.robe_host_ra.forward
+    lib = torch.library.Library("robe_host_ra", "DEF")
+    _LIBRARIES.append(lib)  # a library's registrations last as long as the object
+    lib.define(str(torch.ops.robe.forward.default._schema).split("::", 1)[1])
+    lib.impl("forward", triton_kernels.forward, "CPU")
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:5])
+        ctx.layout = inputs[5:]
+
+    def backward(ctx, grad):
+        raise NotImplementedError("timing only")
+
+    torch.library.register_autograd("robe_host_ra::forward", backward,
+                                    setup_context=setup_context, lib=lib)
+    return torch.ops.robe_host_ra.forward
+
+
+_LIBRARIES: List[torch.library.Library] = []
+
+
 def calls() -> Dict[str, Callable[[], object]]:
     """One call of each row, on CPU tensors (run them under :func:`stubbed_launches`)."""
     from robe_torchrec.hashing import HashMode, hash_params
@@ -123,6 +154,7 @@ def calls() -> Dict[str, Callable[[], object]]:
     fused_weights, state = weights.detach().clone(), torch.zeros(MEMORY)
     grad = torch.randn(BATCH, DIM * FEATURES, generator=g)
     custom_op = _custom_op_forward()
+    register_autograd = _register_autograd_forward()
 
     @contextlib.contextmanager
     def triton_path(grad_mode: bool = True):
@@ -166,7 +198,9 @@ def calls() -> Dict[str, Callable[[], object]]:
 
     return dict(zip(ROWS, (wrapper, op(torch.ops.robe.forward, False),
                            op(torch.ops.robe.forward, True), op_backward, fused_step,
-                           op(custom_op, False), op(custom_op, True), wrapper_with_summary)))
+                           op(custom_op, False), op(custom_op, True),
+                           op(register_autograd, False), op(register_autograd, True),
+                           wrapper_with_summary)))
 
 
 def measure(reps: int, per_sample: int) -> Dict[str, List[float]]:
@@ -229,7 +263,9 @@ def render(result: Dict[str, object]) -> str:
         f"behind `custom_op` (same kernel, same run)",
         f"- recording the autograd graph (with grad - no grad): "
         f"{med['op, with grad'] - med['op, no grad']:.1f} us a call with robe's registration, "
-        f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`",
+        f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`, "
+        f"{med['register_autograd, with grad'] - med['register_autograd, no grad']:.1f} us "
+        f"with torch.library.register_autograd's generic autograd kernel",
         f"- the forward's checks counted by its own kernel: the wrapper takes "
         f"{med['wrapper']:.1f} us a call, {med['wrapper, summary kernel']:.1f} us with the "
         f"summary kernel's host work (its launch not counted)",

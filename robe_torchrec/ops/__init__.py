@@ -97,8 +97,8 @@ def _cuda_impl():
 #: the ``robe`` namespace. The lookup ops are defined with ``torch.library.define`` and their
 #: kernels registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call
 #: then goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call
-#: Python layer (an aliasing check, a TorchDynamo guard): about 20 us of host time a call on
-#: a CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
+#: Python layer (an aliasing check, a TorchDynamo guard): 8 us of host time a call on a
+#: quiet CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
 #: setting waits on its host.
 _LIB = torch.library.Library("robe", "FRAGMENT")
 
@@ -137,29 +137,55 @@ _define("forward(Tensor weights, Tensor values, Tensor offsets, Tensor? per_samp
         "SymInt[] hash_params, SymInt bounds_check) -> Tensor", _forward_fake)
 
 
-def _forward_setup_context(ctx, inputs, output) -> None:
-    weights, *rest = inputs
-    args = LookupArgs.from_flat(*rest)
-    ctx.save_for_backward(weights, args.values, args.offsets, args.per_sample_weights,
-                          args.layout.table_meta)
-    # the tensor travels through save_for_backward; the rest of the layout on ctx
-    ctx.layout = args.layout._replace(table_meta=None, hash_params=list(args.layout.hash_params))
+class _ForwardFunction(torch.autograd.Function):
+    """The autograd node of ``robe::forward``: its forward runs the op's kernel below the
+    autograd keys, its backward the two gradient ops."""
+
+    @staticmethod
+    def forward(ctx, keyset, weights, values, offsets, per_sample_weights, *layout):  # type: ignore[override]
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, weights,
+                                         values, offsets, per_sample_weights, *layout)
+        args = LookupArgs.from_flat(values, offsets, per_sample_weights, *layout)
+        ctx.save_for_backward(weights, values, offsets, per_sample_weights,
+                              args.layout.table_meta)
+        # the tensor travels through save_for_backward; the rest of the layout on ctx
+        ctx.layout = args.layout._replace(table_meta=None,
+                                          hash_params=list(args.layout.hash_params))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
+        args = LookupArgs(values, offsets, per_sample_weights,
+                          ctx.layout._replace(table_meta=table_meta))
+        # needs_input_grad[0] is the dispatch key set's
+        grad_weights = grad_psw = None
+        if ctx.needs_input_grad[1]:
+            grad_weights = args.backward_dense(grad_output, weights)
+        if per_sample_weights is not None and ctx.needs_input_grad[4]:
+            grad_psw = args.per_sample_weights_grad(grad_output, weights)
+        return (None, grad_weights, None, None, grad_psw) + (None,) * len(LayoutArgs._fields)
 
 
-def _forward_backward(ctx, grad_output: Tensor):
-    weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
-    args = LookupArgs(values, offsets, per_sample_weights,
-                      ctx.layout._replace(table_meta=table_meta))
-    grad_weights = grad_psw = None
-    if ctx.needs_input_grad[0]:
-        grad_weights = args.backward_dense(grad_output, weights)
-    if per_sample_weights is not None and ctx.needs_input_grad[3]:
-        grad_psw = args.per_sample_weights_grad(grad_output, weights)
-    return (grad_weights, None, None, grad_psw) + (None,) * len(LayoutArgs._fields)
+def _forward_autograd(keyset, weights, values, offsets, per_sample_weights, *layout):
+    if torch.is_grad_enabled() and (weights.requires_grad or (
+            per_sample_weights is not None and per_sample_weights.requires_grad)):
+        return _ForwardFunction.apply(keyset, weights, values, offsets, per_sample_weights,
+                                      *layout)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, weights, values,
+                                   offsets, per_sample_weights, *layout)
 
 
-torch.library.register_autograd("robe::forward", _forward_backward,
-                                setup_context=_forward_setup_context, lib=_LIB)
+_FORWARD = torch.ops.robe.forward.default
+# robe::forward's autograd kernel, registered as torch.library.register_autograd does (the
+# same private dispatch guard and key set) but without its generic layer: that layer
+# rebuilds the schema's argument list for each of the op's ten arguments on every call
+# (torch._library.utils.fill_defaults): recording the graph took 47 us a call that way
+# against 22 us with this kernel, on a CPU core where the Triton wrapper's own host work
+# took 27 us (benchmarks/results/host_overhead.md)
+_LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+from robe_torchrec.ops import reference
 from robe_torchrec.ops.meta import Optimizer
 from tests.ops.cases import random_case
 
@@ -23,6 +24,25 @@ def test_opcheck_forward_and_backward(weighted):
         case.per_sample_weights = case.per_sample_weights.detach()
     torch.library.opcheck(torch.ops.robe.backward_dense.default, case.backward_args(grad))
     torch.library.opcheck(torch.ops.robe.per_sample_weights_grad.default, case.psw_grad_args(grad))
+
+
+@pytest.mark.parametrize("trainable", ["weights", "per_sample_weights"])
+def test_gradient_when_one_input_requires_grad(trainable):
+    """The op records its autograd node when either differentiable input requires grad on its
+    own (a frozen array with trainable per-sample weights, or the reverse), and the gradient
+    is the pure-PyTorch reference's."""
+    case = random_case(6, weighted=True, dtype=torch.float64)
+    grad = case.grad()
+    gradients = []
+    for forward in (torch.ops.robe.forward, reference.forward):
+        case.weights = case.weights.detach().clone()
+        case.per_sample_weights = case.per_sample_weights.detach().clone()
+        getattr(case, trainable).requires_grad_(True)
+        forward(*case.forward_args()).backward(grad)
+        frozen = "weights" if trainable == "per_sample_weights" else "per_sample_weights"
+        assert getattr(case, frozen).grad is None
+        gradients.append(getattr(case, trainable).grad)
+    torch.testing.assert_close(gradients[0], gradients[1])
 
 
 def test_opcheck_fused_backward():
