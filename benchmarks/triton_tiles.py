@@ -126,6 +126,10 @@ def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
         with torch.no_grad():
             return torch.ops.robe.forward(trainable, *flat)
 
+    def registered_op_with_grad():  # a training forward: records the autograd graph
+        with torch.enable_grad():
+            return torch.ops.robe.forward(trainable, *flat)
+
     def checks(defer, fn):
         def run():
             with defer_checks(defer):
@@ -134,6 +138,7 @@ def breakdown(setting: Setting, ids: torch.Tensor, device: torch.device, z: int,
 
     rows = {
         "torch.ops.robe.forward, no_grad, weights requiring grad": registered_op,
+        "torch.ops.robe.forward recording the autograd graph": registered_op_with_grad,
         "forward op, checks deferred": checks(True, lambda: tk.forward(w, *flat)),
         "forward op, checks read at the call": checks(False, lambda: tk.forward(w, *flat)),
         "forward op, checks deferred, by the summary kernel": checks(True, summary(
