@@ -88,10 +88,15 @@ _SUMMARY_BLOCK = 1024
 _ELEMENTS_PER_WARP = 256
 _MAX_WARPS = 4
 _NUM_WARPS: Optional[int] = None
-#: the forward pools bags of at most _SHORT_BAG_MEAN ids on average _BAGS_PER_PROGRAM at a
-#: time (see _forward_short_bags_kernel)
+#: bags of at most _SHORT_BAG_MEAN ids on average are pooled several a program (see
+#: _forward_short_bags_kernel): as many as make _BLOCKS_PER_PROGRAM row blocks of BLOCK_B
+#: (one bag at Z = 32, four at Z = 128 with dim 128: in three H200 sweeps one bag a program
+#: took 0.90-0.96x the forward time of four at Z = 32, and four were the best at Z = 128:
+#: benchmarks/results/triton_tiles_h200_3970638.md, ..._549edb5.md and triton_tiles_h200.md);
+#: _BAGS_PER_PROGRAM, when set, overrides the rule
 _SHORT_BAG_MEAN = 2.0
-_BAGS_PER_PROGRAM = 4
+_BLOCKS_PER_PROGRAM = 4
+_BAGS_PER_PROGRAM: Optional[int] = None
 
 # --- constants visible inside @triton.jit code ------------------------------------------
 _REFERENCE_PRIME = tl.constexpr(REFERENCE_PRIME)
@@ -719,7 +724,7 @@ class _Tiles:
                            max(1, tile // (self.block_b * self.block_z)))
         # short bags: several bags a program (_forward_short_bags_kernel), one id each step
         self.short_bags = num_values <= _SHORT_BAG_MEAN * num_bags
-        self.block_bags = _BAGS_PER_PROGRAM
+        self.block_bags = _BAGS_PER_PROGRAM or max(1, _BLOCKS_PER_PROGRAM // self.block_b)
         self.num_warps = _warps(self.block_n * self.block_b * self.block_z)
         # one warp: its programs are many and short (the H200 sweep's best at Z = 32 and
         # within 2% of it at Z = 128 in triton_tiles_h200_3970638.md; within 4% of the best
