@@ -90,9 +90,9 @@ _MAX_WARPS = 4
 _NUM_WARPS: Optional[int] = None
 #: bags of at most _SHORT_BAG_MEAN ids on average are pooled several a program (see
 #: _forward_short_bags_kernel): as many as make _BLOCKS_PER_PROGRAM row blocks of BLOCK_B
-#: (one bag at Z = 32, four at Z = 128 with dim 128: in three H200 sweeps one bag a program
+#: (one bag at Z = 32, four at Z = 128 with dim 128: in four H200 sweeps one bag a program
 #: took 0.90-0.96x the forward time of four at Z = 32, and four were the best at Z = 128:
-#: benchmarks/results/triton_tiles_h200_3970638.md, ..._549edb5.md and triton_tiles_h200.md);
+#: benchmarks/results/triton_tiles_h200_{3970638,549edb5,797194f}.md, triton_tiles_h200.md);
 #: _BAGS_PER_PROGRAM, when set, overrides the rule
 _SHORT_BAG_MEAN = 2.0
 _BLOCKS_PER_PROGRAM = 4
@@ -727,8 +727,8 @@ class _Tiles:
         self.block_bags = _BAGS_PER_PROGRAM or max(1, _BLOCKS_PER_PROGRAM // self.block_b)
         self.num_warps = _warps(self.block_n * self.block_b * self.block_z)
         # one warp: its programs are many and short (the H200 sweep's best at Z = 32 and
-        # within 2% of it at Z = 128 in triton_tiles_h200_3970638.md; within 4% of the best
-        # at Z = 32 and the best at Z = 128 in benchmarks/results/triton_tiles_h200.md)
+        # within 2% of it at Z = 128 in triton_tiles_h200_3970638.md; the best at both in
+        # benchmarks/results/triton_tiles_h200.md)
         self.short_bags_warps = _NUM_WARPS or 1
 
     def kwargs(self):
