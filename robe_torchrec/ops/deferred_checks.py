@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import os
 import weakref
-from typing import Deque, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -103,6 +103,8 @@ class _Pending:
     versions: Tuple[int, ...]
     clean: Optional[bool] = None
     error: str = ""
+    #: the pool the pinned counts and their event go back to once read (CUDA only)
+    slot_key: Optional[tuple] = None
 
     def done(self) -> bool:
         return self.clean is not None or self.event is None or self.event.query()
@@ -114,6 +116,9 @@ class _Pending:
             if self.event is not None:
                 self.event.synchronize()
             counts, inputs, self.inputs = self.counts.tolist(), self.inputs, None
+            if self.slot_key is not None:  # read: the next deferred check may reuse them
+                _spare_slots[self.slot_key].append((self.counts, self.event))
+                self.counts, self.event = None, None
             self.clean = not any(counts)
             if not self.clean:
                 self.error = _problem_message(counts, inputs, self.versions)
@@ -151,21 +156,36 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
     """Queue the answer of a summary (``problems``: its four counts, on the device) for a
     later read, and remember what it checked."""
     versions = _versions(values, offsets, per_sample_weights)
-    event = None
+    event, slot_key = None, None
     if problems.is_cuda:
-        counts = torch.empty(problems.shape, dtype=problems.dtype, pin_memory=True)
+        slot_key = (problems.device, problems.shape, problems.dtype)
+        counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(problems.device))
     else:
         counts = problems
     pending = _Pending(counts, event,
                        (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check),
-                       versions or ())
+                       versions or (), slot_key=slot_key)
     _pending.append(pending)
     _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
     while len(_pending) > MAX_PENDING:
         _pending.popleft().resolve()
+
+
+#: pinned host buffers for the counts and their events, back from answers already read, by
+#: (device, shape, dtype): a deferred check reuses one instead of allocating new ones, host
+#: work a GPU forward waits on at small batches
+_spare_slots: Dict[tuple, List[Tuple[torch.Tensor, "torch.cuda.Event"]]] = \
+    collections.defaultdict(list)
+
+
+def _slot(key: tuple) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
+    spares = _spare_slots[key]
+    if spares:
+        return spares.pop()
+    _, shape, dtype = key
+    return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
 
 #: the answer of every check read at the call that passed

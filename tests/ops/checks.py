@@ -242,6 +242,34 @@ def check_deferred_bad_input(case: OpCase) -> None:
                 assert torch.equal(kept, now), "the fused backward changed state on bad input"
 
 
+def check_deferred_answers_kept_apart(case: OpCase) -> None:
+    """Many deferred forwards, every third on bad ids, more than the queue holds: each bad
+    input is reported exactly once and no good one is (on a GPU the answers' pinned buffers
+    are reused, so one answer must never read another's counts)."""
+    from robe_torchrec.ops.deferred_checks import MAX_PENDING
+
+    args = case.forward_args()
+    (position, bad_ids), _ = _bad_inputs(case)
+    calls = 2 * MAX_PENDING + 5
+    bad_calls = set(range(0, calls, 3))
+    reported = 0
+    with defer_checks(True):
+        for call in range(calls):
+            while True:
+                try:
+                    tk.forward(*(_with(args, position, bad_ids) if call in bad_calls else args))
+                    break
+                except DeferredCheckError:  # an earlier call's bad input, read before this
+                    reported += 1          # call ran: run it again
+        while True:
+            try:
+                raise_pending_checks()
+                break
+            except DeferredCheckError:
+                reported += 1
+    assert reported == len(bad_calls), (reported, len(bad_calls))
+
+
 def check_index_dtypes_agree(case: OpCase) -> None:
     """int32 and int64 ids give bitwise the same forward and per-sample-weight gradient."""
     other = OpCase(**{**case.__dict__, "values": case.values.to(torch.int32),
@@ -346,6 +374,8 @@ def triton_checks(device, quick: bool = False) -> List[Tuple[str, Callable[[], N
         ("backward_both_kernels", lambda: check_backward_both_kernels(short_bags())),
         ("bad_input_refused", lambda: check_bad_input_is_refused(case(matrix[1], batch=4)())),
         ("deferred_bad_input", lambda: check_deferred_bad_input(case(matrix[1], batch=4)())),
+        ("deferred_answers_kept_apart",
+         lambda: check_deferred_answers_kept_apart(case(matrix[1], batch=4)())),
         ("int32_int64_ids_agree", lambda: check_index_dtypes_agree(case(matrix[2], batch=4)())),
         ("registered_op_autograd", lambda: check_registered_op(case(matrix[1], batch=4)())),
         ("torch_compile", lambda: check_compiled(case(matrix[1], batch=4)())),

@@ -1,10 +1,12 @@
 """The torch.library registration: schemas, fake (meta) kernels and autograd pass
 torch.library.opcheck, and torch.compile traces through the ops without graph breaks."""
 
+from unittest import mock
+
 import pytest
 import torch
 
-import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
+import robe_torchrec.ops  # registers torch.ops.robe.*
 from robe_torchrec.ops import reference
 from robe_torchrec.ops.meta import Optimizer
 from tests.ops.cases import random_case
@@ -43,6 +45,22 @@ def test_gradient_when_one_input_requires_grad(trainable):
         assert getattr(case, frozen).grad is None
         gradients.append(getattr(case, trainable).grad)
     torch.testing.assert_close(gradients[0], gradients[1])
+
+
+def test_forward_goes_straight_to_the_implementation_only_for_plain_tensors():
+    """Below its autograd layer robe::forward calls the CPU implementation directly for plain
+    tensors (no second dispatch), and dispatches again for meta tensors, which only the fake
+    kernel can take."""
+    case = random_case(7)
+    redispatch = mock.Mock(wraps=torch.ops.robe.forward.default.redispatch)
+    forward = mock.Mock(redispatch=redispatch)
+    with mock.patch.object(robe_torchrec.ops, "_FORWARD", forward):
+        expected = torch.ops.robe.forward(*case.forward_args())
+        assert redispatch.call_count == 0
+        meta_args = [a.to("meta") if isinstance(a, torch.Tensor) else a
+                     for a in case.forward_args()]
+        assert torch.ops.robe.forward(*meta_args).shape == expected.shape
+        assert redispatch.call_count == 1
 
 
 def test_opcheck_fused_backward():

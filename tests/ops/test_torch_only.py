@@ -2,8 +2,8 @@
 fresh process whose import system refuses both, ``robe_torchrec`` imports, the names needing
 torchrec raise an ImportError that says so, and ``benchmarks.gpu_check --cpu`` (the GPU proof
 in Triton's interpreter: forward, gradients, fused optimizers and torch.compile of the Triton
-kernels against the reference, then the speed rows) and ``benchmarks.triton_tiles --cpu``
-run to their results files."""
+kernels against the reference, then the speed rows), ``benchmarks.triton_tiles --cpu`` and
+``benchmarks.host_layers --cpu`` run to their results files."""
 
 import os
 import subprocess
@@ -33,10 +33,11 @@ except ImportError as exc:
     assert "needs torchrec" in str(exc), exc
 else:
     raise AssertionError("RobeEmbeddingBagCollection without torchrec")
-from benchmarks import gpu_check, triton_tiles
+from benchmarks import gpu_check, host_layers, triton_tiles
 
 code = gpu_check.main(["--cpu", "--out", sys.argv[1]])
 code = code or triton_tiles.main(["--cpu", "--reps", "1", "--out", sys.argv[2]])
+code = code or host_layers.main(["--cpu", "--reps", "1", "--calls", "1", "--out", sys.argv[3]])
 hidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torchrec", "fbgemm_gpu"))
 assert not hidden, hidden
 sys.exit(code)
@@ -47,8 +48,9 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     out = tmp_path / "gpu_check_cpu.md"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    tiles = tmp_path / "triton_tiles_cpu.md"
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(tiles)], cwd=ROOT,
+    tiles, layers = tmp_path / "triton_tiles_cpu.md", tmp_path / "host_layers_cpu.md"
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(tiles), str(layers)],
+                            cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     text = out.read_text()
@@ -63,3 +65,8 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     tiles_text = tiles.read_text()
     assert "where the op's time goes" in tiles_text and "| short bags | " in tiles_text
     assert "| NO |" not in tiles_text
+    # the host-layers benchmark: every layer's row
+    layers_text = layers.read_text()
+    for row in ("| registered op, no_grad |", "| through the dispatcher twice |",
+                "| implementation |", "| pure Python: 1000 additions |"):
+        assert row in layers_text, row
