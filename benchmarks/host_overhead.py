@@ -25,6 +25,9 @@ Rows, microseconds per call (median of ``--reps`` samples of ``--calls`` calls e
 * ``register_autograd, no grad`` / ``register_autograd, with grad``: the same kernel defined
   as ``robe::forward`` is, its autograd registered with ``torch.library.register_autograd``
   (as ``robe::forward``'s was before it got an autograd kernel of its own);
+* ``op, ... dispatched twice``: ``robe::forward`` with its autograd kernel going through the
+  dispatcher again to reach the implementation, as it does for fake or meta tensors, instead
+  of calling it directly as it does for plain ones;
 * ``wrapper, summary kernel``: the wrapper with its input checks in the summary kernel, as
   before the forward kernel counted them (on a GPU that is also one more Triton launch).
 
@@ -57,7 +60,8 @@ import torch
 BATCH, FEATURES, DIM, BLOCK_SIZE, MEMORY = 2048, 26, 128, 32, 65536
 ROWS = ("wrapper", "op, no grad", "op, with grad", "op + backward", "fused step",
         "custom_op, no grad", "custom_op, with grad", "register_autograd, no grad",
-        "register_autograd, with grad", "wrapper, summary kernel")
+        "register_autograd, with grad", "op, no grad, dispatched twice",
+        "op, with grad, dispatched twice", "wrapper, summary kernel")
 
 
 class _NoLaunch:
@@ -176,6 +180,20 @@ def calls() -> Dict[str, Callable[[], object]]:
         finally:
             triton_kernels._counts_in_kernel = counts_in_kernel
 
+    def dispatched_twice(call):
+        # without the plain key sets, the autograd kernel finds no direct implementation
+        # (set and restored by hand, as below)
+        import robe_torchrec.ops as ops
+
+        def run():
+            plain = dict(ops._PLAIN_KEYS)
+            ops._PLAIN_KEYS.clear()
+            try:
+                return call()
+            finally:
+                ops._PLAIN_KEYS.update(plain)
+        return run
+
     def op(fn, grad_mode):
         def call():
             with triton_path(grad_mode):
@@ -200,6 +218,8 @@ def calls() -> Dict[str, Callable[[], object]]:
                            op(torch.ops.robe.forward, True), op_backward, fused_step,
                            op(custom_op, False), op(custom_op, True),
                            op(register_autograd, False), op(register_autograd, True),
+                           dispatched_twice(op(torch.ops.robe.forward, False)),
+                           dispatched_twice(op(torch.ops.robe.forward, True)),
                            wrapper_with_summary)))
 
 
@@ -266,6 +286,11 @@ def render(result: Dict[str, object]) -> str:
         f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`, "
         f"{med['register_autograd, with grad'] - med['register_autograd, no grad']:.1f} us "
         f"with torch.library.register_autograd's generic autograd kernel",
+        f"- the autograd kernel calling the implementation directly: the op takes "
+        f"{med['op, no grad']:.1f} us a call without grad and {med['op, with grad']:.1f} us "
+        f"with, against {med['op, no grad, dispatched twice']:.1f} and "
+        f"{med['op, with grad, dispatched twice']:.1f} us through the dispatcher again "
+        f"(the dict copy and restore those rows add is under 1 us)",
         f"- the forward's checks counted by its own kernel: the wrapper takes "
         f"{med['wrapper']:.1f} us a call, {med['wrapper, summary kernel']:.1f} us with the "
         f"summary kernel's host work (its launch not counted)",

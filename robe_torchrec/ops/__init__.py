@@ -97,7 +97,7 @@ def _cuda_impl():
 #: the ``robe`` namespace. The lookup ops are defined with ``torch.library.define`` and their
 #: kernels registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call
 #: then goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call
-#: Python layer (an aliasing check, a TorchDynamo guard): 8 us of host time a call on a
+#: Python layer (an aliasing check, a TorchDynamo guard): 13 us of host time a call on a
 #: quiet CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
 #: setting waits on its host.
 _LIB = torch.library.Library("robe", "FRAGMENT")
@@ -192,7 +192,8 @@ _FORWARD = torch.ops.robe.forward.default
 #: what is left of a plain CPU or CUDA tensor's dispatch keys below autograd (the backend,
 #: with or without ADInplaceOrView, a fallthrough for this op), and the implementation the
 #: dispatcher would reach from there: calling it directly saves a second trip through the
-#: dispatcher, 23 of the 47 us its layers cost a forward on an H200's host (REF)
+#: dispatcher, 5.6 of the 43.1 us a no-grad Triton forward's host work took on a CPU core
+#: (launches stubbed, benchmarks/results/host_overhead.md)
 _PLAIN_KEYS = {
     keys.raw_repr(): impl
     for backend, impl in ((torch._C.DispatchKey.CPU, _cpu_impl),
@@ -203,8 +204,8 @@ _PLAIN_KEYS = {
 # robe::forward's autograd kernel, registered as torch.library.register_autograd does (the
 # same private dispatch guard and key set) but without its generic layer: that layer
 # rebuilds the schema's argument list for each of the op's ten arguments on every call
-# (torch._library.utils.fill_defaults): recording the graph took 47 us a call that way
-# against 22 us with this kernel, on a CPU core where the Triton wrapper's own host work
+# (torch._library.utils.fill_defaults): recording the graph took 50 us a call that way
+# against 20 us with this kernel, on a CPU core where the Triton wrapper's own host work
 # took 27 us (benchmarks/results/host_overhead.md)
 _LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 

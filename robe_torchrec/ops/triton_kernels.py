@@ -90,9 +90,10 @@ _MAX_WARPS = 4
 _NUM_WARPS: Optional[int] = None
 #: bags of at most _SHORT_BAG_MEAN ids on average are pooled several a program (see
 #: _forward_short_bags_kernel): as many as make _BLOCKS_PER_PROGRAM row blocks of BLOCK_B
-#: (one bag at Z = 32, four at Z = 128 with dim 128: in four H200 sweeps one bag a program
-#: took 0.90-0.96x the forward time of four at Z = 32, and four were the best at Z = 128:
-#: benchmarks/results/triton_tiles_h200_{3970638,549edb5,797194f}.md, triton_tiles_h200.md);
+#: (one bag at Z = 32, four at Z = 128 with dim 128: in five H200 sweeps one bag a program
+#: took 0.90-0.98x the forward time of four at Z = 32, and four were the best at Z = 128:
+#: benchmarks/results/triton_tiles_h200_{3970638,549edb5,797194f,8260946}.md and
+#: triton_tiles_h200.md);
 #: _BAGS_PER_PROGRAM, when set, overrides the rule
 _SHORT_BAG_MEAN = 2.0
 _BLOCKS_PER_PROGRAM = 4
