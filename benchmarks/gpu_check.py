@@ -429,6 +429,15 @@ def setting_arguments(parser: argparse.ArgumentParser, reps: int) -> None:
     parser.add_argument("--inner", type=int, default=5, help="calls per timed sample")
 
 
+def publish(text: str, out: Optional[str]) -> None:
+    """Print a report and, when ``out`` names a file, write it there (its folder made)."""
+    print(text, flush=True)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def select_device(cpu: bool, prog: str) -> Optional[torch.device]:
     """CPU (whole process in Triton's interpreter) or CUDA; None, said on stderr, when
     neither can run."""
@@ -475,11 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setting = cpu_setting(args) if args.cpu else gpu_setting(args)
         rows, memory = run_speed(setting, device)
     text = report(args, device, setting, checks, rows, memory, time.perf_counter() - start)
-    print(text, flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(text, args.out)
     return 1 if any(not c.ok for c in checks) else 0
 
 

@@ -151,13 +151,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cpu" if args.cpu else "cuda")
     batch = 64 if args.cpu else 10240
+    from benchmarks.gpu_check import publish
+
     samples = measure(device, batch, args.reps, args.calls)
     text = report(argv, device, batch, samples, args.reps, args.calls)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(text, args.out)
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import os
 import shlex
 import statistics
 import sys
@@ -38,7 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from benchmarks.gpu_check import (Setting, Timer, _criteo_ids, cpu_setting, gpu_setting,
-                                  robe_inputs, select_device, setting_arguments, versions)
+                                  publish, robe_inputs, select_device, setting_arguments,
+                                  versions)
 
 WARPS = (1, 2, 4, 8)
 
@@ -300,11 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          f"- batch {setting.batch}, dim {setting.dim}, {len(setting.cardinalities)} features, "
          f"one id per bag, array {setting.compression:g}x smaller than the tables; median of "
          f"{setting.reps} samples of {setting.inner} calls, rows interleaved", "", *body])
-    print(text, flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(text, args.out)
     return 0
 
 
