@@ -50,7 +50,18 @@ def test_gradient_when_one_input_requires_grad(trainable):
 def test_forward_goes_straight_to_the_implementation_only_for_plain_tensors():
     """Below its autograd layer robe::forward calls the CPU implementation directly for plain
     tensors (no second dispatch), and dispatches again for meta tensors, which only the fake
-    kernel can take."""
+    kernel can take, and under a dispatch mode, which must see the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
     case = random_case(7)
     redispatch = mock.Mock(wraps=torch.ops.robe.forward.default.redispatch)
     forward = mock.Mock(redispatch=redispatch)
@@ -61,6 +72,9 @@ def test_forward_goes_straight_to_the_implementation_only_for_plain_tensors():
                      for a in case.forward_args()]
         assert torch.ops.robe.forward(*meta_args).shape == expected.shape
         assert redispatch.call_count == 1
+        with Seen() as mode:
+            torch.testing.assert_close(torch.ops.robe.forward(*case.forward_args()), expected)
+        assert redispatch.call_count == 2 and torch.ops.robe.forward.default in mode.ops
 
 
 def test_opcheck_fused_backward():
