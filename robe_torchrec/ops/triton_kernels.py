@@ -93,8 +93,7 @@ _NUM_WARPS: Optional[int] = None
 #: (one bag at Z = 32, four at Z = 128 with dim 128: in five H200 sweeps one bag a program
 #: took 0.90-0.98x the forward time of four at Z = 32, and four were the best at Z = 128:
 #: benchmarks/results/triton_tiles_h200_{3970638,549edb5,797194f,8260946}.md and
-#: triton_tiles_h200.md);
-#: _BAGS_PER_PROGRAM, when set, overrides the rule
+#: triton_tiles_h200.md); _BAGS_PER_PROGRAM, when set, overrides the rule
 _SHORT_BAG_MEAN = 2.0
 _BLOCKS_PER_PROGRAM = 4
 _BAGS_PER_PROGRAM: Optional[int] = None
