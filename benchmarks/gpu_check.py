@@ -33,8 +33,9 @@ fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
    round-robin over the rows (interleaved, so drift hits every row alike; each round starts
    one row later, so no row always follows the same one) after ``--warmup`` calls; the
    median is reported, and beside it the host's time to issue the calls. The first call of a
-   row (Triton compilation, cuBLAS/allocator warm-up) is reported separately. Targets: forward at most 0.5x
-   ``nn.EmbeddingBag``'s, and at least 40x faster than the pure-PyTorch ROBE-Z's.
+   row (Triton compilation, cuBLAS/allocator warm-up) is reported separately. Targets:
+   forward at most 0.5x ``nn.EmbeddingBag``'s, and at least 40x faster than the
+   pure-PyTorch ROBE-Z's.
 
 Run on a GPU (a few minutes on an H100, most of it compiling kernels for the checks)::
 

@@ -38,31 +38,25 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-_NOOP_NAMESPACES = ("robe_host_layers", "robe_host_layers_one")
+from benchmarks.gpu_check import _criteo_ids, gpu_setting, publish, robe_inputs
+from benchmarks.host_overhead import defining_library, forward_schema
 
 
 def _noop_ops():
     """Two ops whose Python kernels return their first input: ``robe::forward``'s schema
     (namespace ``robe_host_layers``) and a one-argument one."""
     if not hasattr(torch.ops.robe_host_layers, "forward"):
-        schema = str(torch.ops.robe.forward.default._schema).split("::", 1)[1]
-        definitions = (schema, "noop(Tensor x) -> Tensor")
-        for namespace, definition in zip(_NOOP_NAMESPACES, definitions):
-            lib = torch.library.Library(namespace, "DEF")
-            _LIBRARIES.append(lib)  # a library's registrations last as long as the object
-            lib.define(definition)
-            name = definition.split("(", 1)[0]
+        for namespace, schema in (("robe_host_layers", forward_schema()),
+                                  ("robe_host_layers_one", "noop(Tensor x) -> Tensor")):
+            lib = defining_library(namespace, schema)
             for key in ("CPU", "CUDA"):
-                lib.impl(name, lambda first, *rest: first, key)
+                lib.impl(schema.split("(", 1)[0], lambda first, *rest: first, key)
     return torch.ops.robe_host_layers.forward, torch.ops.robe_host_layers_one.noop
 
 
-_LIBRARIES: List[torch.library.Library] = []
-
-
 def rows(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
-    import robe_torchrec.ops as ops
-    from benchmarks.gpu_check import _criteo_ids, gpu_setting, robe_inputs
+    # the implementation robe::forward reaches for each device
+    from robe_torchrec.ops import cpu, triton_kernels
 
     setting = gpu_setting(argparse.Namespace(batch=batch, compression=1000.0, reps=1, inner=1))
     inputs = robe_inputs(setting, _criteo_ids(setting, device), device, 32)
@@ -70,7 +64,7 @@ def rows(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     trainable = weights.detach().clone().requires_grad_(True)
     backend = torch._C.DispatchKey.CUDA if device.type == "cuda" else torch._C.DispatchKey.CPU
     backend_keys = torch._C.DispatchKeySet(backend)
-    implementation = ops._cuda_impl() if device.type == "cuda" else ops._cpu_impl()
+    implementation = triton_kernels if device.type == "cuda" else cpu
     ten_args, one_arg = _noop_ops()
     small, small_cpu = torch.ones(4, device=device), torch.ones(4)
 
@@ -151,8 +145,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cpu" if args.cpu else "cuda")
     batch = 64 if args.cpu else 10240
-    from benchmarks.gpu_check import publish
-
     samples = measure(device, batch, args.reps, args.calls)
     text = report(argv, device, batch, samples, args.reps, args.calls)
     publish(text, args.out)

@@ -118,9 +118,7 @@ def _register_autograd_forward():
 
     if hasattr(torch.ops.robe_host_ra, "forward"):
         return torch.ops.robe_host_ra.forward
-    lib = torch.library.Library("robe_host_ra", "DEF")
-    _LIBRARIES.append(lib)  # a library's registrations last as long as the object
-    lib.define(str(torch.ops.robe.forward.default._schema).split("::", 1)[1])
+    lib = defining_library("robe_host_ra", forward_schema())
     lib.impl("forward", triton_kernels.forward, "CPU")
 
     def setup_context(ctx, inputs, output):
@@ -136,6 +134,20 @@ def _register_autograd_forward():
 
 
 _LIBRARIES: List[torch.library.Library] = []
+
+
+def forward_schema() -> str:
+    """``robe::forward``'s schema without its namespace, to define an op just like it."""
+    return str(torch.ops.robe.forward.default._schema).split("::", 1)[1]
+
+
+def defining_library(namespace: str, schema: str) -> torch.library.Library:
+    """A library of this process that defines ``schema`` in ``namespace`` (kept alive here:
+    a library's registrations last as long as the object)."""
+    lib = torch.library.Library(namespace, "DEF")
+    _LIBRARIES.append(lib)
+    lib.define(schema)
+    return lib
 
 
 def calls() -> Dict[str, Callable[[], object]]:
