@@ -55,7 +55,7 @@ def test_quick_report_states_the_floor_targets():
     # the step's own work beyond its floor: one row per 1-thread sum(outputs) step, each with
     # serial >= overlapped >= the step floor
     step_section = report.split("### What stands between the step and its floor")[1]
-    step_rows = re.findall(r"^\| ours \w+ M=[0-9,]+ Z=\d+ \| sgd \| ([0-9.]+) \| ([0-9.]+) \| "
+    step_rows = re.findall(r"^\| ours \w+ M=[0-9,]+ Z=\d+ \| sgd \| 1 \| ([0-9.]+) \| ([0-9.]+) \| "
                            r"([0-9.]+) \| ([0-9.]+) \|", step_section, flags=re.M)
     assert len(step_rows) == len(step)
     for _, floor, serial, overlapped in step_rows:
@@ -105,25 +105,35 @@ def test_step_floors_add_the_work_the_step_floor_leaves_out():
     profile = cpu_ops.ForwardProfile(case, floor=2.0, hash=1.0, gather=4.0, forward=6.0, lines=3.0,
                                      hashes=10, line_count=20.0)
 
-    def row(model: str, key: str, cpu_total: float) -> cpu_ops.Result:
+    def row(model: str, key: str, threads: int, total: float) -> cpu_ops.Result:
         spec = cpu_ops.RowSpec(key, model, "sgd", "dense", memory, 32, lambda: None, loss="sum")
-        return cpu_ops.Result(spec, 1, phases={"cpu total": cpu_total})
+        # 1 thread: CPU time counts; 2 threads: wall time (the CPU total is a decoy)
+        phases = {"cpu total": total} if threads == 1 else {"total": total, "cpu total": 99.0}
+        return cpu_ops.Result(spec, threads, phases=phases)
 
-    results = [row("floor", "floor", 10.0), row("ours", "ours", 25.0)]
-    (s,) = cpu_ops.step_floors([profile], {(1, "cpu read"): 1.5}, results, sizes,
-                               HashMode.REFERENCE)
-    assert s.floor == 10.0 and s.step == 25.0
-    assert s.serial == 10.0 + 1.0 + 2 * 3.0
+    results = [row("floor", "floor", 2, 6.0), row("ours", "ours", 2, 12.0),
+               row("floor", "floor", 1, 10.0), row("ours", "ours", 1, 25.0)]
+    one, two = cpu_ops.step_floors([profile], {(1, "cpu read"): 1.5}, results, sizes,
+                                   HashMode.REFERENCE)
+    assert (one.threads, two.threads) == (1, 2)
+    assert one.floor == 10.0 and one.step == 25.0
+    assert one.serial == 10.0 + 1.0 + 2 * 3.0
     # forward: max(2, 1, 3) - 2 = 1 more than its floor; scatter: max(1.5, 3) - 1.5 = 1.5 more
-    assert s.overlapped == 10.0 + 1.0 + 1.5
-    section = cpu_ops.step_floors_section([s])
-    assert "| 1.70x | 1.25x | 1.47x | only with overlap |" in section
-    assert "below the serial floor in 1 of 1 rows" in section
+    assert one.overlapped == 10.0 + 1.0 + 1.5
+    # 2 threads: the same extra work split over both, on the 2-thread floor's wall time
+    assert (two.floor, two.step) == (6.0, 12.0)
+    assert two.serial == 6.0 + (1.0 + 2 * 3.0) / 2 and two.overlapped == 6.0 + 2.5 / 2
+    section = cpu_ops.step_floors_section([one, two])
+    assert "| sgd | 1 | 25.00 | 10.00 | 17.00 | 12.50 | 1.70x | 1.25x | 1.47x | only with overlap |" in section
+    assert "| sgd | 2 | 12.00 | 6.00 | 9.50 | 7.25 | 1.58x | 1.21x | 1.26x | only with overlap |" in section
+    assert ("at 1 thread, the target lies below the serial floor in 1 of 1 rows (below the "
+            "overlapped floor in 0)") in section
+    assert "at 2 threads, the target lies below the serial floor in 1 of 1 rows" in section
 
 
 def test_step_floors_say_when_the_floor_bounds_nothing():
-    row = cpu_ops.StepFloors("ours fused M=4,096 Z=32", "adagrad", step=5.0, floor=10.0,
-                             serial=17.0, overlapped=12.5)
+    row = cpu_ops.StepFloors("ours fused M=4,096 Z=32", "adagrad", threads=1, step=5.0,
+                             floor=10.0, serial=17.0, overlapped=12.5)
     section = cpu_ops.step_floors_section([row])
     assert "1 rows (adagrad) take less than their overlapped floor" in section
     assert "no lower bound" not in cpu_ops.step_floors_section([dataclasses.replace(row, step=13.0)])
