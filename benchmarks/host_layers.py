@@ -11,9 +11,11 @@ calls beside them, so that machines of different host speed can be compared:
   a second trip through the dispatcher to the backend key (what ``robe::forward`` did before
   it called its implementation directly for plain tensors);
 * ``implementation``: the Triton wrapper (CUDA) or the C++ op (CPU) called directly;
+* ``Triton wrapper, launches stubbed``: the Triton wrapper with every kernel launch a no-op
+  (on a GPU, implementation minus this is the time Triton's launcher takes on the host);
 * reference calls: an op of the same ten-argument schema whose Python kernel returns its
-  input, a one-argument one, ``torch.add`` of 4-element tensors, and 1000 additions in
-  Python.
+  input, a one-argument one, ``torch.add`` of 4-element tensors, a 4-element ``torch.zeros``
+  (the forward makes one for its checks' counts), and 1000 additions in Python.
 
 Microseconds per call, median of ``--reps`` samples of ``--calls`` calls, rows interleaved;
 on a GPU the device is synchronized before each sample, so a sample times the host alone
@@ -27,6 +29,7 @@ when the host limits the calls. Needs torch (and Triton on a GPU) only::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -34,12 +37,14 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
 from benchmarks.gpu_check import _criteo_ids, gpu_setting, publish, robe_inputs
-from benchmarks.host_overhead import defining_library, forward_schema
+from benchmarks.host_overhead import defining_library, forward_schema, stubbed_launches
+
+STUBBED = "Triton wrapper, launches stubbed"
 
 
 def _noop_ops():
@@ -79,13 +84,22 @@ def rows(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
         "registered op, no_grad": lambda: torch.ops.robe.forward(weights, *flat),
         "through the dispatcher twice": twice_through_the_dispatcher,
         "implementation": lambda: implementation.forward(weights, *flat),
+        STUBBED: lambda: triton_kernels.forward(weights, *flat),  # measure() stubs its launches
         "op of the same schema returning its input": lambda: ten_args(weights, *flat),
         "one-argument op returning its input, device tensor": lambda: one_arg(small),
         "one-argument op returning its input, CPU tensor": lambda: one_arg(small_cpu),
         "torch.add of 4-element device tensors": lambda: torch.add(small, small),
         "torch.add of 4-element CPU tensors": lambda: torch.add(small_cpu, small_cpu),
+        "torch.zeros of 4 int64s on the device":
+            lambda: torch.zeros(4, dtype=torch.int64, device=device),
         "pure Python: 1000 additions": lambda: sum(range(1000)),
     }
+
+
+def _context(name: str) -> ContextManager:
+    """What a row's sample runs in: the stubbed launches for that row (entered once per
+    sample, outside the timed calls), nothing for the others."""
+    return stubbed_launches() if name == STUBBED else contextlib.nullcontext()
 
 
 def measure(device: torch.device, batch: int, reps: int, calls: int) -> Dict[str, List[float]]:
@@ -95,16 +109,18 @@ def measure(device: torch.device, batch: int, reps: int, calls: int) -> Dict[str
     fns = rows(device, batch)
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        for fn in fns.values():
-            for _ in range(5):
-                fn()
+        for name, fn in fns.items():
+            with _context(name):
+                for _ in range(5):
+                    fn()
         for _ in range(reps):
             for name, fn in fns.items():
-                sync()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                samples[name].append((time.perf_counter() - start) / calls * 1e6)
+                with _context(name):
+                    sync()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    samples[name].append((time.perf_counter() - start) / calls * 1e6)
         sync()
     raise_pending_checks()
     return samples
@@ -128,6 +144,10 @@ def report(argv: Sequence[str], device: torch.device, batch: int,
               f"implementation): {layers:.1f} us; through the dispatcher twice instead: "
               f"{med['through the dispatcher twice'] - med['implementation']:.1f} us for that "
               f"part alone"]
+    if device.type == "cuda":
+        lines.append(f"- Triton's launcher (implementation - {STUBBED}): "
+                     f"{med['implementation'] - med[STUBBED]:.1f} us a call; the wrapper's own "
+                     f"host work, its CUDA calls included: {med[STUBBED]:.1f} us")
     return "\n".join(lines) + "\n"
 
 
