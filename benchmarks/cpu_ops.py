@@ -1037,7 +1037,38 @@ def machine_scaling_summary(fwd: Dict[Tuple[int, str], float], threads: Sequence
                if k == 2 and reference > FWD_TWO_THREADS else
                f"The reference is at or below the {FWD_TWO_THREADS}x target in this run."
                if k == 2 else ""))
+        if k == 2 and (stores := store_scaling(fwd, k, sizes)):
+            lines.append(stores)
     return "\n".join(lines)
+
+
+def store_scaling(fwd: Dict[Tuple[int, str], float], k: int, sizes: Sizes) -> str:
+    """The forward floor's own k-thread / 1-thread ratio (the output's writes alone), and
+    for each case the ratio its forward would reach if the share of its time the store floor
+    takes at 1 thread scaled as the floor does and all the rest perfectly (1/k)."""
+    floor_1, floor_k = fwd.get((1, "floor")), fwd.get((k, "floor"))
+    if floor_1 is None or floor_k is None:
+        return ""
+    modeled, measured = {}, {}
+    for case in forward_cases(sizes):
+        one, many = fwd.get((1, case.name)), fwd.get((k, case.name))
+        if one is None or many is None or one < floor_1:
+            continue
+        modeled[case.name] = (floor_k + (one - floor_1) / k) / one
+        measured[case.name] = many / one
+    if not modeled:
+        return ""
+    missed = [name for name in modeled if measured[name] > FWD_TWO_THREADS]
+    beyond = [name for name in missed if modeled[name] > FWD_TWO_THREADS]
+    return (f"- {k} threads, the output's writes: the forward floor takes {floor_k / floor_1:.2f}x "
+            f"its 1-thread time. A forward whose store-floor share scaled as the floor does and "
+            f"whose other work scaled perfectly would take {min(modeled.values()):.2f}x to "
+            f"{max(modeled.values()):.2f}x its 1-thread time (1 thread's share: the store floor "
+            f"over the forward); the {FWD_TWO_THREADS}x target lies below that in "
+            f"{sum(v > FWD_TWO_THREADS for v in modeled.values())} of {len(modeled)} cases; of "
+            f"the {len(missed)} cases that missed the target, {len(beyond)} "
+            f"{'lies' if len(beyond) == 1 else 'lie'} there"
+            + (f" ({'; '.join(beyond)})" if beyond else "") + ".")
 
 
 @dataclass(frozen=True)

@@ -155,4 +155,18 @@ def test_two_thread_forwards_are_set_beside_the_machines_own_scaling():
     text = cpu_ops.machine_scaling_summary(fwd, [1, 2], sizes)
     assert f"{(len(cases) + 1) // 2} of {len(cases)} at or below" in text
     assert "at or below the 0.6x target in this run" in text
+    assert "output's writes" not in text  # no floor timed
     assert cpu_ops.machine_scaling_summary(fwd, [1], sizes) == ""
+    # the floor scales 0.8x: a forward of 10 ms whose 4 ms of stores scale so reaches
+    # (3.2 + 6 / 2) / 10 = 0.62x at best; the cases at 0.65x missed the target beyond that
+    fwd[(1, "floor")], fwd[(2, "floor")] = 4.0, 3.2
+    text = cpu_ops.machine_scaling_summary(fwd, [1, 2], sizes)
+    assert "the forward floor takes 0.80x its 1-thread time" in text
+    assert "would take 0.62x to 0.62x its 1-thread time" in text
+    missed = len(cases) // 2
+    assert (f"lies below that in {len(cases)} of {len(cases)} cases; of the {missed} cases "
+            f"that missed the target, {missed} lie there") in text
+    fwd[(2, "floor")] = 2.0  # stores that scale perfectly leave the target reachable
+    text = cpu_ops.machine_scaling_summary(fwd, [1, 2], sizes)
+    assert (f"lies below that in 0 of {len(cases)} cases; of the {missed} cases that missed "
+            "the target, 0 lie there.") in text
