@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from typing import Callable, List, Optional, Tuple
+from unittest import mock
 
 import torch
 
+import robe_torchrec.ops
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, reference
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
@@ -316,6 +318,24 @@ def check_registered_op(case: OpCase) -> None:
         assert_close(a, e, _tol(case))
 
 
+def check_forward_goes_straight(case: OpCase) -> None:
+    """For plain tensors, ``robe::forward``'s autograd layer calls the Triton implementation
+    itself instead of dispatching a second time (host time a GPU forward waits on): checked
+    on the device's own dispatch key set, with and without weights that require grad."""
+    redispatch = mock.Mock(wraps=torch.ops.robe.forward.default.redispatch)
+    expected = reference.forward(*case.forward_args())
+    with _triton_dispatch(case.weights.device), \
+            mock.patch.object(robe_torchrec.ops, "_FORWARD", mock.Mock(redispatch=redispatch)):
+        with torch.no_grad():
+            out = torch.ops.robe.forward(*case.forward_args())
+        trained = torch.ops.robe.forward(case.weights.clone().requires_grad_(True),
+                                         *case.forward_args()[1:])
+    assert redispatch.call_count == 0, (
+        f"robe::forward dispatched twice for plain {case.weights.device.type} tensors")
+    assert_close(out, expected, _tol(case))
+    assert_close(trained.detach(), expected, _tol(case))
+
+
 def check_compiled(case: OpCase, backend: Optional[str] = None) -> None:
     """``torch.compile(fullgraph=True)`` of a function around the op, forward and backward
     (inductor on CUDA; ``aot_eager`` on CPU, where inductor would build C++ for minutes)."""
@@ -378,6 +398,7 @@ def triton_checks(device, quick: bool = False) -> List[Tuple[str, Callable[[], N
          lambda: check_deferred_answers_kept_apart(case(matrix[1], batch=4)())),
         ("int32_int64_ids_agree", lambda: check_index_dtypes_agree(case(matrix[2], batch=4)())),
         ("registered_op_autograd", lambda: check_registered_op(case(matrix[1], batch=4)())),
+        ("forward_goes_straight", lambda: check_forward_goes_straight(case(matrix[1], batch=4)())),
         ("torch_compile", lambda: check_compiled(case(matrix[1], batch=4)())),
     ]
     if not quick:
