@@ -45,7 +45,7 @@ Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
   exactly, hashing = ``reference.element_indices`` of both features, lookup = the reference's
   gather + pool with those indices, other = forward - hashing - lookup (input validation,
   slicing). Ours with the C++ kernel: hashing = ``cpu.forward_hash_only`` (the kernel's own
-  loops, id checks and hashing without the gathers and writes), lookup = forward - hashing
+  hash pass, without prefetches, gathers and output writes), lookup = forward - hashing
   (marked ``~``). Ours with another backend (testing only; marked ``~``): lookup = the same
   pooled lookup from precomputed block starts (``F.embedding`` over a stride-1 ``as_strided``
   view of the array, which copies whole Z-float blocks: exact for one id per bag), hashing =
@@ -1514,8 +1514,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "",
         "Columns in ms. forward = the embedding call; hashing/lookup/other = its split "
         "(pytorch ROBE-Z: hashing and gather + pool timed apart, other = the rest; ours: "
-        "hashing = the C++ kernel's forward_hash_only (its loops, id checks and hashes without "
-        "gathers and writes), `~` lookup = forward - hashing); backward = loss + autograd backward "
+        "hashing = the C++ kernel's forward_hash_only (its hash pass: loops, id checks, hashes "
+        "and tile buffers, without prefetches, gathers and output writes), `~` lookup = "
+        "forward - hashing); backward = loss + autograd backward "
         "(includes the update for fused rows); optimizer step = step + zero_grad; "
         "total = forward + backward + optimizer step (median of per-iteration sums); CPU "
         "total = the calling thread's CPU time for the step (at 1 thread all of its work, and "
@@ -1539,8 +1540,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         "written once (the floor's whole work); the gathers read "
         f"{2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB of weights in "
         f"{2 * sizes.batch:,} x dim/Z random blocks of Z floats (each block spans 1-3 cache "
-        "lines, anywhere in the array). hashing = `forward_hash_only` (the kernel's loops, id "
-        "checks and hashes without gathers and writes); the rest of CPU ms is the gathers, "
+        "lines, anywhere in the array). hashing = `forward_hash_only` (the kernel's hash pass: "
+        "loops, id checks, hashes and tile buffers, without prefetches, gathers and output "
+        "writes); the rest of CPU ms is the gathers, "
         "the pooling and the stores.",
         "",
         "## Where the forward's time goes (profile, 1 thread)",

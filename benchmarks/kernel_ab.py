@@ -123,28 +123,33 @@ def _inputs(case: Case, seed: int = 0) -> Dict[str, Any]:
 _ADAGRAD = [0.01, 1e-8, 0.9, 0.999, 0.0]  # lr, eps, beta1, beta2, weight decay
 
 
-def _fused_step(ext, case: Case, x: Dict[str, Any], params: List[int], weights: torch.Tensor,
+def _fused_step(ext, case: Case, x: Dict[str, Any], hash_mode: HashMode, weights: torch.Tensor,
                 state: torch.Tensor) -> None:
     ext.backward_fused_(x["grad"], weights, state, state.new_empty(0), x["values"], x["offsets"], None,
-                        x["meta"], case.block_size, 0, params, int(Optimizer.ADAGRAD), _ADAGRAD, 1)
+                        x["meta"], case.block_size, int(hash_mode), _params(hash_mode),
+                        int(Optimizer.ADAGRAD), _ADAGRAD, 1)
 
 
-def _fused_result(ext, case: Case, x: Dict[str, Any], params: List[int]) -> torch.Tensor:
+def _fused_result(ext, case: Case, x: Dict[str, Any], hash_mode: HashMode) -> torch.Tensor:
     """Weights and Adagrad state after one fused step from the case's weights, zero state."""
     weights, state = x["weights"].clone(), torch.zeros_like(x["weights"])
-    _fused_step(ext, case, x, params, weights, state)
+    _fused_step(ext, case, x, hash_mode, weights, state)
     return torch.cat([weights, state])
 
 
-def _ops(ext, case: Case, x: Dict[str, Any], params: List[int]) -> Dict[str, Callable[[], Any]]:
-    z = case.block_size
+def _params(hash_mode: HashMode) -> List[int]:
+    return hash_params(hash_mode, 1024)
+
+
+def _ops(ext, case: Case, x: Dict[str, Any], hash_mode: HashMode) -> Dict[str, Callable[[], Any]]:
+    z, mode, params = case.block_size, int(hash_mode), _params(hash_mode)
     updated, state = x["weights"].clone(), torch.zeros_like(x["weights"])
     return {
         "forward": lambda: ext.forward(x["weights"], x["values"], x["offsets"], None, x["meta"],
-                                       case.features * case.dim, z, 0, params, 0),
-        "fused Adagrad": lambda: _fused_step(ext, case, x, params, updated, state),
+                                       case.features * case.dim, z, mode, params, 0),
+        "fused Adagrad": lambda: _fused_step(ext, case, x, hash_mode, updated, state),
         "dense gradient": lambda: ext.backward_dense(x["grad"], x["weights"], x["values"],
-                                                     x["offsets"], None, x["meta"], z, 0, params),
+                                                     x["offsets"], None, x["meta"], z, mode, params),
     }
 
 
@@ -157,13 +162,13 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
 CLOCKS: Dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def time_case(baseline, current, case: Case, iters: int, clock: str = "wall") -> Dict[str, Any]:
-    params = hash_params(HashMode.REFERENCE, 1024)
+def time_case(baseline, current, case: Case, iters: int, clock: str = "wall",
+              hash_mode: HashMode = HashMode.REFERENCE) -> Dict[str, Any]:
     x = _inputs(case)
-    base_ops, cur_ops = _ops(baseline, case, x, params), _ops(current, case, x, params)
+    base_ops, cur_ops = _ops(baseline, case, x, hash_mode), _ops(current, case, x, hash_mode)
     outputs = {op: _difference(base_ops[op](), cur_ops[op]()) for op in ("forward", "dense gradient")}
-    outputs["fused Adagrad"] = _difference(_fused_result(baseline, case, x, params),
-                                           _fused_result(current, case, x, params))
+    outputs["fused Adagrad"] = _difference(_fused_result(baseline, case, x, hash_mode),
+                                           _fused_result(current, case, x, hash_mode))
     row: Dict[str, Any] = {"case": dataclasses.asdict(case), "outputs": outputs, "ops": {}}
     for op in base_ops:
         times: Dict[str, List[float]] = {"baseline": [], "current": []}
@@ -196,8 +201,8 @@ def render(result: Dict[str, Any]) -> str:
         + ("the calling thread's CPU time (time.thread_time: time descheduled by other "
            "processes does not count)" if result.get("clock") == "cpu" else "wall time")
         + "; ratio = current / baseline "
-        "(below 1: the working tree is faster). Reference hash, sum pooling, ids uniform per "
-        "table.",
+        f"(below 1: the working tree is faster). {result.get('hash', 'reference').capitalize()} "
+        "hash, sum pooling, ids uniform per table.",
         "",
         "| case | op | baseline | current | ratio | outputs |",
         "|---|---|---:|---:|---:|---|",
@@ -223,6 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--dlrm-memory", type=int, nargs="+", metavar="FLOATS",
                         help="instead of the default cases: the app's DLRM shape (dim 16, Z 8) "
                              "with arrays of these sizes")
+    parser.add_argument("--hash", choices=["reference", "mix"], default="reference",
+                        help="the hash every case uses")
     parser.add_argument("--name", default="kernel_ab", help="stem of the result files")
     parser.add_argument("--out", help="folder for <name>.{md,json}; printed only if not given")
     args = parser.parse_args(argv)
@@ -239,13 +246,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     else:
         cases = SMALL_CASES if args.small else CASES
     for case in cases:
-        rows.append(time_case(baseline, current, case, args.iters, args.clock))
+        rows.append(time_case(baseline, current, case, args.iters, args.clock,
+                              HashMode.MIX if args.hash == "mix" else HashMode.REFERENCE))
         ops = ", ".join(f"{op} {t['ratio']:.2f}" for op, t in rows[-1]["ops"].items())
         print(f"{case.name}: current / baseline: {ops}", flush=True)
     result = {
         "command": "python -m benchmarks.kernel_ab " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(), "threads": args.threads, "iters": args.iters, "baseline": label,
-        "clock": args.clock,
+        "clock": args.clock, "hash": args.hash,
         "load": [load_start, os.getloadavg()[0]], "rows": rows,
     }
     markdown = render(result)

@@ -267,8 +267,9 @@ def backward_fused_(
 
 
 def forward_hash_only(*forward_args) -> int:
-    """Benchmark aid: :func:`forward`'s loops and hashing without the gathers and output
-    writes; returns the sum of all block starts."""
+    """Benchmark aid: :func:`forward`'s hash pass alone (its loops, id checks, hashes and
+    tile buffers, without prefetches, gathers and output writes); returns the sum of every
+    block's start in the flat weights."""
     ext = extension()
     with _value_errors():
         return int(ext.forward_part(*forward_args, 1))

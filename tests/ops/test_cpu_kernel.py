@@ -432,15 +432,16 @@ def test_backward_of_an_empty_broadcast_gradient():
 # ---------------------------------------------------------------------------------------
 
 def _sum_of_block_starts(case: OpCase) -> int:
-    """What forward_hash_only returns: the sum of every (value, block) start, from hashing.py."""
+    """What forward_hash_only returns: the sum of every (value, block) start in the flat
+    weights (its feature's weight offset plus its hashed start), from hashing.py."""
     meta, z = case.table_meta, case.block_size
     total = 0
     for t in range(meta.shape[1]):
-        dim, w_size, row_offset = (int(meta[f, t]) for f in (1, 3, 4))
+        dim, w_offset, w_size, row_offset = (int(meta[f, t]) for f in (1, 2, 3, 4))
         ids = case.values[case.offsets[t * case.batch]:case.offsets[(t + 1) * case.batch]]
         starts = block_starts(ids.long() + row_offset, math.ceil(dim / z), w_size, z,
                               HashMode(case.hash_mode), case.hash_params)
-        total += int(starts.sum())
+        total += int(starts.sum()) + w_offset * starts.numel()
     return total
 
 
