@@ -64,6 +64,7 @@ CASES = [
     Case("bags of 20 ids, dim 16, Z 4", 8, 512, 16, 4, 54_021, ids_per_bag=20),
     Case("pair model dim 64, Z 32, 262K floats", 1, 65_536, 64, 32, 262_144),
     Case("pair model dim 64, Z 32, 2.6M floats", 1, 65_536, 64, 32, 2_621_440),
+    Case("pair model dim 64, Z 8, 2.6M floats", 1, 65_536, 64, 8, 2_621_440),
 ]
 SMALL_CASES = [
     Case("small: dim 16, Z 8", 4, 64, 16, 8, 2_000),

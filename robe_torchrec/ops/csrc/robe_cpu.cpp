@@ -190,14 +190,14 @@ struct RefHash {
 // base = fmix64(key + salt); h = fmix64(base + (b+1)*GOLDEN); start = ((h>>32)*span)>>32.
 struct MixHash {
   uint64_t salt;
+  static uint64_t start_in(uint64_t h, uint64_t span) { return ((h >> 32) * span) >> 32; }
   template <typename Fn>
   inline void blocks(uint64_t key, const Feature& f, Fn&& fn) const {
     uint64_t x = fmix64(key + salt);
     const uint64_t span = f.span;
     for (int64_t blk = 0; blk < f.nblocks; ++blk) {
       x += kGolden;
-      const uint64_t h = fmix64(x);
-      fn(blk, ((h >> 32) * span) >> 32);
+      fn(blk, start_in(fmix64(x), span));
     }
   }
   // out[b] = w_offset + the start of block b (the forward's hash pass). A value's blocks
@@ -206,9 +206,8 @@ struct MixHash {
     const uint64_t x = fmix64(key + salt);
     const uint64_t span = f.span;
     const int64_t nblocks = f.nblocks;  // a local: the stores to out could alias f's fields
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const uint64_t h = fmix64(x + static_cast<uint64_t>(blk + 1) * kGolden);
-      out[blk] = w_offset + static_cast<int64_t>(((h >> 32) * span) >> 32);
+    for (int64_t blk = 0; blk < nblocks; ++blk) {  // x + (blk + 1) * kGolden: blocks()'s x
+      out[blk] = w_offset + static_cast<int64_t>(start_in(fmix64(x + static_cast<uint64_t>(blk + 1) * kGolden), span));
     }
   }
 };
@@ -697,8 +696,8 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
                         weights_numel * static_cast<int64_t>(sizeof(scalar_t)) > kL2Bytes;
   // The mix hash's blocks hash independently of each other: when every feature has more
   // than two, the hash pass writes a value's starts in one loop that vectorizes, then
-  // prefetches them (0.57x the forward's time on bags of 20 ids at Z = 4, 0.91x at dim 128
-  // and Z = 32). A value of two blocks took 1.05x that way, so with two blocks or fewer the
+  // prefetches them (0.57x the forward's time on bags of 20 ids at Z = 4, 0.88x on the pair
+  // model at Z = 8). Values of two blocks were slower that way, so with two blocks or fewer the
   // pass hashes, prefetches and stores block by block as before
   // (results/kernel_ab_forward_mix_starts.md).
   const bool starts_first = std::is_same_v<Hash, MixHash> &&
