@@ -181,10 +181,6 @@ struct RefHash {
       h = h >= kPrime ? h - kPrime : h;
     }
   }
-  // out[b] = w_offset + the start of block b (the forward's hash pass, as MixHash's)
-  inline void starts(uint64_t key, const Feature& f, int64_t w_offset, int64_t* __restrict__ out) const {
-    blocks(key, f, [&](int64_t blk, uint64_t start) { out[blk] = w_offset + static_cast<int64_t>(start); });
-  }
 };
 
 // base = fmix64(key + salt); h = fmix64(base + (b+1)*GOLDEN); start = ((h>>32)*span)>>32.
@@ -561,10 +557,11 @@ inline T* room_for(std::vector<T>& v, T* at, int64_t more) {
 
 // Pass 1 of the forward for samples [b0, b1): checks each value (recording the first bad
 // one in err), computes its scale, hashes its blocks and, if `prefetch`, prefetches them,
-// into buf (in HASH_ONLY mode, as in the forward, and returns the sum of the tile's block
-// starts: summed per block, that sum was a dependency chain the forward does not have, and
-// it kept a register the hashing needs). A function of its own with its cursors in locals:
-// as pool_tile, not a lambda's captured references.
+// into buf (in HASH_ONLY mode too, as the forward does, then returns the sum of the tile's
+// block starts: a running sum per block would be a dependency chain the forward does not
+// have). kStarts (mix hash only): a value's starts in one loop, then their prefetches. A
+// function of its own with its cursors in locals: as pool_tile, not a lambda's captured
+// references.
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode,
           bool kStarts>
 uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__ vals,
@@ -700,9 +697,10 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   // model at Z = 8). Values of two blocks were slower that way, so with two blocks or fewer the
   // pass hashes, prefetches and stores block by block as before
   // (results/kernel_ab_forward_mix_starts.md).
-  const bool starts_first = std::is_same_v<Hash, MixHash> &&
-                            std::all_of(L.feats.begin(), L.feats.end(),
-                                        [](const Feature& f) { return f.nblocks > 2; });
+  bool starts_first = false;
+  if constexpr (std::is_same_v<Hash, MixHash>) {
+    starts_first = std::all_of(L.feats.begin(), L.feats.end(), [](const Feature& f) { return f.nblocks > 2; });
+  }
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
     // GATHER_ONLY: the out_dim elements after the row sum this chunk's pooled rows, in place
@@ -717,13 +715,15 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
 
     // pass 1 of samples [tb0, tb1)
     auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
-      if (starts_first) {
-        local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, true>(
-            w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
-      } else {
-        local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, false>(
-            w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
+      if constexpr (std::is_same_v<Hash, MixHash>) {  // only it has starts(): no dead copy
+        if (starts_first) {
+          local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, true>(
+              w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
+          return;
+        }
       }
+      local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, false>(
+          w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
     };
 
     // pass 2 of samples [tb0, tb1)
