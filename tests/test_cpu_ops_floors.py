@@ -30,7 +30,7 @@ def test_floor_backward_reads_the_gradient_once():
 
 def test_quick_report_states_the_floor_targets():
     report = cpu_ops.main(["--quick", "--rows", "floor", "ours", "--optimizers", "sgd",
-                           "--threads", "1", "--iters", "1", "--warmup", "0",
+                           "--threads", "1", "2", "--iters", "1", "--warmup", "0",
                            "--forward-iters", "1"])
     assert "## Forward against its floor" in report
     assert "## Backward against one read of its gradient" in report
@@ -60,10 +60,12 @@ def test_quick_report_states_the_floor_targets():
     assert len(step_rows) == len(step)
     for _, floor, serial, overlapped in step_rows:
         assert float(serial) >= float(overlapped) >= float(floor)
+    # and at 2 threads, from the parts timed on 2 threads
+    assert len(re.findall(r"^\| ours \w+ M=[0-9,]+ Z=\d+ \| sgd \| 2 \|", step_section, flags=re.M)) == len(step)
     assert "target lies below the serial floor in" in step_section
     # the floor rows report 1.00x against themselves, for both losses
     floor_rows = [line for line in report.splitlines() if line.startswith("| floor |")]
-    assert len(floor_rows) == 2 * len(sizes.robe_sizes)
+    assert len(floor_rows) == 2 * 2 * len(sizes.robe_sizes)  # two losses, two thread counts
     assert all(re.search(r"\| 1\.00x \| 1\.00x \| [0-9.]+ \| 1\.00x \|", line)
                for line in floor_rows)
 
@@ -101,9 +103,11 @@ def test_step_floors_add_the_work_the_step_floor_leaves_out():
     sizes = cpu_ops.QUICK_SIZES
     memory = sizes.robe_sizes[0]
     case = cpu_ops.ForwardCase(HashMode.REFERENCE, memory, 32)
-    # store floor 2, hash 1, line reads 3 (ms); one read of the gradient 1.5
-    profile = cpu_ops.ForwardProfile(case, floor=2.0, hash=1.0, gather=4.0, forward=6.0, lines=3.0,
-                                     hashes=10, line_count=20.0)
+    # 1 thread: store floor 2, hash 1, line reads 3 (ms); one read of the gradient 1.5
+    one_thread = cpu_ops.ForwardProfile(case, floor=2.0, hash=1.0, gather=4.0, forward=6.0,
+                                        lines=3.0, hashes=10, line_count=20.0)
+    # 2 threads, timed on 2 threads: the hashing scales, the line reads barely do
+    two_threads = dataclasses.replace(one_thread, floor=1.5, hash=0.5, lines=2.5)
 
     def row(model: str, key: str, threads: int, total: float) -> cpu_ops.Result:
         spec = cpu_ops.RowSpec(key, model, "sgd", "dense", memory, 32, lambda: None, loss="sum")
@@ -113,22 +117,44 @@ def test_step_floors_add_the_work_the_step_floor_leaves_out():
 
     results = [row("floor", "floor", 2, 6.0), row("ours", "ours", 2, 12.0),
                row("floor", "floor", 1, 10.0), row("ours", "ours", 1, 25.0)]
-    one, two = cpu_ops.step_floors([profile], {(1, "cpu read"): 1.5}, results, sizes,
+    # the 1-thread read is CPU time, the 2-thread one wall time (decoys on the other clock)
+    fwd = {(1, "cpu read"): 1.5, (1, "read"): 99.0, (2, "read"): 1.25, (2, "cpu read"): 99.0}
+    one, two = cpu_ops.step_floors({1: [one_thread], 2: [two_threads]}, fwd, results, sizes,
                                    HashMode.REFERENCE)
     assert (one.threads, two.threads) == (1, 2)
     assert one.floor == 10.0 and one.step == 25.0
     assert one.serial == 10.0 + 1.0 + 2 * 3.0
     # forward: max(2, 1, 3) - 2 = 1 more than its floor; scatter: max(1.5, 3) - 1.5 = 1.5 more
     assert one.overlapped == 10.0 + 1.0 + 1.5
-    # 2 threads: the same extra work split over both, on the 2-thread floor's wall time
+    # 2 threads: the work as timed on 2 threads, on the 2-thread floor's wall time
     assert (two.floor, two.step) == (6.0, 12.0)
-    assert two.serial == 6.0 + (1.0 + 2 * 3.0) / 2 and two.overlapped == 6.0 + 2.5 / 2
+    assert two.serial == 6.0 + 0.5 + 2 * 2.5
+    # forward: max(1.5, 0.5, 2.5) - 1.5 = 1; scatter: max(1.25, 2.5) - 1.25 = 1.25
+    assert two.overlapped == 6.0 + 1.0 + 1.25
     section = cpu_ops.step_floors_section([one, two])
     assert "| sgd | 1 | 25.00 | 10.00 | 17.00 | 12.50 | 1.70x | 1.25x | 1.47x | only with overlap |" in section
-    assert "| sgd | 2 | 12.00 | 6.00 | 9.50 | 7.25 | 1.58x | 1.21x | 1.26x | only with overlap |" in section
+    assert "| sgd | 2 | 12.00 | 6.00 | 11.50 | 8.25 | 1.92x | 1.38x | 1.04x | only with overlap |" in section
     assert ("at 1 thread, the target lies below the serial floor in 1 of 1 rows (below the "
             "overlapped floor in 0)") in section
     assert "at 2 threads, the target lies below the serial floor in 1 of 1 rows" in section
+    # a thread count without its own profile gets no floor (never the 1-thread one scaled)
+    assert cpu_ops.step_floors({1: [one_thread]}, fwd, results, sizes, HashMode.REFERENCE) == [one]
+
+
+def test_forward_profiles_read_cpu_time_at_one_thread_and_wall_time_at_more():
+    sizes = cpu_ops.QUICK_SIZES
+    fwd = {}
+    for k in (1, 2):
+        for clock, scale in (("cpu ", 1.0), ("", 10.0)):
+            fwd[(k, f"{clock}floor")] = k * scale
+            for case in cpu_ops.forward_cases(sizes):
+                for part in ("", "hash ", "gather ", "lines "):
+                    fwd[(k, f"{clock}{part}{case.name}")] = k * scale + 1
+    one, two = (cpu_ops.forward_profiles(fwd, sizes, k) for k in (1, 2))
+    assert len(one) == len(two) == len(cpu_ops.forward_cases(sizes))
+    assert all(p.floor == 1.0 and p.lines == 2.0 for p in one)  # CPU time, 1 thread
+    assert all(p.floor == 20.0 and p.lines == 21.0 for p in two)  # wall time, 2 threads
+    assert cpu_ops.forward_profiles(fwd, sizes) == one
 
 
 def test_step_floors_say_when_the_floor_bounds_nothing():
