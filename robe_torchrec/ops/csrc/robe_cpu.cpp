@@ -538,9 +538,15 @@ enum class ForwardMode {
   FULL,        // hash, gather, pool, store the output
   HASH_ONLY,   // pass 1 alone (loops, checks, hashes, the tile's buffers), no prefetches,
                // no gathers, no output
-  GATHER_ONLY  // all of FULL but the output stores: each pooled row is added to its
-               // chunk's cache-resident [out_dim] sum; returns the chunks' sums added up
+  GATHER_ONLY  // all of FULL but the output stores: each pooled row is added to one of its
+               // chunk's kGatherSinks cache-resident [out_dim] sums, in turn; returns them
+               // all added up
 };
+
+// GATHER_ONLY's sums per chunk. With one, each row's add waited on the previous row's (a
+// chain through memory the forward does not have): the aid took 1.1-1.2x the whole forward's
+// time on the pair model. Rows added in turn to 8 sums are independent again.
+constexpr int64_t kGatherSinks = 8;
 
 // One tile's hashed lookups, pass 1's output and pass 2's input: the next tile is hashed
 // (and its weights prefetched) before this one is gathered, so every prefetch has a whole
@@ -646,9 +652,9 @@ uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__
 
 // Pass 2 of the forward for samples [b0, b1): pools each row in `row` from its hashed block
 // starts (st), value scales (sc) and valid-value counts (cn), then stores it to out (in
-// GATHER_ONLY mode: adds it to row[out_dim:]). A function of its own with restrict pointers:
-// inside forward_kernel's lambda the compiler kept the cursors on the stack and reloaded
-// them around every block.
+// GATHER_ONLY mode: adds it to sum b % kGatherSinks of those after the row). A function of
+// its own with restrict pointers: inside forward_kernel's lambda the compiler kept the
+// cursors on the stack and reloaded them around every block.
 template <typename scalar_t, typename acc_t, ForwardMode kMode>
 void pool_tile(const scalar_t* __restrict__ w, const int64_t* __restrict__ st, const acc_t* __restrict__ sc,
                const int64_t* __restrict__ cn, int64_t b0, int64_t b1, const Layout& L, acc_t* __restrict__ row,
@@ -676,8 +682,9 @@ void pool_tile(const scalar_t* __restrict__ w, const int64_t* __restrict__ st, c
       });
     }
     if constexpr (kMode == ForwardMode::GATHER_ONLY) {
+      acc_t* __restrict__ sink = row + out_dim * (1 + b % kGatherSinks);
 #pragma omp simd
-      for (int64_t j = 0; j < out_dim; ++j) row[out_dim + j] += row[j];
+      for (int64_t j = 0; j < out_dim; ++j) sink[j] += row[j];
     } else {
       store_row(out + b * out_dim, row, out_dim, stream);
     }
@@ -711,11 +718,12 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   }
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
-    // GATHER_ONLY: the out_dim elements after the row sum this chunk's pooled rows, in place
-    // of their stores. (The aid names no new local in the lambdas: a lambda captures what a
-    // discarded `if constexpr` branch names too, and that changed FULL's machine code.)
+    // GATHER_ONLY: the kGatherSinks sums of out_dim elements after the row add up this
+    // chunk's pooled rows, in place of their stores. (The aid names no new local in the
+    // lambdas: a lambda captures what a discarded `if constexpr` branch names too, and that
+    // changed FULL's machine code.)
     std::vector<acc_t> row_buf(static_cast<size_t>(std::max<int64_t>(out_dim, 1)) *
-                               (kMode == ForwardMode::GATHER_ONLY ? 2 : 1));
+                               (kMode == ForwardMode::GATHER_ONLY ? 1 + kGatherSinks : 1));
     acc_t* __restrict__ row = row_buf.data();
     TileBuf<acc_t> bufs[2];
     for (TileBuf<acc_t>& tb : bufs) tb.counts.resize(static_cast<size_t>(tile * T));
@@ -756,7 +764,9 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
         static std::atomic_flag merging = ATOMIC_FLAG_INIT;  // the chunks add into out in turn
         while (merging.test_and_set(std::memory_order_acquire)) {
         }
-        for (int64_t j = 0; j < out_dim; ++j) out[j] += row[out_dim + j];
+        for (int64_t k = 1; k <= kGatherSinks; ++k) {
+          for (int64_t j = 0; j < out_dim; ++j) out[j] += row[k * out_dim + j];
+        }
         merging.clear(std::memory_order_release);
       } else {
         store_fence();
