@@ -94,11 +94,28 @@ def test_direct_scatter_limits():
         assert ext.use_direct_scatter(1 << 20, 4) and not ext.use_direct_scatter((1 << 20) + 1, 4)
     with num_threads(PLAN_THREADS):
         assert not ext.use_direct_scatter(1_000, 4)
-    # beyond L2 (512 KiB), or with grad_output rows longer than a page (4 KiB), it prefetches
-    # a window of blocks ahead
+    # beyond 512 KiB, or with grad_output rows longer than a page (4 KiB), it prefetches a
+    # window of blocks ahead
     assert not ext.direct_scatter_windowed(131_072, 4, 4096)
     assert ext.direct_scatter_windowed(131_073, 4, 4096)
     assert ext.direct_scatter_windowed(1_000, 4, 4100)
+
+
+def _l2_cache_bytes():
+    """This CPU's L2 cache as Linux reports it (None where it does not)."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text[:-1]) << 10 if text.endswith("K") else None
+
+
+def test_forward_prefetches_beyond_this_cpus_l2():
+    # the gathers from an array that fits L2 hit the caches anyway: no prefetches there
+    ext = cpu.extension()
+    l2 = _l2_cache_bytes() or 512 << 10
+    assert not ext.forward_prefetches(l2) and ext.forward_prefetches(l2 + 1)
 
 
 # Arrays on either side of the direct scatter's window: 400 KB and 1.2 MB of float32

@@ -41,6 +41,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>  // sysconf: the L2 cache's size
+
 namespace robe {
 namespace {
 
@@ -525,10 +527,26 @@ inline int64_t dynamic_chunk(int64_t n, int64_t grain) {
 // prefetched) in a first pass, then gathered in a second, so the gathers' cache misses
 // overlap instead of each one stalling the loop.
 constexpr int64_t kTileEntries = 64;
-// A core's L2 cache. The forward prefetches its blocks from arrays larger than this: the
-// gathers from a smaller one hit the caches anyway, and prefetching them cost up to 20% of the
-// forward (results/kernel_ab_forward_prefetch_limit.md).
-constexpr int64_t kL2Bytes = int64_t(512) << 10;
+// A core's L2 cache as this CPU reports it (512 KiB where it does not), read once when the
+// library loads: a function-local static in its place, its guard checked on every forward,
+// made the bags-of-20-ids forward 1.16-1.17x slower in two A/B runs. The forward prefetches
+// its blocks from arrays larger than this: the gathers from a smaller one hit the caches
+// anyway, and prefetching them cost up to 20% of the forward on 512 KiB arrays
+// (results/kernel_ab_forward_prefetch_limit.md) and 7-9% on a 1 MiB one in a 1 MiB L2
+// (results/kernel_ab_forward_prefetch_l2.md).
+int64_t reported_l2_bytes() {
+  const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return reported > 0 ? static_cast<int64_t>(reported) : int64_t(512) << 10;
+}
+const int64_t kL2Bytes = reported_l2_bytes();
+
+// Whether the forward prefetches the blocks it gathers from an array of weights_bytes
+// (also exported, for the tests).
+inline bool forward_prefetches(int64_t weights_bytes) { return weights_bytes > kL2Bytes; }
+
+// Arrays beyond this go through the backward scatter's window (see ScatterWindow; measured with
+// this limit, results/kernel_ab_direct_window.md).
+constexpr int64_t kScatterWindowMinBytes = int64_t(512) << 10;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
 
@@ -705,7 +723,7 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const int64_t tile = std::clamp<int64_t>(kTileEntries / entries_per_sample, 1, 256);
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   const bool prefetch = kMode != ForwardMode::HASH_ONLY &&
-                        weights_numel * static_cast<int64_t>(sizeof(scalar_t)) > kL2Bytes;
+                        forward_prefetches(weights_numel * static_cast<int64_t>(sizeof(scalar_t)));
   // The mix hash's blocks hash independently of each other: when every feature has more
   // than two, the hash pass writes a value's starts in one loop that vectorizes, then
   // prefetches them (0.57x the forward's time on bags of 20 ids at Z = 4, 0.88x on the pair
@@ -1154,7 +1172,7 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // The scatter without a plan, on one thread: every (value, block) is added straight into buf
 // (the gradient of the whole flat weights) in value order and block order, the order in which
 // the plan's buckets add them, so each sum is bitwise the plan's (a test compares 1 and 2
-// threads with 3). It skips writing, counting and sorting the records. Arrays beyond L2 (and
+// threads with 3). It skips writing, counting and sorting the records. Arrays beyond 512 KiB (and
 // grad_output rows beyond a page, see direct_scatter_windowed) go through a ScatterWindow: a
 // block's destination and gradient lines are prefetched a window of blocks before it is
 // added, so its misses overlap the others' instead of each stalling the loop.
@@ -1188,11 +1206,11 @@ void elementwise_ranges(int64_t n, const F& fn) {
 }
 
 // Whether the direct scatter goes through a ScatterWindow (also exported, for the tests): for
-// an array beyond L2, or for grad_output rows longer than a page. A feature's slices of
-// successive rows then lie on different pages, where the hardware's stride prefetcher does not
-// follow, and the window's prefetches fetch them instead.
+// an array beyond kScatterWindowMinBytes, or for grad_output rows longer than a page. A
+// feature's slices of successive rows then lie on different pages, where the hardware's
+// stride prefetcher does not follow, and the window's prefetches fetch them instead.
 bool direct_scatter_windowed(int64_t weights_numel, int64_t acc_bytes, int64_t row_bytes) {
-  return weights_numel * acc_bytes > kL2Bytes || row_bytes > kPageBytes;
+  return weights_numel * acc_bytes > kScatterWindowMinBytes || row_bytes > kPageBytes;
 }
 
 // The blocks waiting to be added, in order: a block is added once kScatterWindow more have
@@ -1231,7 +1249,7 @@ class ScatterWindow {
   int64_t head_ = 0, tail_ = 0;
 };
 
-// kWindowed: through a ScatterWindow (arrays beyond L2), or each block added as it is hashed.
+// kWindowed: through a ScatterWindow (arrays beyond 512 KiB), or each block added as it is hashed.
 // kZ > 0: every feature's dim is a multiple of Z = kZ, so every block holds kZ elements.
 template <typename acc_t, bool kWindowed, int64_t kZ>
 void direct_scatter_impl(const BackwardInputs& in, int64_t hash_mode, const std::vector<int64_t>& hash_params,
@@ -1614,4 +1632,5 @@ ROBE_CPU_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("openmp_enabled", &robe::openmp_enabled);
   m.def("use_direct_scatter", &robe::use_direct_scatter);
   m.def("direct_scatter_windowed", &robe::direct_scatter_windowed);
+  m.def("forward_prefetches", &robe::forward_prefetches);
 }
