@@ -1479,8 +1479,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         t0 = time.perf_counter()
         fwd = time_forwards(sizes, threads, batches, warmup, args.forward_iters or 3 * iters,
                             args.ours_backend)
-        profiles = forward_profiles(fwd, sizes)
         profiles_by_threads = {k: forward_profiles(fwd, sizes, k) for k in threads}
+        profiles = profiles_by_threads.get(1, [])
         print(f"[{time.perf_counter() - t0:6.1f}s] forward floor section", file=sys.stderr, flush=True)
     results: List[Result] = []
     for opt, loss in [(o, x) for x in args.losses for o in args.optimizers]:
