@@ -386,17 +386,20 @@ def test_whole_blocks_of_each_fixed_length(block_size, memory_size, backward_pat
                  reference.backward_dense(*case.backward_args(grad_output)))
 
 
-@pytest.mark.parametrize("dims", [[24, 40, 17], [24, 8, 17]], ids=["all_beyond_two", "one_of_two"])
+@pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])
+@pytest.mark.parametrize("dims", [[24, 40, 17], [24, 8, 17], [24, 260, 17]],
+                         ids=["all_beyond_two", "one_of_two", "one_beyond_64"])
 @pytest.mark.parametrize("memory_size", _DIRECT_SCATTER_SIZES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_mix_hash_forward_with_many_blocks(dims, memory_size, index_dtype):
-    """With the mix hash the forward writes each value's block starts in one loop when every
-    feature spans more than two blocks (Z = 4: 6, 10 and 5 blocks), and block by block when
-    one spans two: per-sample weights, SUM and MEAN, separate arrays, against the reference,
-    with and without prefetches (arrays beyond L2)."""
+def test_forward_hashes_many_blocks_in_one_loop(mode, dims, memory_size, index_dtype):
+    """The forward writes each value's block starts in one loop when every feature spans more
+    than two blocks (Z = 4: 6, 10 and 5 blocks; the reference hash also needs at most 64, so
+    a feature of 65 sends it block by block, the mix hash not), and block by block when one
+    spans two: per-sample weights, SUM and MEAN, separate arrays, against the reference, with
+    and without prefetches (arrays beyond L2)."""
     for shared in (True, False):
         case = random_case(700 + len(dims) + dims[1], dims=dims, batch=40, max_bag=4, block_size=4,
-                           hash_mode=int(HashMode.MIX), weighted=True, shared=shared,
+                           hash_mode=int(mode), weighted=True, shared=shared,
                            index_dtype=index_dtype, memory_size=memory_size)
         assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
 

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -168,19 +169,47 @@ inline acc_t value_scale(const acc_t* psw, int64_t p, const Feature& f, acc_t le
 struct RefHash {
   uint64_t a, c;  // raw int64 bit patterns (wrapping arithmetic, as torch does)
   uint64_t b_mod;  // B mod P (floor mod), so the incremental step is exact for any B
+  // steps[b] = b * B mod P, for starts(): block b's h is h_0 + steps[b], less P if it
+  // reaches P, without the step-by-step chain of blocks()
+  static constexpr int64_t kMaxStartsBlocks = 64;
+  std::array<uint64_t, kMaxStartsBlocks> steps;
+  // h_0 = (key * A + C) mod P
+  inline uint64_t first(uint64_t key) const {
+    const int64_t x = static_cast<int64_t>(key * a + c);
+    const int64_t r = x % static_cast<int64_t>(kPrime);
+    return static_cast<uint64_t>(r < 0 ? r + static_cast<int64_t>(kPrime) : r);
+  }
+  static uint64_t start_in(uint64_t h, uint64_t magic, uint64_t d) {
+    const uint64_t low = magic * h;
+    return static_cast<uint64_t>((static_cast<unsigned __int128>(low) * d) >> 64);
+  }
   template <typename Fn>
   inline void blocks(uint64_t key, const Feature& f, Fn&& fn) const {
-    int64_t x = static_cast<int64_t>(key * a + c);
-    int64_t r = x % static_cast<int64_t>(kPrime);
-    if (r < 0) r += static_cast<int64_t>(kPrime);
-    uint64_t h = static_cast<uint64_t>(r);
+    uint64_t h = first(key);
     const uint64_t magic = f.ref_magic, d = f.ref_d;
     for (int64_t blk = 0; blk < f.nblocks; ++blk) {
-      const uint64_t low = magic * h;
-      const uint64_t start = static_cast<uint64_t>((static_cast<unsigned __int128>(low) * d) >> 64);
-      fn(blk, start);
+      fn(blk, start_in(h, magic, d));
       h += b_mod;
       h = h >= kPrime ? h - kPrime : h;
+    }
+  }
+  // out[b] = w_offset + the start of block b (the forward's hash pass, for features of at
+  // most kMaxStartsBlocks blocks), in a loop whose blocks do not wait on each other, so it
+  // vectorizes. The high half of low * d is formed from low's 32-bit halves, which vector
+  // units multiply: the same value as start_in's 128-bit product (exact: d < P < 2**32, so
+  // neither sum overflows; checked on 40M random and edge pairs), which stays in blocks()
+  // because one scalar 64x64 multiply beats three (the halves there made the backward up to
+  // 1.36x slower).
+  inline void starts(uint64_t key, const Feature& f, int64_t w_offset, int64_t* __restrict__ out) const {
+    const uint64_t h0 = first(key);
+    const uint64_t magic = f.ref_magic, d = f.ref_d;
+    const int64_t nblocks = f.nblocks;  // a local: the stores to out could alias f's fields
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      uint64_t h = h0 + steps[blk];
+      h = h >= kPrime ? h - kPrime : h;
+      const uint64_t low = magic * h;
+      const uint64_t high = ((low >> 32) * d + (((low & 0xFFFFFFFFULL) * d) >> 32)) >> 32;
+      out[blk] = w_offset + static_cast<int64_t>(high);
     }
   }
 };
@@ -317,6 +346,11 @@ RefHash make_ref_hash(const std::vector<int64_t>& p) {
   int64_t bm = p[1] % static_cast<int64_t>(kPrime);
   if (bm < 0) bm += static_cast<int64_t>(kPrime);
   h.b_mod = static_cast<uint64_t>(bm);
+  h.steps[0] = 0;
+  for (int64_t blk = 1; blk < RefHash::kMaxStartsBlocks; ++blk) {
+    const uint64_t next = h.steps[blk - 1] + h.b_mod;
+    h.steps[blk] = next >= kPrime ? next - kPrime : next;
+  }
   return h;
 }
 
@@ -591,7 +625,7 @@ inline T* room_for(std::vector<T>& v, T* at, int64_t more) {
 // one in err), computes its scale, hashes its blocks and, if `prefetch`, prefetches them,
 // into buf (in HASH_ONLY mode too, as the forward does, then returns the sum of the tile's
 // block starts: a running sum per block would be a dependency chain the forward does not
-// have). kStarts (mix hash only): a value's starts in one loop, then their prefetches. A
+// have). kStarts: a value's starts in one loop (Hash::starts), then their prefetches. A
 // function of its own with its cursors in locals: as pool_tile, not a lambda's captured
 // references.
 template <typename scalar_t, typename acc_t, typename index_t, typename Hash, ForwardMode kMode,
@@ -724,15 +758,16 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   const bool stream = B * out_dim * static_cast<int64_t>(sizeof(acc_t)) >= kStreamBytes;
   const bool prefetch = kMode != ForwardMode::HASH_ONLY &&
                         forward_prefetches(weights_numel * static_cast<int64_t>(sizeof(scalar_t)));
-  // The mix hash's blocks hash independently of each other: when every feature has more
-  // than two, the hash pass writes a value's starts in one loop that vectorizes, then
-  // prefetches them (0.57x the forward's time on bags of 20 ids at Z = 4, 0.88x on the pair
-  // model at Z = 8). Values of two blocks were slower that way, so with two blocks or fewer the
-  // pass hashes, prefetches and stores block by block as before
-  // (results/kernel_ab_forward_mix_starts.md).
-  bool starts_first = false;
-  if constexpr (std::is_same_v<Hash, MixHash>) {
-    starts_first = std::all_of(L.feats.begin(), L.feats.end(), [](const Feature& f) { return f.nblocks > 2; });
+  // A value's blocks can hash independently of each other (Hash::starts): when every feature
+  // has more than two, the hash pass writes a value's starts in one loop that vectorizes,
+  // then prefetches them. Mix hash: 0.57x the forward's time on bags of 20 ids at Z = 4,
+  // 0.88x on the pair model at Z = 8 (results/kernel_ab_forward_mix_starts.md); reference
+  // hash, up to 64 blocks: 0.77-0.79x and 0.82-0.85x (results/kernel_ab_forward_ref_starts*.md).
+  // Values of two blocks were slower that way, so with two blocks or fewer the pass hashes,
+  // prefetches and stores block by block.
+  bool starts_first = std::all_of(L.feats.begin(), L.feats.end(), [](const Feature& f) { return f.nblocks > 2; });
+  if constexpr (std::is_same_v<Hash, RefHash>) {
+    starts_first = starts_first && L.max_blocks <= RefHash::kMaxStartsBlocks;
   }
   std::atomic<uint64_t> checksum{0};
   parallel_for_dynamic(B, dynamic_chunk(B, grain), [&](int64_t b0, int64_t b1) {
@@ -749,12 +784,10 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
 
     // pass 1 of samples [tb0, tb1)
     auto hash_tile = [&](int64_t tb0, int64_t tb1, TileBuf<acc_t>& buf) {
-      if constexpr (std::is_same_v<Hash, MixHash>) {  // only it has starts(): no dead copy
-        if (starts_first) {
-          local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, true>(
-              w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
-          return;
-        }
+      if (starts_first) {
+        local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, true>(
+            w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
+        return;
       }
       local_sum += hash_values<scalar_t, acc_t, index_t, Hash, kMode, false>(
           w, vals, offs, psw, tb0, tb1, L, hash, N, id_check, max_key, prefetch, err, buf);
