@@ -763,8 +763,8 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   // then prefetches them. Mix hash: 0.57x the forward's time on bags of 20 ids at Z = 4,
   // 0.88x on the pair model at Z = 8 (results/kernel_ab_forward_mix_starts.md); reference
   // hash, up to 64 blocks: 0.77-0.79x and 0.82-0.85x (results/kernel_ab_forward_ref_starts*.md).
-  // Values of two blocks were slower that way, so with two blocks or fewer the pass hashes,
-  // prefetches and stores block by block.
+  // With two blocks or fewer the mix hash was slower that way, so there the pass hashes,
+  // prefetches and stores block by block (the reference hash follows the same rule).
   bool starts_first = std::all_of(L.feats.begin(), L.feats.end(), [](const Feature& f) { return f.nblocks > 2; });
   if constexpr (std::is_same_v<Hash, RefHash>) {
     starts_first = starts_first && L.max_blocks <= RefHash::kMaxStartsBlocks;
