@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 
 import pytest
 import torch
@@ -384,6 +385,27 @@ def test_whole_blocks_of_each_fixed_length(block_size, memory_size, backward_pat
     assert_close(cpu.forward(*case.forward_args()), reference.forward(*case.forward_args()))
     assert_close(cpu.backward_dense(*case.backward_args(grad_output)),
                  reference.backward_dense(*case.backward_args(grad_output)))
+
+
+def test_fastmod_from_32_bit_halves_is_exact():
+    """The reference hash's vectorised block loop (RefHash::starts) takes the high half of
+    (magic * h mod 2**64) * d from the low product's 32-bit halves, where blocks() takes it
+    from a 128-bit product: both must be h mod d for every h < P and d <= P, also for the
+    spans near P that the tests' arrays are far too small to reach. This checks that
+    arithmetic, written as the kernel writes it; the forward tests check the kernel itself
+    against the reference at the spans they reach."""
+    prime, mask = 2038074743, (1 << 64) - 1
+    rng = random.Random(5)
+    ds = [1, 2, 3, prime - 2, prime - 1, prime] + [rng.randrange(1, prime + 1) for _ in range(200)]
+    for d in ds:
+        magic = (mask // d + 1) & mask
+        for h in [0, 1, d - 1, d, prime - 1] + [rng.randrange(prime) for _ in range(50)]:
+            h %= prime
+            low = (magic * h) & mask
+            wide = (low * d) >> 64
+            halves = (((low >> 32) * d) + (((low & 0xFFFFFFFF) * d) >> 32)) >> 32
+            assert halves == wide == h % d
+            assert ((low >> 32) * d + (((low & 0xFFFFFFFF) * d) >> 32)) < 1 << 64  # no overflow
 
 
 @pytest.mark.parametrize("mode", [HashMode.REFERENCE, HashMode.MIX])

@@ -197,9 +197,9 @@ struct RefHash {
   // most kMaxStartsBlocks blocks), in a loop whose blocks do not wait on each other, so it
   // vectorizes. The high half of low * d is formed from low's 32-bit halves, which vector
   // units multiply: the same value as start_in's 128-bit product (exact: d < P < 2**32, so
-  // neither sum overflows; checked on 40M random and edge pairs), which stays in blocks()
-  // because one scalar 64x64 multiply beats three (the halves there made the backward up to
-  // 1.36x slower).
+  // neither sum overflows; a test checks the identity up to d = P - 1, beyond what the
+  // tests' arrays reach), which stays in blocks() because one scalar 64x64 multiply beats
+  // three (the halves there made the backward up to 1.36x slower).
   inline void starts(uint64_t key, const Feature& f, int64_t w_offset, int64_t* __restrict__ out) const {
     const uint64_t h0 = first(key);
     const uint64_t magic = f.ref_magic, d = f.ref_d;
@@ -678,8 +678,8 @@ uint64_t hash_values(const scalar_t* __restrict__ w, const index_t* __restrict__
           ++valid;
           *sc++ = scale;
           if constexpr (kStarts) {
-            // the starts first, the prefetches after: the mix hash's loop of hashes and
-            // stores alone vectorizes (see forward_kernel)
+            // the starts first, the prefetches after: a loop of hashes and stores alone
+            // vectorizes (see forward_kernel)
             hash.starts(key, f, f.w_offset, st);
             if (prefetch) {
               for (int64_t blk = 0; blk < f.nblocks; ++blk) prefetch_block(w + st[blk], std::min(Z, f.dim - blk * Z));
