@@ -125,3 +125,10 @@ def install() -> Dict[str, str]:
             _LIBRARY.impl(op, kernel, "CUDA")
             _STATUS[op] = "registered"
     return dict(_STATUS)
+
+
+def installed(rank: int = 0, world_size: int = 1) -> Dict[str, str]:
+    """This process's :func:`install` result so far (empty if it never ran); a
+    ``run_ranks`` function, so a parent can ask a spawned rank whether it has the shim."""
+    del rank, world_size
+    return dict(_STATUS)
