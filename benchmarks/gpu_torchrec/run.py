@@ -431,12 +431,12 @@ def _app(overrides: List[str], run_dir: Path, timeout: float) -> subprocess.Comp
                           cwd=Path(__file__).resolve().parents[2])
 
 
-def part_app(device: torch.device, sz: Dict[str, Any], out_dir: Path, stem: str
-             ) -> Dict[str, Any]:
+def part_app(device: torch.device, sz: Dict[str, Any], out_dir: Path, stem: str,
+             app_device: Optional[str] = None) -> Dict[str, Any]:
     run_dir = (out_dir / f"{stem}_app").resolve()
     first, second = sz["app_steps"]
     every = first // 2
-    common = [f"run.device={device.type}", f"run.batch_size={sz['app_batch']}",
+    common = [f"run.device={app_device or device.type}", f"run.batch_size={sz['app_batch']}",
               f"data.cardinality_scale={sz['app_scale']}", f"run.checkpoint_every={every}",
               "run.progress_bar=false", f"run.log_every={every}", "run.eval_batches=2",
               "run.test_batches=2", "run.threads=1", "pipeline=fused_sparse_dist"]
@@ -554,6 +554,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU tensors, gloo (CI)")
     parser.add_argument("--commit", help="the commit, where the tree has no .git")
     parser.add_argument("--only", nargs="*", choices=PARTS, help="run only these parts")
+    parser.add_argument("--app-device", help="the app's run.device (default: cuda, or cpu "
+                        "with --cpu), e.g. cuda:0")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device (use --cpu for the CPU mode)", file=sys.stderr)
@@ -569,7 +571,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "pipelines": lambda: part_pipelines(device, sz),
             "overlap": lambda: part_overlap(device, sz, out.parent, stem),
             "compare": lambda: part_compare(device, sz, out.parent, stem),
-            "app": lambda: part_app(device, sz, out.parent, stem)}
+            "app": lambda: part_app(device, sz, out.parent, stem, args.app_device)}
     start = time.time()
     parts = {name: _guarded(name, job) for name, job in jobs.items()
              if not args.only or name in args.only}
