@@ -54,19 +54,17 @@ def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None
     checks when ``unchecked_meta`` (the CPU copy of ``table_meta`` the checks would return)
     is given (profiling only: bad input would then reach the kernels)."""
     from robe_torchrec.ops import triton_kernels as tk
+    from robe_torchrec.ops.tuning import tuned
     from robe_torchrec.ops.validation import IdCheck
 
-    names = ("_COL_TILE", "_NUM_WARPS", "_SHORT_BAG_MEAN", "_BAGS_PER_PROGRAM",
-             "check_layout", "check_backward_inputs", "_summarize_inputs", "_counts_in_kernel")
+    names = ("check_layout", "check_backward_inputs", "_summarize_inputs", "_counts_in_kernel")
     saved = {name: getattr(tk, name) for name in names}
-    if col_tile is not None:
-        tk._COL_TILE = col_tile
-    if num_warps is not None:
-        tk._NUM_WARPS = num_warps
-    if short_bags is not None:
-        tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
-    if bags_per_program is not None:
-        tk._BAGS_PER_PROGRAM = bags_per_program
+    changes = {"col_tile": col_tile, "num_warps": num_warps,
+               "short_bag_mean": None if short_bags is None else
+               float("inf") if short_bags else -1.0,
+               "bags_per_program": bags_per_program}
+    shape = tuned(**{k: v for k, v in changes.items() if v is not None})
+    shape.__enter__()
     if summary_kernel or unchecked_meta is not None:
         tk._counts_in_kernel = lambda *args: False
     if unchecked_meta is not None:
@@ -76,6 +74,7 @@ def launch_shape(col_tile: Optional[int] = None, num_warps: Optional[int] = None
     try:
         yield
     finally:
+        shape.__exit__(None, None, None)
         for name, value in saved.items():
             setattr(tk, name, value)
 

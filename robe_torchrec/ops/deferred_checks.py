@@ -10,12 +10,14 @@ counts' copy to pinned host memory and returns; the answer is read later:
 
 * at the start of any later Triton op, for every earlier check the device has finished
   (no wait);
-* by the backward ops, before they write anything, for the inputs the forward checked: the
-  same ``values``, ``offsets`` and per-sample weights, unchanged since. The backward waits
-  for that check (the device finished it long before the backward was queued) instead of
-  running its own. A training step therefore raises before any weight or optimizer state
-  changes. (With checks read at the call the backward reuses the forward's answer too;
-  a backward given inputs no forward checked reads its own checks at once);
+* by the backward ops, for the inputs the forward checked (the same ``values``, ``offsets``
+  and per-sample weights, unchanged since), if the device has finished that check: a
+  problem raises before anything is written. If it has not, the backward does not wait:
+  its kernels get the forward's counts on the device and write nothing (no gradient, no
+  weight or optimizer-state change) when a count is not 0, and the problem raises at a
+  later call. A backward given inputs no forward checked runs the summary kernel and
+  guards its writes with that answer the same way. Either way bad input never changes a
+  weight;
 * by :func:`raise_pending_checks`, which waits for all of them;
 * once more than :data:`MAX_PENDING` answers are unread, the oldest is waited for.
 
@@ -23,6 +25,10 @@ A problem raises the message it raises at the call in immediate mode, with a not
 call returned before it was found. The kernels never read or write outside their tensors on
 bad input (offsets are clamped, hashed positions wrap into the array), so what a deferred call
 computed from bad input is wrong but harmless, and the error still comes before any update.
+
+Under CUDA graph capture nothing is read: the counts stay on the device, rewritten by every
+replay, and the backward's kernels guard their writes with them as above. Read them after
+a replay with :func:`raise_pending_checks` (:func:`captured_checks` lists them).
 
 Deferred checks are on for CUDA tensors and off for CPU tensors (Triton's interpreter, where
 reading the counts costs nothing). ``ROBE_DEFER_CHECKS=0`` turns them off everywhere (every
@@ -105,9 +111,26 @@ class _Pending:
     error: str = ""
     #: the pool the pinned counts and their event go back to once read (CUDA only)
     slot_key: Optional[tuple] = None
+    #: the counts on the device until read: a backward that cannot wait for the answer
+    #: hands them to its kernels, which then write nothing if a count is not 0
+    device_counts: Optional[torch.Tensor] = None
+    #: recorded in a CUDA graph: the counts are meaningful only after a replay
+    captured: bool = False
 
     def done(self) -> bool:
+        if self.captured:
+            return False
         return self.clean is not None or self.event is None or self.event.query()
+
+    def guard(self) -> Optional[torch.Tensor]:
+        """The answer for a backward that must not wait: ``None`` when the inputs are known
+        to pass (a problem raises), else the counts on the device (answer not read yet)."""
+        if self.clean is None and not is_capturing() and self.done():
+            self.resolve()
+        if self.clean is None:
+            return self.device_counts
+        self.resolve()  # raises if the inputs were found bad
+        return None
 
     def resolve(self) -> None:
         """Wait for the counts if needed; raise the first problem's message if any (again
@@ -116,6 +139,7 @@ class _Pending:
             if self.event is not None:
                 self.event.synchronize()
             counts, inputs, self.inputs = self.counts.tolist(), self.inputs, None
+            self.device_counts = None
             if self.slot_key is not None:  # read: the next deferred check may reuse them
                 _spare_slots[self.slot_key].append((self.counts, self.event))
                 self.counts, self.event = None, None
@@ -156,6 +180,10 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
     """Queue the answer of a summary (``problems``: its four counts, on the device) for a
     later read, and remember what it checked."""
     versions = _versions(values, offsets, per_sample_weights)
+    if is_capturing():
+        _submit_captured(problems, values, offsets, per_sample_weights, table_meta, meta_cpu,
+                         id_check, versions)
+        return
     event, slot_key = None, None
     if problems.is_cuda:
         slot_key = (problems.device, problems.shape, problems.dtype)
@@ -166,7 +194,7 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         counts = problems
     pending = _Pending(counts, event,
                        (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check),
-                       versions or (), slot_key=slot_key)
+                       versions or (), slot_key=slot_key, device_counts=problems)
     _pending.append(pending)
     _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
     while len(_pending) > MAX_PENDING:
@@ -212,41 +240,94 @@ def _remember(values: torch.Tensor, offsets: torch.Tensor,
 
 def raise_ready() -> None:
     """Read every queued answer the device has finished, oldest first (no wait); raise the
-    first problem found."""
+    first problem found. Does nothing while a CUDA graph is being captured (an event query
+    would end the capture)."""
+    if is_capturing():
+        return
     while _pending and _pending[0].done():
         _pending.popleft().resolve()
 
 
 def raise_pending_checks() -> None:
     """Wait for every queued answer and raise the first problem found; after it returns,
-    every input a Triton op has taken so far passed its checks."""
+    every input a Triton op has taken so far passed its checks. It also reads the checks
+    recorded in CUDA graphs (:func:`captured_checks`): call it after a replay."""
     while _pending:
         _pending.popleft().resolve()
+    for check in list(_captured):
+        check.read()
 
 
-def checked_before(values: torch.Tensor, offsets: torch.Tensor,
-                   per_sample_weights: Optional[torch.Tensor], meta_cpu: torch.Tensor,
-                   id_check: IdCheck) -> bool:
-    """Whether an earlier call checked these very inputs against the same ``table_meta``
-    (``meta_cpu`` is one object per tensor version), unchanged since, with a check at least
-    as strict as ``id_check``. If so, its answer is read now (waiting for the device if
-    needed) and a problem raises; ``True`` then means the inputs passed."""
+# --- checks recorded in a CUDA graph -------------------------------------------------------
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (then nothing may wait for the
+    device, query an event or copy to pageable host memory)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_streamis_capturing()
+
+
+@dataclasses.dataclass
+class CapturedCheck:
+    """An input check recorded in a CUDA graph: its counts live on the device, rewritten by
+    every replay, and are read by :meth:`read` (or :func:`raise_pending_checks`) after a
+    replay. Before the graph's first replay they hold nothing meaningful."""
+    counts: torch.Tensor
+    inputs: Tuple
+
+    def read(self) -> None:
+        """Raise the first problem the last replay's inputs had (waits for the device)."""
+        counts = self.counts.tolist()
+        if any(counts):
+            values, offsets, per_sample_weights = self.inputs[:3]
+            versions = _versions(values, offsets, per_sample_weights) or ()
+            raise DeferredCheckError(_problem_message(counts, self.inputs, versions))
+
+
+#: the checks recorded in CUDA graphs, newest last (bounded: a graph that is gone leaves
+#: its entry until newer captures push it out)
+_captured: Deque[CapturedCheck] = collections.deque(maxlen=MAX_PENDING)
+
+
+def captured_checks() -> List[CapturedCheck]:
+    """The input checks recorded in CUDA graphs so far (newest last)."""
+    return list(_captured)
+
+
+def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                     per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                     meta_cpu: torch.Tensor, id_check: IdCheck,
+                     versions: Optional[Tuple[int, ...]]) -> None:
+    check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
+                                     id_check))
+    _captured.append(check)
+    # the backward of the same replay guards its writes with these very counts
+    pending = _Pending(problems, None, None, versions or (), device_counts=problems,
+                       captured=True)
+    _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
+
+
+def earlier_check(values: torch.Tensor, offsets: torch.Tensor,
+                  per_sample_weights: Optional[torch.Tensor], meta_cpu: torch.Tensor,
+                  id_check: IdCheck) -> Optional[_Pending]:
+    """The answer of an earlier call that checked these very inputs against the same
+    ``table_meta`` (``meta_cpu`` is one object per tensor version), unchanged since, with a
+    check at least as strict as ``id_check``; ``None`` if there was none. Nothing is read:
+    see :meth:`_Pending.guard`."""
     record = _records.get(values)
     if record is None or record.offsets() is not offsets or record.meta_cpu is not meta_cpu:
-        return False
+        return None
     now = _versions(values, offsets, per_sample_weights)
     if now is None or now[:2] != record.versions[:2]:
-        return False
+        return None
     # a call without per-sample weights (their gradient's) needs none of their checks
     if per_sample_weights is not None and (
             record.per_sample_weights is None
             or record.per_sample_weights() is not per_sample_weights
             or now[2] != record.versions[2]):
-        return False
+        return None
     if not _covers(record.id_check, id_check):
-        return False
-    record.pending.resolve()
-    return True
+        return None
+    return record.pending
 
 
 def _covers(done: IdCheck, wanted: IdCheck) -> bool:

@@ -37,6 +37,7 @@ import sys
 from typing import List, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from robe_torchrec.hashing import (
     FMIX_C1,
@@ -48,6 +49,7 @@ from robe_torchrec.hashing import (
 )
 from robe_torchrec.ops import deferred_checks
 from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_data,
                                           check_layout, check_optimizer_args, meta_facts)
 
@@ -73,30 +75,8 @@ except ImportError as exc:  # the module must import without triton; calls raise
 #: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
 POISON_EMPTY = os.environ.get("ROBE_TRITON_POISON", "0") == "1"
 
-# Tile sizes (elements). A column tile holds at most _COL_TILE elements; an id x column tile
-# at most _TILE (the id count adapts to the mean bag length, see _Tiles). The interpreter
-# pays per operation, not per element, so it takes larger id tiles (same code, fewer steps).
-_COL_TILE = 256
-_TILE = 2048
-_INTERPRETER_TILE = 16384
 _OPTIM_BLOCK = 1024
 _SUMMARY_BLOCK = 1024
-#: warps per program of the bag kernels (forward, backward, per-sample-weight gradient):
-#: one per _ELEMENTS_PER_WARP elements of a tile, 1 to _MAX_WARPS. Small tiles (one id per
-#: bag, one bag a program) ran 1.2-1.5x faster on one warp than on four on an H200
-#: (benchmarks/results/triton_tiles_h200.md); _NUM_WARPS, when set, overrides the rule.
-_ELEMENTS_PER_WARP = 256
-_MAX_WARPS = 4
-_NUM_WARPS: Optional[int] = None
-#: bags of at most _SHORT_BAG_MEAN ids on average are pooled several a program (see
-#: _forward_short_bags_kernel): as many as make _BLOCKS_PER_PROGRAM row blocks of BLOCK_B
-#: (one bag at Z = 32, four at Z = 128 with dim 128: in five H200 sweeps one bag a program
-#: took 0.90-0.98x the forward time of four at Z = 32, and four were the best at Z = 128:
-#: benchmarks/results/triton_tiles_h200_{3970638,549edb5,797194f,8260946}.md and
-#: triton_tiles_h200.md); _BAGS_PER_PROGRAM, when set, overrides the rule
-_SHORT_BAG_MEAN = 2.0
-_BLOCKS_PER_PROGRAM = 4
-_BAGS_PER_PROGRAM: Optional[int] = None
 
 # --- constants visible inside @triton.jit code ------------------------------------------
 _REFERENCE_PRIME = tl.constexpr(REFERENCE_PRIME)
@@ -153,13 +133,19 @@ def _mix_start(key, blk, span, salt):
 
 
 @triton.jit
+def _i64(x):
+    """``x`` as an int64 tensor, whether it arrived as a tensor or as a Python int: Triton
+    turns an integer argument equal to 1 into the constant 1 (no ``.to``), and the
+    interpreter keeps a Python int in [2**31, 2**32) as uint32 data typed int64. Adding a
+    zero is free when compiled."""
+    return x + tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
 def _block_start(key, blk, span, p0, p1, p2, HASH_MODE: tl.constexpr):
     """Start of block ``blk`` of hash key ``key`` (int64 tensors that broadcast together)
     under the hash parameters ``p0, p1, p2`` (scalar kernel arguments)."""
-    # As int64. Adding a zero is free when compiled; it fixes the interpreter, which keeps a
-    # Python int in [2**31, 2**32) as uint32 data typed int64.
-    zero = tl.zeros([], dtype=tl.int64)
-    p0, p1, p2 = p0.to(tl.int64) + zero, p1.to(tl.int64) + zero, p2.to(tl.int64) + zero
+    p0, p1, p2 = _i64(p0), _i64(p1), _i64(p2)
     if HASH_MODE == _HASH_REFERENCE:
         start = _reference_start(key, blk, span, p0, p1, p2)
     else:
@@ -196,7 +182,7 @@ def _feature_meta(meta_ptr, num_features, t):
     """Feature ``t``'s column of ``table_meta`` (int64 ``[7, T]``):
     ``(out_offset, dim, w_offset, w_size, row_offset, pooling)``."""
     col = meta_ptr + t
-    n = num_features.to(tl.int64)
+    n = _i64(num_features)
     return (tl.load(col + _F_OUT_OFFSET * n), tl.load(col + _F_DIM * n),
             tl.load(col + _F_W_OFFSET * n), tl.load(col + _F_W_SIZE * n),
             tl.load(col + _F_ROW_OFFSET * n), tl.load(col + _F_POOLING * n))
@@ -330,6 +316,16 @@ def _report_problems(problems_ptr, offsets_ptr, num_bags, num_values, counts_her
     tl.atomic_add(problems_ptr + 3, ends_off.to(tl.int64), mask=first_program & ends_off)
 
 
+@triton.jit
+def _inputs_clean(guard_ptr, GUARDED: tl.constexpr):
+    """Whether the kernel may write: with ``GUARDED``, only if the four problem counts at
+    ``guard_ptr`` (an input check whose answer the host has not read yet) are all 0."""
+    problems = tl.zeros([], dtype=tl.int64)
+    if GUARDED:
+        problems = tl.sum(tl.load(guard_ptr + tl.arange(0, 4)))
+    return problems == 0
+
+
 # =========================================================================================
 # Kernels
 # =========================================================================================
@@ -357,7 +353,7 @@ def _forward_kernel(
         hi = lo
     num_rows = 0
     if CHECK and IN_BOUNDS:
-        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * num_features.to(tl.int64) + bag // batch)
+        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * _i64(num_features) + bag // batch)
 
     acc = tl.zeros([BLOCK_B, BLOCK_Z], dtype=ACC)
     bad_ids = tl.zeros([BLOCK_N], dtype=tl.int64)
@@ -409,7 +405,7 @@ def _forward_short_bags_kernel(
     tile = tl.program_id(1)
     num_rows = 0
     if CHECK and IN_BOUNDS:
-        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * num_features.to(tl.int64) + t)
+        num_rows = tl.load(meta_ptr + _F_NUM_ROWS * _i64(num_features) + t)
     acc = tl.zeros([BLOCK_BAGS, BLOCK_B, BLOCK_Z], dtype=ACC)
     bad_ids = tl.zeros([BLOCK_BAGS], dtype=tl.int64)
     bad_weights = tl.zeros([BLOCK_BAGS], dtype=tl.int64)
@@ -441,15 +437,17 @@ def _forward_short_bags_kernel(
 def _backward_short_bags_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
 ):
     """``_backward_kernel`` for short bags, laid out as ``_forward_short_bags_kernel``:
     ``BLOCK_BAGS`` bags of one feature a program, their ids scattered in step."""
     (b, out_offset, w_offset, span, row_offset, lo, hi, divisor, longest, blk, s, cols,
      col_mask, mask) = _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features,
                                          num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
+    longest = tl.where(_inputs_clean(guard_ptr, GUARDED), longest, 0)
     grad = tl.load(grad_out_ptr + b[:, None, None] * grad_stride + out_offset + cols[None, :, :],
                    mask=mask, other=0.0)
     grad = _div_rn(grad.to(ACC), divisor[:, None, None])
@@ -470,9 +468,10 @@ def _backward_short_bags_kernel(
 def _backward_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
 ):
     """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
@@ -482,6 +481,7 @@ def _backward_kernel(
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
     if tile * BLOCK_B * Z >= dim:
         hi = lo
+    hi = tl.where(_inputs_clean(guard_ptr, GUARDED), hi, lo)
 
     grad = tl.load(grad_out_ptr + b * grad_stride + out_offset + cols, mask=col_mask, other=0.0)
     grad = _div_rn(grad.to(ACC), divisor)
@@ -502,11 +502,12 @@ def _backward_kernel(
 def _psw_grad_kernel(
     grad_out_ptr, w_ptr, values_ptr, offsets_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
-    Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr, GUARDED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN)."""
+    """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN); 0
+    where the guard finds the inputs bad."""
     bag = tl.program_id(0).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
         meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
@@ -525,23 +526,24 @@ def _psw_grad_kernel(
             mask = id_mask[:, None, None] & col_mask[None, :, :]
             rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)
-        tl.store(out_ptr + i, _div_rn(dot, divisor).to(out_ptr.dtype.element_ty), mask=id_mask)
+        dot = tl.where(_inputs_clean(guard_ptr, GUARDED), _div_rn(dot, divisor), 0.0)
+        tl.store(out_ptr + i, dot.to(out_ptr.dtype.element_ty), mask=id_mask)
 
 
 @triton.jit
 def _optimizer_kernel(
     w_ptr, grad_ptr, state1_ptr, state2_ptr, numel,
     lr: tl.float64, eps: tl.float64, beta2: tl.float64, weight_decay: tl.float64,
-    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64,
+    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64, guard_ptr,
     OPTIMIZER: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GUARDED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One dense SGD / Adagrad / Adam step, elementwise, with torch.optim's formulas
     (see ``reference.apply_optimizer_``). Scalars arrive as float64 and are rounded to
     COMPUTE once, as torch rounds its Python-float scalars: ``lerp_weight = 1 - beta1``,
     ``step_size = -lr / (1 - beta1**step)``, ``bias2_sqrt = sqrt(1 - beta2**step)``."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < numel
+    mask = i < tl.where(_inputs_clean(guard_ptr, GUARDED), numel, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     g = tl.load(grad_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     if HAS_WEIGHT_DECAY:
@@ -576,17 +578,18 @@ def _optimizer_kernel(
 @triton.jit
 def _rowwise_adagrad_kernel(
     w_ptr, grad_ptr, sum_ptr, numel, num_rows,
-    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64, guard_ptr,
     Z: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     """Row-wise Adagrad (see ``reference.apply_optimizer_``) on ``ROWS`` rows of ``Z``
     elements: ``sum[r] += mean over the row of g*g``, ``w -= lr * g / (sqrt(sum[r]) + eps)``."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None].to(tl.int64)
     j = tl.arange(0, BLOCK_Z)[None, :]
     i = r * Z + j
-    mask = (j < Z) & (i < numel)
-    row_mask = r < num_rows
+    clean = _inputs_clean(guard_ptr, GUARDED)
+    mask = (j < Z) & (i < tl.where(clean, numel, 0))
+    row_mask = r < tl.where(clean, num_rows, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     g = tl.load(grad_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     if HAS_WEIGHT_DECAY:
@@ -608,7 +611,7 @@ def _block_starts_kernel(keys_ptr, out_ptr, num_keys, span, p0: tl.int64, p1: tl
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     blk = tl.arange(0, BLOCK_B)
     keys = tl.load(keys_ptr + k, mask=k < num_keys, other=0)
-    span = span.to(tl.int64) + tl.zeros([], dtype=tl.int64)  # see _block_start
+    span = _i64(span)
     start = _block_start(keys[:, None], blk[None, :].to(tl.int64), span, p0, p1, p2, HASH_MODE)
     mask = (k[:, None] < num_keys) & (blk[None, :] < NUM_BLOCKS)
     tl.store(out_ptr + k[:, None].to(tl.int64) * NUM_BLOCKS + blk[None, :], start, mask=mask)
@@ -704,32 +707,38 @@ def _acc_dtype(weights: torch.Tensor):
     return tl.float64 if m.accumulation_dtype(weights.dtype) == torch.float64 else tl.float32
 
 
-def _warps(elements: int) -> int:
-    return _NUM_WARPS or max(1, min(_MAX_WARPS, elements // _ELEMENTS_PER_WARP))
-
-
 class _Tiles:
-    """Constexpr tile sizes of a launch (powers of two, so few compiled variants)."""
+    """Constexpr tile sizes of a launch (powers of two, so few compiled variants), from the
+    current :class:`~robe_torchrec.ops.tuning.TritonTuning`.
+
+    One warp a program for the short-bags kernels unless the tuning says otherwise: their
+    programs are many and short (the best in the H200 sweeps of
+    ``benchmarks/results/triton_tiles_h200.md``). Several bags a program for bags of at most
+    ``short_bag_mean`` ids: one bag at Z = 32, four at Z = 128 with dim 128 (the same
+    sweeps). Bags of at least ``two_pass_mean_bag`` ids are pooled from block starts hashed
+    in a pass of their own."""
 
     def __init__(self, max_dim: int, block_size: int, num_values: int, num_bags: int,
                  interpreted: bool = False):
+        tuning = current_tuning()
         max_dim = max(int(max_dim), 1)
         num_blocks = -(-max_dim // block_size)
+        self.num_blocks = num_blocks
         self.block_z = _next_pow2(min(block_size, max_dim))
-        self.block_b = min(_next_pow2(num_blocks), max(1, _COL_TILE // self.block_z))
+        self.block_b = min(_next_pow2(num_blocks), max(1, tuning.col_tile // self.block_z))
         self.col_tiles = -(-num_blocks // self.block_b)
-        mean_bag = -(-num_values // max(num_bags, 1))
-        tile = _INTERPRETER_TILE if interpreted else _TILE
-        self.block_n = min(_next_pow2(max(mean_bag, 1)),
+        mean_bag = num_values / max(num_bags, 1)
+        tile = tuning.interpreter_tile if interpreted else tuning.tile
+        self.block_n = min(_next_pow2(max(-(-num_values // max(num_bags, 1)), 1)),
                            max(1, tile // (self.block_b * self.block_z)))
-        # short bags: several bags a program (_forward_short_bags_kernel), one id each step
-        self.short_bags = num_values <= _SHORT_BAG_MEAN * num_bags
-        self.block_bags = _BAGS_PER_PROGRAM or max(1, _BLOCKS_PER_PROGRAM // self.block_b)
-        self.num_warps = _warps(self.block_n * self.block_b * self.block_z)
-        # one warp: its programs are many and short (the H200 sweep's best at Z = 32 and
-        # within 2% of it at Z = 128 in triton_tiles_h200_3970638.md; the best at both in
-        # benchmarks/results/triton_tiles_h200.md)
-        self.short_bags_warps = _NUM_WARPS or 1
+        self.short_bags = mean_bag <= tuning.short_bag_mean
+        self.two_pass = not self.short_bags and mean_bag >= tuning.two_pass_mean_bag
+        self.block_bags = tuning.bags_per_program or max(
+            1, tuning.blocks_per_program // self.block_b)
+        elements = self.block_n * self.block_b * self.block_z
+        self.num_warps = tuning.num_warps or max(
+            1, min(tuning.max_warps, elements // tuning.elements_per_warp))
+        self.short_bags_warps = tuning.num_warps or 1
 
     def kwargs(self):
         return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z,
@@ -760,6 +769,23 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return out
 
 
+#: CPU table_meta -> (its version, its copy on the kernels' device)
+_DEVICE_META: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table_meta`` on the kernels' device, copied once per tensor version when the caller
+    keeps it elsewhere (a copy per call would wait on the host, and break a graph capture)."""
+    if table_meta.device == device:
+        return table_meta.contiguous()
+    hit = _DEVICE_META.get(table_meta)
+    if hit is not None and hit[0] == table_meta._version and hit[1].device == device:
+        return hit[1]
+    copy = table_meta.to(device).contiguous()
+    _DEVICE_META[table_meta] = (table_meta._version, copy)
+    return copy
+
+
 def _key_limit_arg(id_check: IdCheck) -> int:
     return 0 if id_check.key_limit is None else min(id_check.key_limit, 2**63 - 1)
 
@@ -782,7 +808,7 @@ def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
     psw = per_sample_weights
     kernels._input_summary_kernel[(programs,)](
         values.contiguous(), offsets.contiguous(), values if psw is None else psw.contiguous(),
-        table_meta.to(values.device).contiguous(), problems,
+        _meta_on(table_meta, values.device), problems,
         values.numel(), num_bags, num_bags // num_features, num_features,
         _key_limit_arg(id_check), HAS_PSW=psw is not None, **_id_check_constants(id_check),
         SEARCH_STEPS=num_features.bit_length(), BLOCK=_SUMMARY_BLOCK,
@@ -824,18 +850,41 @@ def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
     return batch > 0 and output_dim > 0 and facts.min_dim > 0
 
 
-def _summarize_backward_inputs(values: torch.Tensor, offsets: torch.Tensor,
-                               per_sample_weights: Optional[torch.Tensor],
-                               table_meta: torch.Tensor, meta_cpu: torch.Tensor,
-                               id_check: IdCheck) -> bool:
-    """The backward ops' summary: the forward's answer when it checked these same inputs
-    (read now, before anything is written), else a summary of their own, read at once (a
-    backward writes gradients or updates weights: it never runs on unchecked input)."""
-    deferred_checks.raise_ready()
-    if deferred_checks.checked_before(values, offsets, per_sample_weights, meta_cpu, id_check):
-        return True
-    problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)
-    return not any(problems.tolist())
+def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: torch.Tensor,
+                     offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                     table_meta: torch.Tensor, block_size: int, hash_mode: int,
+                     hash_params: List[int]):
+    """The backward ops' checks, without waiting for the device: ``(meta_cpu, guard)``.
+
+    ``guard`` is ``None`` when the inputs are known to pass (a problem raises here), else
+    four problem counts on the device that the backward's kernels read before writing
+    anything (see :mod:`robe_torchrec.ops.deferred_checks`): the forward's, when it
+    checked these same inputs, or the summary kernel's."""
+    guards: List[Optional[torch.Tensor]] = []
+
+    def summarize(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check):
+        deferred_checks.raise_ready()
+        earlier = deferred_checks.earlier_check(values, offsets, per_sample_weights, meta_cpu,
+                                                id_check)
+        if earlier is not None:
+            guards.append(earlier.guard())
+            return True
+        problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)
+        if deferred_checks.deferred_for(values.device):
+            deferred_checks.submit(problems, values, offsets, per_sample_weights, table_meta,
+                                   meta_cpu, id_check)
+            guards.append(problems)
+            return True
+        return not any(problems.tolist())  # read at once; bad input raises its message
+
+    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
+                                     table_meta, block_size, hash_mode, hash_params, summarize)
+    return meta_cpu, (guards[0] if guards else None)
+
+
+def _guard_args(guard: Optional[torch.Tensor], any_tensor: torch.Tensor):
+    """The kernels' guard argument and constant (any pointer will do when unguarded)."""
+    return (any_tensor if guard is None else guard,), dict(GUARDED=guard is not None)
 
 
 def forward(
@@ -906,7 +955,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
     psw = per_sample_weights
     args = (source.contiguous(), values.contiguous(), offsets.contiguous(),
             weights if psw is None else psw.contiguous(),
-            table_meta.to(weights.device).contiguous(), target,
+            _meta_on(table_meta, weights.device), target,
             batch, num_features, values.numel(), width, *params, *extra_args)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
@@ -922,26 +971,29 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
 
 
 def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights, table_meta,
-                      block_size, hash_mode, hash_params) -> torch.Tensor:
-    """Checks, then the dense weight gradient in the accumulation dtype (fp32 / fp64)."""
+                      block_size, hash_mode, hash_params):
+    """Checks, then the dense weight gradient in the accumulation dtype (fp32 / fp64), and
+    the guard the checks left (see :func:`_backward_checks`): all zeros if it fails."""
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
                  per_sample_weights=per_sample_weights)
-    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
-                                     table_meta, block_size, hash_mode, hash_params,
-                                     _summarize_backward_inputs)
+    meta_cpu, guard = _backward_checks(grad_output, weights, values, offsets,
+                                       per_sample_weights, table_meta, block_size, hash_mode,
+                                       hash_params)
     output_dim = grad_output.shape[1]
     params = _hash_args(hash_params)
     acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
     if values.numel() == 0:
-        return grad
+        return grad, guard
     tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
                    values.numel(), offsets.numel() - 1, _is_interpreted(kernels))
+    guard_args, guard_constants = _guard_args(guard, grad)
     _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel), tiles,
                        grad_output, weights, grad, values, offsets, per_sample_weights,
-                       table_meta, output_dim, block_size, hash_mode, params)
-    return grad
+                       table_meta, output_dim, block_size, hash_mode, params, guard_args,
+                       guard_constants)
+    return grad, guard
 
 
 def backward_dense(
@@ -955,8 +1007,8 @@ def backward_dense(
     hash_mode: int,
     hash_params: List[int],
 ) -> torch.Tensor:
-    grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
-                             table_meta, block_size, hash_mode, hash_params)
+    grad, _ = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
+                                table_meta, block_size, hash_mode, hash_params)
     return grad.to(weights.dtype)
 
 
@@ -972,9 +1024,8 @@ def per_sample_weights_grad(
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
     _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
-    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, None, table_meta,
-                                     block_size, hash_mode, hash_params,
-                                     _summarize_backward_inputs)
+    meta_cpu, guard = _backward_checks(grad_output, weights, values, offsets, None,
+                                       table_meta, block_size, hash_mode, hash_params)
     num_features = table_meta.shape[1]
     batch = (offsets.numel() - 1) // num_features
     output_dim = grad_output.shape[1]
@@ -987,11 +1038,13 @@ def per_sample_weights_grad(
     tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
                    values.numel(), num_bags,
                    _is_interpreted(kernels))
+    guard_args, guard_constants = _guard_args(guard, out)
     kernels._psw_grad_kernel[(num_bags,)](
         grad_output.contiguous(), weights.contiguous(), values.contiguous(),
-        offsets.contiguous(), table_meta.to(weights.device).contiguous(), out,
-        batch, num_features, values.numel(), output_dim, *params,
+        offsets.contiguous(), _meta_on(table_meta, weights.device), out,
+        batch, num_features, values.numel(), output_dim, *params, *guard_args,
         Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), **tiles.kwargs(),
+        **guard_constants,
     )
     return out
 
@@ -1014,8 +1067,13 @@ def backward_fused_(
 ) -> None:
     optimizer = int(optimizer)
     check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
-    grad = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
-                             table_meta, block_size, hash_mode, hash_params)
+    if optimizer == m.Optimizer.ADAM and deferred_checks.is_capturing():
+        raise ValueError("robe: fused Adam cannot be captured in a CUDA graph: its bias "
+                         "correction depends on the step, which a replay would repeat; "
+                         "capture SGD, Adagrad or row-wise Adagrad, or leave the backward "
+                         "out of the graph")
+    grad, guard = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
+                                    table_meta, block_size, hash_mode, hash_params)
     kernels = _kernels_for(weights.device)
     lr, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
     if optimizer == m.Optimizer.ADAM:
@@ -1026,22 +1084,23 @@ def backward_fused_(
     numel = weights.numel()
     if numel == 0:
         return
+    guard_args, guard_constants = _guard_args(guard, grad)
     if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
         num_rows = state1.numel()
         block_z = _next_pow2(block_size)
         rows = max(1, _OPTIM_BLOCK // block_z)
         kernels._rowwise_adagrad_kernel[(_cdiv(num_rows, rows),)](
-            weights, grad, state1, numel, num_rows, lr, eps, weight_decay,
+            weights, grad, state1, numel, num_rows, lr, eps, weight_decay, *guard_args,
             Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-            COMPUTE=_acc_dtype(weights), ROWS=rows, BLOCK_Z=block_z,
+            COMPUTE=_acc_dtype(weights), ROWS=rows, BLOCK_Z=block_z, **guard_constants,
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
     kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
-        lr, eps, beta2, weight_decay, 1.0 - beta1, step_size, bias2_sqrt,
+        lr, eps, beta2, weight_decay, 1.0 - beta1, step_size, bias2_sqrt, *guard_args,
         OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-        COMPUTE=_acc_dtype(weights), BLOCK=_OPTIM_BLOCK,
+        COMPUTE=_acc_dtype(weights), GUARDED=guard_constants["GUARDED"], BLOCK=_OPTIM_BLOCK,
     )
 
 

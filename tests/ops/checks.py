@@ -27,6 +27,7 @@ from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, r
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
+from robe_torchrec.ops.tuning import tuned
 
 from .cases import OpCase, case_matrix, fused_steps, random_case
 
@@ -148,12 +149,8 @@ def check_fused(case: OpCase, name: str, steps: int = 2) -> None:
 def bag_kernels(short_bags: bool):
     """The Triton forward and backward take their short-bags kernels (or their
     one-bag-a-program kernels) whatever the bag lengths, inside the block."""
-    saved = tk._SHORT_BAG_MEAN
-    tk._SHORT_BAG_MEAN = float("inf") if short_bags else -1.0
-    try:
+    with tuned(short_bag_mean=float("inf") if short_bags else -1.0):
         yield
-    finally:
-        tk._SHORT_BAG_MEAN = saved
 
 
 def check_forward_both_kernels(case: OpCase) -> None:

@@ -104,9 +104,10 @@ def test_the_next_call_raises_an_earlier_problem():
     raise_pending_checks()
 
 
-def test_backward_reads_the_forward_answer_before_writing(lagging_device, summaries):
-    """The device lags: nothing is read until the fused backward of the same inputs, which
-    waits for the forward's answer, raises, and leaves weights and state as they were."""
+def test_backward_that_cannot_wait_writes_nothing_on_bad_input(lagging_device, summaries):
+    """The device lags: the fused backward of the same inputs does not wait for the
+    forward's answer; its kernels read the counts on the device and write nothing, weights
+    and state stay as they were, and the problem raises at the next read."""
     case = bad_ids(weighted_case())
     optimizer, hparams = OPTIMIZERS["adagrad"]
     weights, state = case.weights.clone(), fused_states(case, optimizer)
@@ -115,16 +116,33 @@ def test_backward_reads_the_forward_answer_before_writing(lagging_device, summar
     tk.forward(*weighted_case().forward_args())  # the bad answer stays unread
     assert len(dc._pending) == 2
     grad, _, *lookup = case.backward_args(case.grad())
-    with pytest.raises(DeferredCheckError, match="id 1000000000"):
-        tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+    tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
     assert len(summaries) == 2, "the backward ran a summary of its own"
     for before, after in zip(kept, [weights] + state):
         assert torch.equal(before, after)
-    # found once, the same inputs are refused again, whoever reads the queue first
-    with pytest.raises(DeferredCheckError):
+    # the dense and per-sample-weight gradients of bad input are all zeros
+    assert not tk.backward_dense(*case.backward_args(case.grad())).any()
+    assert not tk.per_sample_weights_grad(*case.psw_grad_args(case.grad())).any()
+    with pytest.raises(DeferredCheckError, match="id 1000000000"):
         raise_pending_checks()
+    # found once, the same inputs are refused again at the call
     with pytest.raises(DeferredCheckError, match="id 1000000000"):
         tk.backward_dense(*case.backward_args(case.grad()))
+
+
+def test_backward_raises_a_finished_bad_answer_before_writing(summaries):
+    """The forward's answer is ready (the device kept up): the backward reads it and
+    raises before anything is written."""
+    case = bad_ids(weighted_case())
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    weights, state = case.weights.clone(), fused_states(case, optimizer)
+    kept = [weights.clone()] + [s.clone() for s in state]
+    tk.forward(*case.forward_args())
+    grad, _, *lookup = case.backward_args(case.grad())
+    with pytest.raises(DeferredCheckError, match="id 1000000000"):
+        tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+    for before, after in zip(kept, [weights] + state):
+        assert torch.equal(before, after)
 
 
 @pytest.mark.parametrize("defer", [True, False])
@@ -188,12 +206,24 @@ def test_the_forward_kernel_counts_its_own_checks_unless_it_skips_ids(summaries,
     assert [kind for kind, _ in summaries] == ["summary"]
 
 
-def test_backward_without_a_forward_checks_at_once(lagging_device):
+def test_backward_without_a_forward_guards_its_writes(lagging_device):
+    """No forward checked these inputs: the backward runs the summary kernel, does not
+    wait for it, writes nothing on bad input, and the problem raises at the next read."""
     case = weighted_case()
     offsets = case.offsets.clone()
     offsets[1] = offsets[2] + 1
     case = OpCase(**{**case.__dict__, "offsets": offsets})
-    with pytest.raises(ValueError, match="offsets decrease at bag") as raised:
+    assert not tk.backward_dense(*case.backward_args(case.grad())).any()
+    with pytest.raises(DeferredCheckError, match="offsets decrease at bag"):
+        raise_pending_checks()
+
+
+def test_backward_without_a_forward_checks_at_once_when_not_deferred():
+    case = weighted_case()
+    offsets = case.offsets.clone()
+    offsets[1] = offsets[2] + 1
+    case = OpCase(**{**case.__dict__, "offsets": offsets})
+    with defer_checks(False), pytest.raises(ValueError, match="offsets decrease") as raised:
         tk.backward_dense(*case.backward_args(case.grad()))
     assert not isinstance(raised.value, DeferredCheckError)  # raised at its own call
 
@@ -260,8 +290,12 @@ _WILD_INPUT = textwrap.dedent("""
     from robe_torchrec.ops.deferred_checks import DeferredCheckError
     from robe_torchrec.ops.meta import BoundsCheck, build_table_meta
 
-    # the backward kernels run on the wild input too (a backward normally refuses it first)
-    tk._summarize_backward_inputs = lambda *args: True
+    # the backward kernels run on the wild input too (a backward normally refuses it first):
+    # no forward's answer is found, and the backward's own summary finds nothing
+    import robe_torchrec.ops.deferred_checks as dc
+    dc.earlier_check = lambda *args: None
+    dc.raise_ready = lambda: None
+    tk._launch_summary = lambda *args: torch.zeros(4, dtype=torch.int64)
     meta = build_table_meta([8, 8], [0, 0], [64, 64], [0, 10], [10, 10], [0, 0])
     weights = torch.randn(64)
     params = hash_params(HashMode.REFERENCE, seed=3)

@@ -21,6 +21,7 @@ from robe_torchrec import hashing  # noqa: E402
 from robe_torchrec.hashing import HashMode, hash_params  # noqa: E402
 from robe_torchrec.ops import cpu_backend, defer_checks, reference  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
+from robe_torchrec.ops.tuning import tuned  # noqa: E402
 from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
 from robe_torchrec.ops.validation import check_inputs, check_layout  # noqa: E402
@@ -58,14 +59,14 @@ def test_forward(kw):
 def test_each_kernel(kw, kernel, monkeypatch):
     """Both forward kernels and both backward kernels on every case, whatever its bag
     lengths (the short-bags ones with a group size that leaves a partial last group)."""
-    monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if kernel == "short_bags" else -1.0)
-    monkeypatch.setattr(tk, "_BAGS_PER_PROGRAM", 4)
     if kernel == "short_bags" and kw.get("max_bag", 0) > 100:
         # it walks one id position a step: in the interpreter, bags of thousands take
         # half a minute; 40 still gives every group bags of very different lengths
         kw = dict(kw, max_bag=40)
-    check_forward(random_case(**kw))
-    check_backward_dense(random_case(**kw))
+    mean = float("inf") if kernel == "short_bags" else -1.0
+    with tuned(short_bag_mean=mean, bags_per_program=4):
+        check_forward(random_case(**kw))
+        check_backward_dense(random_case(**kw))
 
 
 def test_short_bags_kernel_is_bitwise_the_per_bag_kernel_on_one_and_two_id_bags(monkeypatch):
@@ -76,8 +77,8 @@ def test_short_bags_kernel_is_bitwise_the_per_bag_kernel_on_one_and_two_id_bags(
                            block_size=4, weighted=True)
         outputs = []
         for mean in (-1.0, float("inf")):
-            monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", mean)
-            outputs.append(tk.forward(*case.forward_args()))
+            with tuned(short_bag_mean=mean):
+                outputs.append(tk.forward(*case.forward_args()))
         assert torch.equal(*outputs)
 
 
@@ -458,70 +459,15 @@ def test_tile_sizes():
 # the compiled (CUDA) path: no GPU needed to compile to cubin for sm_90
 # ---------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = r"""
-import sys
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from robe_torchrec.ops import triton_kernels as tk
-
-assert not tk._is_interpreted(tk)
-CONFIGS = [  # kernel, hash mode / optimizer, weights dtype, ids dtype
-    ("forward", 1, "fp32", "i32"), ("backward", 0, "fp32", "i64"), ("psw", 1, "fp64", "i64"),
-    ("forward", 0, "bf16", "i64"), ("optimizer", 0, "fp16", None),
-    ("optimizer", 1, "fp32", None), ("optimizer", 2, "fp64", None),
-    ("short_bags", 0, "fp32", "i64"), ("short_bags", 1, "bf16", "i32"),
-    ("backward_short_bags", 1, "fp32", "i32"), ("backward_short_bags", 0, "fp64", "i64"),
-    ("summary", 0, "fp32", "i64"), ("summary", 1, "fp16", "i32"),
-]
-for which, mode, weights, index in CONFIGS:
-    acc = "fp64" if weights == "fp64" else "fp32"
-    acc_dtype = tl.float64 if acc == "fp64" else tl.float32
-    types = dict(w_ptr=f"*{weights}", values_ptr=f"*{index}", offsets_ptr=f"*{index}",
-                 psw_ptr=f"*{weights}", meta_ptr="*i64", out_ptr=f"*{weights}",
-                 grad_out_ptr=f"*{weights}", grad_w_ptr=f"*{acc}", batch="i32",
-                 num_features="i32", out_stride="i32", grad_stride="i32", p0="i64", p1="i64",
-                 p2="i64", grad_ptr=f"*{acc}", state1_ptr=f"*{weights}",
-                 state2_ptr=f"*{weights}", numel="i64", lr="fp64", eps="fp64", beta2="fp64",
-                 weight_decay="fp64", lerp_weight="fp64", step_size="fp64", bias2_sqrt="fp64",
-                 num_values="i64", num_bags="i64", key_limit="i64", problems_ptr="*i64")
-    if which == "summary":
-        types["out_ptr"] = "*i64"
-    tiles = dict(Z=3, HASH_MODE=mode, ACC=acc_dtype, BLOCK_N=16, BLOCK_B=32, BLOCK_Z=4)
-    # the forwards' input checks: off once, ids against their bounds or the key limit
-    checks = dict(CHECK=not (which == "forward" and weights == "fp32"),
-                  IN_BOUNDS=weights != "bf16", KEY_LIMIT=weights == "bf16")
-    kernel, constexprs = {
-        "forward": (tk._forward_kernel, dict(tiles, HAS_PSW=True, **checks)),
-        "backward": (tk._backward_kernel, dict(tiles, HAS_PSW=True)),
-        "psw": (tk._psw_grad_kernel, tiles),
-        "optimizer": (tk._optimizer_kernel, dict(OPTIMIZER=mode, HAS_WEIGHT_DECAY=True,
-                                                 COMPUTE=acc_dtype, BLOCK=1024)),
-        "short_bags": (tk._forward_short_bags_kernel,
-                       dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
-                            HAS_PSW=True, BLOCK_BAGS=8, **checks)),
-        "backward_short_bags": (tk._backward_short_bags_kernel,
-                                dict({k: v for k, v in tiles.items() if k != "BLOCK_N"},
-                                     HAS_PSW=True, BLOCK_BAGS=4)),
-        "summary": (tk._input_summary_kernel,
-                    dict(HAS_PSW=True, IN_BOUNDS=mode == 0, KEY_LIMIT=mode == 1,
-                         SEARCH_STEPS=5, BLOCK=1024)),
-    }[which]
-    signature = {name: "constexpr" if name in constexprs else types[name]
-                 for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                              target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], which
-    print("compiled", which, mode, weights, index)
-"""
-
-
-def test_kernels_compile_for_cuda(tmp_path):
-    """The interpreter accepts code the compiler rejects (float64 ``tl.div_rn``, say), so
-    compile the kernels for an H100 target: Triton front end, LLVM and ptxas, no GPU. In a
-    fresh process (a process that imported triton.language interpreted cannot compile) with an
-    empty cache (so nothing is a cache hit)."""
+@pytest.mark.slow
+def test_every_launch_compiles_for_sm90(tmp_path):
+    """The interpreter specialises nothing and accepts code the compiler rejects (float64
+    ``tl.div_rn``, an argument specialised to the constant 1), so compile every kernel
+    variant the host wrappers launch on shapes that hit Triton's specialisations (one
+    feature, batch 1, width 1, span 1, multiples of 16; every dtype, hash and optimizer)
+    for an H100 target: the launcher's own binder, Triton front end, LLVM and ptxas, no
+    GPU (``tests/ops/sm90_launches.py``). In a fresh process (a process that imported
+    triton.language interpreted cannot compile) with an empty cache (no cache hits)."""
     import subprocess
 
     import triton
@@ -532,12 +478,18 @@ def test_kernels_compile_for_cuda(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_launches"], env=env,
+                            cwd=root, capture_output=True, text=True, timeout=900)
     if "cannot find" in result.stderr and "ptxas" in result.stderr:  # pragma: no cover
         pytest.skip("ptxas unavailable")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 13  # one line per entry of CONFIGS
+    compiled = result.stdout.splitlines()
+    # a one-feature, batch-1 launch really was specialised (the crash this guards against)
+    assert any("'num_features': 1" in line for line in compiled)
+    for kernel in ("_forward_kernel", "_forward_short_bags_kernel", "_backward_kernel",
+                   "_backward_short_bags_kernel", "_psw_grad_kernel", "_optimizer_kernel",
+                   "_rowwise_adagrad_kernel", "_block_starts_kernel", "_input_summary_kernel"):
+        assert any(line.startswith(f"compiled {kernel} ") for line in compiled), kernel
 
 
 # ---------------------------------------------------------------------------------------
@@ -655,14 +607,13 @@ def test_forward_kernel_counts_the_problems_the_summary_counts(bounds, short_bag
     answer = tk._answer
     monkeypatch.setattr(tk, "_answer", lambda problems, *rest: counted.append(
         problems.tolist()) or answer(problems, *rest))
-    monkeypatch.setattr(tk, "_SHORT_BAG_MEAN", float("inf") if short_bags else -1.0)
     kinds = set()
     for trial, args in _summary_trials(bounds, trials=16, max_features=8, min_batch=1):
         _, values, offsets, psw, meta = args[:5]
         _, id_check = check_layout(*args)
         summary = tk._launch_summary(values, offsets, psw, meta, id_check).tolist()
         counted.clear()
-        with defer_checks(False):
+        with defer_checks(False), tuned(short_bag_mean=float("inf") if short_bags else -1.0):
             try:
                 tk.forward(*args)
                 raised = False

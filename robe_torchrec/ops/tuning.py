@@ -1,0 +1,66 @@
+"""Launch parameters of the Triton kernels, in one typed place: what benchmarks vary.
+
+The kernels' host wrappers read :func:`current` at every launch; :func:`tuned` changes it
+for a block. Every value only changes how the work is cut into programs (tile sizes, warps,
+which kernel variant pools the bags), never the result beyond float summation order: the
+defaults are the fastest measured settings (docs/benchmarks.md says where), and a
+benchmark sweeping them compares outputs too.
+
+Example::
+
+    >>> from robe_torchrec.ops.tuning import tuned
+    >>> with tuned(num_warps=1, bags_per_program=4):
+    ...     out = torch.ops.robe.forward(weights, values, offsets, None, meta, 24, 4, 0, params, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTuning:
+    #: a column tile holds at most this many elements (``BLOCK_B * BLOCK_Z``)
+    col_tile: int = 256
+    #: an id x column tile holds at most this many elements (the id count adapts to the
+    #: mean bag length)
+    tile: int = 2048
+    #: the same under Triton's interpreter, which pays per operation, not per element
+    interpreter_tile: int = 16384
+    #: warps of the bag kernels: one per this many elements of a tile, 1 to ``max_warps``
+    elements_per_warp: int = 256
+    max_warps: int = 4
+    #: overrides the warp rule of every bag kernel when set
+    num_warps: Optional[int] = None
+    #: bags of at most this many ids on average are pooled several a program
+    short_bag_mean: float = 2.0
+    #: a short-bags program takes as many bags as make this many row blocks
+    blocks_per_program: int = 4
+    #: overrides that rule when set
+    bags_per_program: Optional[int] = None
+    #: bags of at least this many ids on average are pooled in two passes: the block
+    #: starts of every id hashed once into a buffer, then pooled from it (see
+    #: ``triton_kernels._block_starts_pass``); ``float("inf")``: never
+    two_pass_mean_bag: float = float("inf")
+
+
+_current = TritonTuning()
+
+
+def current() -> TritonTuning:
+    """The tuning the next launch uses."""
+    return _current
+
+
+@contextlib.contextmanager
+def tuned(**changes) -> Iterator[TritonTuning]:
+    """Launch with ``changes`` (fields of :class:`TritonTuning`) inside the block."""
+    global _current
+    previous = _current
+    _current = dataclasses.replace(previous, **changes)
+    try:
+        yield _current
+    finally:
+        _current = previous

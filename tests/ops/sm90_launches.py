@@ -1,0 +1,124 @@
+"""Compile, for an H100 (sm_90), every Triton kernel variant the host wrappers launch on a
+set of shapes chosen to hit Triton's argument specialisations. No GPU needed.
+
+Triton specialises the integer arguments of a launch by value: an argument equal to 1
+becomes the constant ``1`` inside the kernel (a Python int, not a tensor: ``x.to(...)``
+fails), and a multiple of 16 is marked divisible. The interpreter, which CI runs the
+kernels in, specialises nothing, so a kernel can pass every interpreted test and still
+fail to compile for a one-feature model. This script runs the real host wrappers of
+:mod:`robe_torchrec.ops.triton_kernels` on CPU tensors with ``JITFunction.run`` replaced by
+"bind the arguments as the launcher does, then compile for sm_90 and do not launch": the
+same specialisation code, the same compile pipeline, only the launch left out.
+
+``tests/ops/test_triton_kernel.py`` runs it in a fresh process (a process that imported
+``triton.language`` interpreted cannot compile). It prints one ``compiled`` line per
+distinct variant and ``scenario`` per shape, and exits non-zero on the first failure,
+naming the shape.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Dict, List
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime import jit
+
+from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops import triton_kernels as tk
+from tests.ops.cases import random_case
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BACKEND = make_backend(TARGET)
+_compiled: Dict[str, object] = {}
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    """``JITFunction.run`` without the device: bind and specialise the arguments with the
+    launcher's own binder, compile the variant once, never launch."""
+    binder = jit.create_function_from_signature(self.signature, self.params, _BACKEND)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    key = f"{self.fn.__name__}:{specialization}:{options}"
+    if key not in _compiled:
+        options, signature, constexprs, attrs = self._pack_args(_BACKEND, kwargs, bound_args,
+                                                                specialization, options)
+        _compiled[key] = triton.compile(ASTSource(self, signature, constexprs, attrs),
+                                        target=TARGET, options=options.__dict__)
+        constants = {self.arg_names[path[0]]: value for path, value in constexprs.items()
+                     if self.arg_names[path[0]].islower()}
+        print("compiled", self.fn.__name__, constants, flush=True)
+    return _compiled[key]
+
+
+def _scenarios() -> List[dict]:
+    """Shapes whose integer arguments take the values Triton treats apart: 1 (features,
+    batch, ids, output width, rows, array span), multiples of 16, and neither."""
+    out = []
+    for features, batch in ((1, 1), (1, 16), (1, 7), (3, 1), (2, 32)):
+        out.append(dict(dims=[128] * features, batch=batch, max_bag=1, block_size=32,
+                        empty_fraction=0.0))
+    out += [
+        dict(dims=[1], batch=1, max_bag=1, block_size=1, empty_fraction=0.0),  # width 1
+        dict(dims=[1], batch=5, max_bag=40, block_size=1, empty_fraction=0.0),  # long bags
+        dict(dims=[16], batch=1, max_bag=30, block_size=16, memory_size=16,
+             empty_fraction=0.0),                                 # span 1, one bag
+        dict(dims=[7, 33], batch=3, max_bag=500, block_size=5, empty_fraction=0.3),
+        dict(dims=[512], batch=1, max_bag=2, block_size=256, memory_size=4096),
+        dict(dims=[3, 5], batch=2, max_bag=0),                    # no ids at all
+    ]
+    return out
+
+
+def _run_ops(case) -> None:
+    weights, acc = case.weights, m.accumulation_dtype(case.weights.dtype)
+    tk.forward(*case.forward_args())
+    grad = torch.zeros(case.batch, case.output_dim, dtype=acc)
+    tk.backward_dense(grad, *case.backward_args(grad)[1:])
+    # inputs no forward checked: the backward launches the summary kernel of its own
+    tk.backward_dense(grad, weights, case.values.clone(), case.offsets.clone(),
+                      *case.backward_args(grad)[4:])
+    if case.per_sample_weights is not None:
+        tk.per_sample_weights_grad(grad, *case.psw_grad_args(grad)[1:])
+    for optimizer in m.Optimizer:
+        rows = m.rowwise_state_size(weights.numel(), case.block_size)
+        shape = (rows,) if optimizer == m.Optimizer.ROWWISE_ADAGRAD else weights.shape
+        state1, state2 = torch.zeros(shape, dtype=acc), torch.zeros(weights.shape, dtype=acc)
+        tk.backward_fused_(grad, weights, state1, state2, case.values, case.offsets,
+                           case.per_sample_weights, case.table_meta, case.block_size,
+                           case.hash_mode, case.hash_params, int(optimizer),
+                           [0.1, 1e-8, 0.9, 0.999, 0.0], 1)
+    tk.block_starts(case.values, -(-max(case.table_meta[m.DIM].tolist()) // case.block_size),
+                    int(case.table_meta[m.W_SIZE, 0]), case.block_size, case.hash_mode,
+                    case.hash_params)
+
+
+def main() -> int:
+    assert not tk._is_interpreted(tk), "unset TRITON_INTERPRET: this compiles the kernels"
+    jit.JITFunction.run = _compile_only
+    tk._kernels_for = lambda device: tk  # CPU tensors stand in for CUDA ones: nothing runs
+    variants = itertools.product(_scenarios(), (HashMode.REFERENCE, HashMode.MIX),
+                                 (False, True))
+    for i, (shape, mode, weighted) in enumerate(variants):
+        index_dtype = torch.int32 if i % 2 else torch.int64
+        dtype = (torch.float32, torch.bfloat16, torch.float64, torch.float16)[i // 2 % 4]
+        case = random_case(seed=i, hash_mode=int(mode), weighted=weighted,
+                           index_dtype=index_dtype, dtype=dtype, **shape)
+        label = (f"{shape} hash={mode.name.lower()} weighted={weighted} ids={index_dtype} "
+                 f"weights={dtype}")
+        try:
+            _run_ops(case)
+        except Exception as exc:  # name the shape, then fail
+            print(f"FAILED on {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            raise
+        print("scenario", label, flush=True)
+    print(f"{len(_compiled)} variants compiled", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
