@@ -147,12 +147,17 @@ def _copy_table(table: EmbeddingBagConfig) -> EmbeddingBagConfig:
 
 
 def load_table_weights(path: "str | os.PathLike", tables: Sequence[EmbeddingBagConfig],
-                       prefix: str = APP_TABLES_PREFIX) -> Dict[str, torch.Tensor]:
+                       prefix: str = APP_TABLES_PREFIX, storage_reader=None
+                       ) -> Dict[str, torch.Tensor]:
     """The full tables of a ``torch.distributed.checkpoint`` checkpoint (saved sharded by any
     number of ranks; the app's by default), read in this process alone: ``{table name:
     weight [rows, dim]}``. ``prefix``: where ``embedding_bags.<name>.weight`` of the trained
-    ``EmbeddingBagCollection`` sits under the checkpoint's ``model`` entry."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ``EmbeddingBagCollection`` sits under the checkpoint's ``model`` entry.
+    ``storage_reader``: DCP's reader of ``path`` (default ``FileSystemReader``, which
+    unpickles the checkpoint's metadata: pass one that restricts it, as the training app
+    does, for a checkpoint you did not write)."""
+    reader = storage_reader or dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     state: Dict[str, torch.Tensor] = {}
     for table in tables:
         key = f"model.{prefix}{table.name}.weight"
@@ -168,15 +173,17 @@ def load_table_weights(path: "str | os.PathLike", tables: Sequence[EmbeddingBagC
                              f"data, cardinalities and embedding.dim)")
         state[key] = torch.empty(shape)
     dcp.load({"model": {k[len("model."):]: v for k, v in state.items()}},
-             checkpoint_id=str(path), no_dist=True)
+             storage_reader=reader, no_dist=True)
     return {t.name: state[f"model.{prefix}{t.name}.weight"] for t in tables}
 
 
 def fit_from_checkpoint(robe_ebc, path: "str | os.PathLike",
-                        prefix: str = APP_TABLES_PREFIX) -> None:
+                        prefix: str = APP_TABLES_PREFIX, storage_reader=None) -> None:
     """Overwrite ``robe_ebc``'s array with the fit (uniform weights) of the full tables of the
-    DCP checkpoint ``path`` (the training app's ``embedding.init_from``)."""
-    fit_into(robe_ebc, load_table_weights(path, robe_ebc.embedding_bag_configs(), prefix))
+    DCP checkpoint ``path`` (the training app's ``embedding.init_from``; ``storage_reader``:
+    see :func:`load_table_weights`)."""
+    fit_into(robe_ebc, load_table_weights(path, robe_ebc.embedding_bag_configs(), prefix,
+                                          storage_reader))
 
 
 def load_embedding_bag_collection(path: "str | os.PathLike", tables: List[EmbeddingBagConfig],

@@ -30,6 +30,8 @@ import hashlib
 import json
 import logging
 import os
+import io
+import pathlib
 import pickle
 import re
 import shutil
@@ -40,11 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_ANY = re.compile(r"^step_(\d+)(\.bad|\.tmp)?$")
 MANIFEST = "manifest.json"
 #: a save failing with less free space than this is reported as a full disk
 _FULL_BYTES = 1 << 20
@@ -74,6 +79,114 @@ class CheckpointError(RuntimeError):
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (the message says why: disk full, I/O error ...);
     its partial ``step_N.tmp`` is removed and the earlier checkpoints are kept."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint's DCP metadata names something other than DCP's metadata classes (a
+    pickle that would run code, or not DCP's at all); it was not unpickled."""
+
+
+def _dcp_globals() -> Dict[tuple, Any]:
+    """Every global that DCP's ``.metadata`` pickle may name: DCP's metadata classes, the
+    plain values they hold (``torch.Size``, dtypes, layouts, paths) and nothing that runs
+    code on its own when called with the arguments a pickle can give it."""
+    allowed: Dict[tuple, Any] = {}
+    for cls in (dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata,
+                dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata,
+                dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
+                dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo):
+        allowed[(cls.__module__, cls.__name__)] = cls
+    allowed[("torch", "Size")] = torch.Size
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    # how torch pickles a layout: a lookup of its name in a table of torch's layouts
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    # DCP records the checkpoint's path; the class is pathlib's, under the module name
+    # that wrote it (pathlib._local from Python 3.13)
+    for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
+                pathlib.PureWindowsPath):
+        for module in ("pathlib", "pathlib._local"):
+            allowed[(module, cls.__name__)] = cls
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only :func:`_dcp_globals`; any other global stops the load before it is
+    looked up, so no function or class outside the list is ever called."""
+
+    allowed: Dict[tuple, Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which is not one of DCP's metadata classes "
+                f"(a checkpoint's metadata holding it could run code when unpickled)") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference, which DCP's metadata "
+                                     "never does")
+
+
+def read_metadata_safely(path: "str | os.PathLike", rank: Optional[int] = None
+                         ) -> "dcp_metadata.Metadata":
+    """DCP's metadata of checkpoint ``path`` (its ``.metadata``), unpickled with only DCP's
+    metadata classes admitted; raises :class:`UnsafeCheckpointError` naming the file for
+    anything else, :class:`CheckpointError` for a file that is not DCP metadata at all."""
+    name = ".metadata" if rank is None else f"__{rank}.metadata"
+    file = Path(path) / name
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read DCP's metadata ({e})") from e
+    if not _MetadataUnpickler.allowed:
+        _MetadataUnpickler.allowed = _dcp_globals()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        if "not one of DCP's metadata classes" in str(e) or "persistent" in str(e):
+            raise UnsafeCheckpointError(f"{file}: refused, not unpickled: {e}. Load only "
+                                        f"checkpoints written by this app") from None
+        raise CheckpointError(f"{file}: not DCP metadata ({e})") from None
+    except Exception as e:  # noqa: BLE001 - truncated or garbage bytes raise anything
+        raise CheckpointError(f"{file}: not DCP metadata ({type(e).__name__}: {e})") from None
+    _check_metadata(metadata, file)
+    return metadata
+
+
+def _check_metadata(metadata: Any, file: Path) -> None:
+    """Refuse metadata whose shape is not DCP's, so that DCP meets only the types it wrote."""
+    storage = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(f"{file}: not DCP metadata (it holds a "
+                              f"{type(metadata).__name__})")
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict) or not all(
+            isinstance(k, str) and isinstance(v, storage) for k, v in entries.items()):
+        raise CheckpointError(f"{file}: not DCP metadata (its state_dict_metadata is not a "
+                              f"dict of DCP storage entries)")
+    data = getattr(metadata, "storage_data", None)
+    if not isinstance(data, dict) or not all(
+            isinstance(k, dcp_metadata.MetadataIndex) and isinstance(v, _StorageInfo)
+            for k, v in data.items()):
+        raise CheckpointError(f"{file}: not DCP metadata written to files (its storage_data "
+                              f"is not a dict of MetadataIndex to _StorageInfo)")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` whose metadata is read by :func:`read_metadata_safely`:
+    pass it as ``storage_reader`` to ``dcp.load``. The tensor files are read by DCP as
+    usual (``torch.load`` with ``weights_only=True`` or raw bytes), so nothing in the
+    checkpoint is unpickled beyond the admitted classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> "dcp_metadata.Metadata":
+        metadata = read_metadata_safely(self.path, kwargs.get("rank"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def on_rank0(fn: Callable[[], Any]) -> Any:
@@ -149,13 +262,16 @@ def _sha256(path: Path) -> str:
 def _checksums(directory: Path, names: List[str]) -> Dict[str, Optional[str]]:
     """SHA-256 of ``directory/name`` for every name, each rank hashing its share
     (collective); None for a file that cannot be read."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _collective() else (0, 1)
     mine: Dict[str, Optional[str]] = {}
-    for name in names[dist.get_rank()::dist.get_world_size()]:
+    for name in names[rank::world]:
         try:
             mine[name] = _sha256(directory / name)
         except OSError:
             mine[name] = None
-    every: List[Optional[Dict[str, Optional[str]]]] = [None] * dist.get_world_size()
+    if world == 1:
+        return mine
+    every: List[Optional[Dict[str, Optional[str]]]] = [None] * world
     dist.all_gather_object(every, mine)
     return {k: v for part in every for k, v in (part or {}).items()}
 
@@ -170,6 +286,68 @@ def read_manifest(path: "str | os.PathLike") -> Optional[Dict[str, Any]]:
         return json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: unreadable manifest ({e})") from e
+
+
+def _collective() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def verify_checkpoint(path: "str | os.PathLike", allow_unverified: bool = False
+                      ) -> Optional[str]:
+    """What is wrong with checkpoint ``path``, or None (see :meth:`Checkpointer.verify`).
+    Collective inside a process group (each rank hashes a share); alone without one."""
+    path = Path(path)
+
+    def listing():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is not a checkpoint directory")
+        manifest = read_manifest(path)
+        present = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+        return manifest, present
+
+    try:
+        manifest, present = on_rank0(listing) if _collective() else listing()
+    except (CheckpointError, OSError) as e:
+        return str(e)
+    main = not _collective() or dist.get_rank() == 0
+    if manifest is None:
+        if not allow_unverified:
+            return (f"it has no {MANIFEST} (written by an older version, or not by this "
+                    f"app), so its files cannot be verified; to load it anyway, set "
+                    f"run.allow_unverified=true")
+        if main:
+            log.warning("checkpoint %s has no %s: its files are not verified "
+                        "(run.allow_unverified=true)", path, MANIFEST)
+    else:
+        expected = manifest.get("files")
+        if not isinstance(expected, dict) or not expected:
+            return f"{path / MANIFEST}: lists no files"
+        missing = sorted(set(expected) - set(present))
+        if missing:
+            return f"file(s) missing: {', '.join(missing)}"
+        got = _checksums(path, sorted(expected))
+        changed = [n for n in sorted(expected) if got.get(n) != expected[n]]
+        if changed:
+            return (f"{', '.join(changed)}: checksum mismatch or unreadable (changed after "
+                    f"it was written: truncated, overwritten or copied in part?)")
+
+    def safe_metadata() -> None:
+        read_metadata_safely(path)
+
+    try:  # a manifest vouches for the bytes, not for what they are
+        if _collective():
+            on_rank0(safe_metadata)
+        else:
+            safe_metadata()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _kind(path: Path) -> str:
+    if path.is_symlink():
+        return "symbolic link"
+    return "regular file" if path.is_file() else "special file"
 
 
 class Checkpointer:
@@ -208,36 +386,45 @@ class Checkpointer:
         found = self.candidates()
         return found[0] if found else None
 
-    def verify(self, path: "str | os.PathLike") -> Optional[str]:
+    def verify(self, path: "str | os.PathLike", allow_unverified: bool = False
+               ) -> Optional[str]:
         """What is wrong with checkpoint ``path`` (collective), or None: its files must be
-        the ones its manifest lists, with the same SHA-256. A checkpoint without a manifest
-        (an older version's) passes unchecked, with a warning."""
-        path = Path(path)
+        the ones its manifest lists, with the same SHA-256, and its DCP metadata must hold
+        only DCP's metadata classes. A checkpoint without a manifest (an older version's,
+        or not this app's) is refused unless ``allow_unverified``: then it passes with a
+        warning."""
+        return verify_checkpoint(path, allow_unverified)
 
-        def listing():
-            manifest = read_manifest(path)
-            present = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
-            return manifest, present
+    def history(self) -> List[Path]:
+        """The checkpoints set aside as unusable (``step_N.bad``), newest first."""
+        if not self.dir.is_dir():
+            return []
+        bad = [p for p in self.dir.iterdir() if p.name.endswith(".bad")
+               and _STEP_ANY.match(p.name)]
+        return sorted(bad, key=lambda p: int(_STEP_ANY.match(p.name).group(1)), reverse=True)
 
-        try:
-            manifest, present = on_rank0(listing)
-        except (CheckpointError, OSError) as e:
-            return str(e)
-        if manifest is None:
-            if self.rank == 0:
-                log.warning("checkpoint %s has no %s (written by an older version): its "
-                            "files are not verified", path, MANIFEST)
-            return None
-        expected: Dict[str, str] = manifest.get("files", {})
-        missing = sorted(set(expected) - set(present))
-        if missing:
-            return f"file(s) missing: {', '.join(missing)}"
-        got = _checksums(path, sorted(expected))
-        changed = [n for n in sorted(expected) if got.get(n) != expected[n]]
-        if changed:
-            return (f"{', '.join(changed)}: checksum mismatch or unreadable (changed after it "
-                    f"was written: truncated, overwritten or copied in part?)")
-        return None
+    def tidy(self) -> List[str]:
+        """Before the first step (rank 0): remove the ``step_N.tmp`` directories that a run
+        killed during a save left; refuse a ``step_N`` that is not a directory (every save
+        of step N would fail on it). Returns the names removed."""
+        if not self.dir.is_dir():
+            return []
+        removed = []
+        for p in sorted(self.dir.iterdir()):
+            m = _STEP_ANY.match(p.name)
+            if not m:
+                continue
+            if m.group(2) == ".tmp":
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+                removed.append(p.name)
+            elif m.group(2) is None and not p.is_dir():
+                raise CheckpointError(
+                    f"{p} is not a checkpoint directory (a {_kind(p)}): every save of step "
+                    f"{m.group(1)} would fail on it. Remove or rename it, then start again")
+        return removed
 
     def quarantine(self, path: Path, reason: str) -> None:
         """Rename a bad checkpoint to ``step_N.bad`` (kept for inspection, never picked or
@@ -316,13 +503,13 @@ class Checkpointer:
         """Load a checkpoint into ``model`` and ``optimizer`` in place; returns its step."""
         _init_lazy_state(optimizer)
         state = _state(model, optimizer, 0, self.rank)
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = read_metadata_safely(path).state_dict_metadata
         rng_key = _rng_key(self.rank)
         if not any(k.startswith(rng_key + ".") or k == rng_key for k in saved):
             log.warning("checkpoint %s has no RNG state for rank %d (saved with another world "
                         "size?): the RNG is not restored", path, self.rank)
             del state[rng_key]
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         if rng_key in state:
@@ -333,7 +520,7 @@ class Checkpointer:
         """Load only the model of a checkpoint into ``model`` (collective; saved on any world
         size and plan, DCP reshards); returns its step."""
         state = {"model": model.state_dict(), "trainer": {"step": torch.tensor(0)}}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         model.load_state_dict(state["model"])
         return int(state["trainer"]["step"])
 
@@ -346,7 +533,7 @@ def load_unsharded(path: "str | os.PathLike", model: nn.Module, prefix: str = "m
     """
     own = model.state_dict()
     state = {"model": {prefix + k: v for k, v in own.items()}, "trainer": {"step": torch.tensor(0)}}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     model.load_state_dict({k: state["model"][prefix + k] for k in own})
     return int(state["trainer"]["step"])
 

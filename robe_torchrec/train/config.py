@@ -137,3 +137,20 @@ def _reliability(run: DictConfig) -> None:
     if not 0 < scale < 1:
         raise ConfigError(f"run.rollback_lr_scale must be in (0, 1) (the learning rates are "
                           f"multiplied by it on each rollback), got {scale}")
+    if not isinstance(run.get("allow_unverified", False), bool):
+        raise ConfigError(f"run.allow_unverified must be true or false, got "
+                          f"{run.allow_unverified!r}")
+    timeout = run.get("collective_timeout", 1800)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"run.collective_timeout must be a number of seconds > 0, got "
+                          f"{timeout!r}")
+    export = run.get("export")
+    if export:
+        target = Path(export)
+        if target.is_dir():
+            raise ConfigError(f"run.export={export} is a directory; give the file to write, "
+                              f"for example run.export={target / 'model.pt2'}")
+        parent = next((p for p in target.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"run.export={export}: {parent} is a file, so the program "
+                              f"cannot be written under it")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from typing import Iterator, List, Optional, Protocol
 
 from omegaconf import DictConfig, OmegaConf
@@ -144,6 +145,26 @@ def _paths(value, key: str) -> List[str]:
     return [str(p) for p in paths]
 
 
+def _no_directories(paths: List[str], key: str, kind: str) -> None:
+    """Name a directory given where a data file belongs (its readers would call it
+    missing)."""
+    for p in paths:
+        if "://" in p:
+            continue
+        if kind == "criteo_npy":
+            from robe_torchrec.data.criteo_npy import npy_paths
+
+            files = npy_paths(p)
+        else:
+            files = (p,)
+        for f in files:
+            if os.path.isdir(f):
+                raise ConfigError(f"{key}: {f} is a directory, not a data file; give the "
+                                  f"files in it (" + ("a prefix: <prefix>_dense.npy, ..."
+                                                      if kind == "criteo_npy" else
+                                                      f"{key}=[{f}/day_0,...]") + ")")
+
+
 def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
     d, batch = cfg.data, cfg.run.batch_size
     if OmegaConf.is_missing(d, "train"):
@@ -154,6 +175,9 @@ def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
     sizes = d.num_embeddings_per_feature
     sizes = int(sizes) if isinstance(sizes, int) else [int(n) for n in sizes]
     splits = {"train": _paths(d.train, "data.train"), "val": d.get("val"), "test": d.get("test")}
+    for split, value in splits.items():
+        if value:
+            _no_directories(_paths(value, f"data.{split}"), f"data.{split}", d.name)
     if d.name == "criteo_tsv":
         from robe_torchrec.data.criteo_tsv import CriteoTsv
 

@@ -78,12 +78,32 @@ class MetricsCsv:
             os.replace(tmp, self.path)
         return len(rows) - len(kept)
 
+    @property
+    def dropped_path(self) -> Path:
+        """Where :meth:`rewind` keeps the rows it drops: ``<name>.dropped.csv``."""
+        return self.path.with_name(self.path.stem + ".dropped.csv")
+
     def rewind(self, step: int) -> int:
         """Drop the rows past ``step`` (a run resumed or rolled back there writes them
-        again); returns how many were dropped."""
+        again), appending them to :attr:`dropped_path` first, so no row is ever lost;
+        returns how many were dropped."""
         if not self.enabled:
             return 0
-        return self._rewrite(lambda r: len(r) > 1 and r[1].isdigit() and int(r[1]) <= step)
+
+        def keep(r: List[str]) -> bool:
+            return len(r) > 1 and r[1].isdigit() and int(r[1]) <= step
+
+        dropped = [r for r in self._rows() if not keep(r)]
+        if dropped:
+            new = not self.dropped_path.exists()
+            with open(self.dropped_path, "a", newline="") as f:
+                w = csv.writer(f)
+                if new:
+                    w.writerow(self.FIELDS)
+                w.writerows(dropped)
+                f.flush()
+                os.fsync(f.fileno())
+        return self._rewrite(keep)
 
     def write(self, phase: str, step: int, samples: Optional[int] = None,
               auc: Optional[float] = None, log_loss: Optional[float] = None,

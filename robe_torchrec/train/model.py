@@ -31,6 +31,8 @@ from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sh
 from robe_torchrec.dlrm import (DLRMSpec, EmbeddingSummary, OptimizerSpec, build_dlrm,
                                 dense_optimizer)
 from robe_torchrec.dlrm import build_predict_model as _build_predict_model
+from robe_torchrec.train.checkpoint import (CheckpointError, SafeFileSystemReader,
+                                            verify_checkpoint)
 from robe_torchrec.train.config import ConfigError
 
 
@@ -63,9 +65,14 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
     ``embedding.init_from``: its ROBE array is the least-squares fit of the full tables of
     that checkpoint (:mod:`robe_torchrec.compress`)."""
     model, summary = build_dlrm(dlrm_spec(cfg), keys, cardinalities, dense_device=device)
-    if cfg.embedding.get("init_from"):
-        fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection,
-                            cfg.embedding.init_from)
+    source = cfg.embedding.get("init_from")
+    if source:
+        # the same checks as a resume: manifest, checksums, metadata read without running code
+        problem = verify_checkpoint(source, cfg.run.get("allow_unverified", False))
+        if problem is not None:
+            raise CheckpointError(f"embedding.init_from={source} is unusable: {problem}")
+        fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection, source,
+                            storage_reader=SafeFileSystemReader(str(source)))
     return model, summary
 
 

@@ -1,9 +1,10 @@
-"""One run per directory: a lock file naming its owner (host, pid), taken by rank 0 before
-anything is written and released when the run ends.
+"""One run per directory: rank 0 holds an OS lock (``fcntl.flock``) on ``<run dir>/.run.lock``
+while the run lives; the file also names the owner (host, pid, start time) for messages.
 
-A second run into a locked directory fails at once, naming the owner. A lock left by a
-process that is gone (same host, pid not running), or by an earlier attempt of the same
-elastic job (a ``torchrun --max-restarts`` restart), is taken over with a warning.
+The kernel keeps the lock: it is released when the owner's process ends, however it ends
+(SIGKILL included), so a lock file left behind, whatever it holds (an owner that is gone,
+nothing, garbage), is taken over by the next run, and two processes never both own it. A
+second run into a directory whose owner lives fails at once, naming the owner.
 
 Example::
 
@@ -15,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -32,88 +34,94 @@ class RunDirLocked(RuntimeError):
     """Another live run owns the run directory."""
 
 
-def _alive(pid: int) -> bool:
+def _describe(text: str) -> str:
+    """The owner a lock file names, for a message."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return True
-    return True
-
-
-def _elastic_attempt() -> Optional[tuple]:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if not run_id or run_id == "none":
-        return None
-    return run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        owner = json.loads(text)
+    except ValueError:
+        owner = None
+    if not isinstance(owner, dict) or "pid" not in owner:
+        return "a process that has not written its name yet"
+    return (f"pid {owner.get('pid')} on host {owner.get('host')} (since "
+            f"{owner.get('since')})")
 
 
 class RunLock:
-    """``<run dir>/.run.lock``: JSON with host, pid, start time and the elastic job id."""
+    """``<run dir>/.run.lock``: flock-ed by its owner; holds JSON with host, pid and start
+    time."""
 
     def __init__(self, run_dir: "str | os.PathLike") -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self.held = False
+        self.fd: Optional[int] = None
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
 
     def _owner(self) -> dict:
-        attempt = _elastic_attempt()
         return {"host": socket.gethostname(), "pid": os.getpid(),
-                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "elastic_run_id": attempt[0] if attempt else None,
-                "restart": attempt[1] if attempt else None}
-
-    def _stale_reason(self, owner: dict) -> Optional[str]:
-        """Why the lock of ``owner`` may be taken over, or None if its run may be alive."""
-        attempt = _elastic_attempt()
-        if attempt and owner.get("elastic_run_id") == attempt[0] \
-                and (owner.get("restart") or 0) < attempt[1]:
-            return f"left by attempt {owner.get('restart')} of this elastic job"
-        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) \
-                and not _alive(owner["pid"]):
-            return f"pid {owner['pid']} is not running"
-        return None
+                "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def acquire(self) -> None:
         """Take the lock (creating the run directory) or raise :class:`RunDirLocked`."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                try:
-                    owner = json.loads(self.path.read_text() or "{}")
-                except (OSError, ValueError):
-                    owner = {}  # being written right now, or garbage: treat as held
-                stale = self._stale_reason(owner) if owner else None
-                if stale is None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise RunDirLocked(
-                        f"run directory {self.path.parent} is in use by pid "
-                        f"{owner.get('pid', '?')} on host {owner.get('host', '?')} (since "
-                        f"{owner.get('since', '?')}; lock file {self.path}). Use another run "
-                        f"dir (hydra.run.dir=...), or stop that run; a lock whose process has "
-                        f"died is taken over automatically.") from None
-                log.warning("taking over the stale lock %s (%s)", self.path, stale)
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
+                        f"run directory {self.path.parent} is in use by "
+                        f"{_describe(self._read())} (lock file {self.path}, held by a live "
+                        f"process). Use another run dir (hydra.run.dir=...), or stop that "
+                        f"run; the lock of a process that has ended is taken over "
+                        f"automatically.") from None
+                raise RunDirLocked(
+                    f"cannot lock {self.path}: {os.strerror(e.errno)} (the run directory's "
+                    f"file system must support flock; on Lustre mount it with -o flock)"
+                    ) from e
+            # A releasing owner unlinks the file while holding it: a lock taken on that
+            # unlinked file is worthless, so take the one now at the path.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._owner(), f)
-            self.held = True
+            left = self._read_fd(fd)
+            if left.strip():
+                log.warning("taking over the lock %s left by %s, which has ended", self.path,
+                            _describe(left))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(self._owner()).encode(), 0)
+            self.fd = fd
             return
         raise RunDirLocked(f"could not take the lock {self.path}: other processes keep "
-                           f"taking it")
+                           f"taking and releasing it")
+
+    def _read(self) -> str:
+        try:
+            return self.path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _read_fd(fd: int) -> str:
+        return os.pread(fd, 4096, 0).decode(errors="replace")
 
     def release(self) -> None:
-        if not self.held:
+        """Give the directory up (removing the lock file); the kernel does the same if the
+        process ends first."""
+        if self.fd is None:
             return
         try:
-            owner = json.loads(self.path.read_text())
-            if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
-                self.path.unlink()
-        except (OSError, ValueError) as e:
-            if getattr(e, "errno", None) != errno.ENOENT:
-                log.warning("could not release the lock %s: %s", self.path, e)
-        self.held = False
+            os.unlink(self.path)  # while still held: see acquire
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.warning("could not remove the lock file %s: %s", self.path, e)
+        finally:
+            os.close(self.fd)
+            self.fd = None

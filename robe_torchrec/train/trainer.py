@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -38,6 +40,7 @@ from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException
                                             load_unsharded, on_rank0, read_manifest)
 from robe_torchrec.train.config import ConfigError, validate
 from robe_torchrec.train.guard import NonFiniteGuard
+from robe_torchrec.train.preempt import CollectiveTimeout, Stopped, StopSignals, who_is_missing
 from robe_torchrec.train.resume import compare, fingerprint, refusal
 from robe_torchrec.train.rundir import RunLock
 from robe_torchrec.train.data import build_data
@@ -53,6 +56,18 @@ class NonFiniteError(RuntimeError):
     was written from that state."""
 
 
+@contextmanager
+def _named_timeouts(trainer: "Trainer") -> Iterator[None]:
+    """A collective that outlived ``run.collective_timeout`` becomes a
+    :class:`CollectiveTimeout` naming the ranks that did not answer."""
+    try:
+        yield
+    except RuntimeError as e:
+        if trainer.world == 1 or "Timed out" not in str(e) or isinstance(e, CollectiveTimeout):
+            raise
+        raise trainer.timeout_error(e) from e
+
+
 def run(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     """The config's job, as ``run.mode`` says: :func:`train` or :func:`evaluate`."""
     validate(cfg)
@@ -65,17 +80,21 @@ def train(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     validate(cfg)
     trainer = Trainer(cfg, run_dir)
     try:
-        trainer.build()
-        trainer.resume()
-        with trainer.training():
-            while not trainer.done:
-                trainer.run_segment()
-                if not trainer.healthy():  # rolled back to the last good checkpoint
-                    continue
-                trainer.checkpoint()
-                trainer.evaluate()
-        results = trainer.finish()
-        trainer.export()
+        with _named_timeouts(trainer):
+            trainer.build()
+            trainer.resume()
+            with trainer.training():
+                while not trainer.done:
+                    trainer.run_segment()
+                    stopping = trainer.stop_requested()
+                    if not trainer.healthy(scan=stopping):  # rolled back to the last good one
+                        continue
+                    if stopping:
+                        trainer.stop()  # raises Stopped once the step reached is saved
+                    trainer.checkpoint()
+                    trainer.evaluate()
+            results = trainer.finish()
+            trainer.export()
     finally:
         trainer.close()
     return results
@@ -88,10 +107,11 @@ def evaluate(cfg: DictConfig, run_dir: "str | os.PathLike") -> Dict[str, float]:
     validate(cfg)
     trainer = Trainer(cfg, run_dir)
     try:
-        trainer.build()
-        trainer.load_weights(cfg.run.checkpoint)
-        results = trainer.finish()
-        trainer.export()
+        with _named_timeouts(trainer):
+            trainer.build()
+            trainer.load_weights(cfg.run.checkpoint)
+            results = trainer.finish()
+            trainer.export()
     finally:
         trainer.close()
     return results
@@ -119,6 +139,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.main = self.rank == 0
         self.say = log.info if self.main else log.debug
+        self.collective_timeout = float(self.run.get("collective_timeout", 1800))
         self.step = 0
         self.csv = MetricsCsv(self.run_dir / "metrics.csv", enabled=self.main)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.run.keep_checkpoints)
@@ -127,7 +148,12 @@ class Trainer:
         self.lock = RunLock(self.run_dir)
         self.guard = NonFiniteGuard()
         self.rollbacks = 0
+        # (step, learning rates) of each rollback: one that would repeat another is futile
+        self.rolled_back_to: List[Tuple[int, Tuple[float, ...]]] = []
+        self.start_lrs: List[float] = []
         self.fingerprint = fingerprint(cfg, self.world)
+        self.allow_unverified = bool(self.run.get("allow_unverified", False))
+        self.signals: Optional[StopSignals] = None
 
     def close(self) -> None:
         """Release the run directory (every rank; rank 0 holds its lock)."""
@@ -147,6 +173,10 @@ class Trainer:
         logging.getLogger().addFilter(_quiet_planner)
         # one run per directory; taking the lock also shows the directory is writable
         on_rank0(self.lock.acquire)
+        if self.world > 1:
+            # a stopped or hung peer ends the run after this long instead of blocking it
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.collective_timeout))
+        self.signals = StopSignals(self.world, timedelta(seconds=self.collective_timeout))
         threads = choose_threads(run.threads)
         torch.set_num_threads(threads.threads)
         self.say("threads: %s", threads)
@@ -176,23 +206,38 @@ class Trainer:
         """Continue from the run directory's last good checkpoint, as ``run.resume`` says;
         a new run gets a new run id."""
         mode = str(self.run.resume).lower()
+        removed = on_rank0(self.ckpt.tidy)
+        if removed:
+            self.say("removed %s in %s: left by a run stopped during a save",
+                     ", ".join(removed), self.ckpt.dir)
         found = self.ckpt.candidates()
-        if mode == "false" and found:
-            self.set_aside(found)
-            found = []
+        # unusable checkpoints set aside are history too: a run never starts over on them
+        history = [Path(p) for p in on_rank0(lambda: [str(p) for p in self.ckpt.history()])]
+        if mode == "false" and (found or history):
+            self.set_aside(found + history)
+            found, history = [], []
         if found and self.load_good(found):
             self.say("resumed from checkpoint %s at step %d (run %s)", self.resumed_from,
                      self.step, self.ckpt.run_id)
         elif mode == "true":
             raise ConfigError(f"run.resume=true but there is no checkpoint in "
                               f"{self.ckpt.dir}")
+        elif history:
+            raise CheckpointError(
+                f"{self.ckpt.dir} holds only unusable checkpoints of an earlier run ("
+                + "; ".join(f"{p.name}: {_why(p)}" for p in history) + "): this run would "
+                f"start over from step 0. To start over on purpose, set run.resume=false "
+                f"run.existing_checkpoints=move (the checkpoints and metrics.csv are renamed "
+                f"aside), or use another run dir")
         else:
             self.ckpt.run_id = on_rank0(lambda: uuid.uuid4().hex[:12])
             self.say("new run %s", self.ckpt.run_id)
+        self.start_lrs = [g["lr"] for g in self.optimizer.param_groups]
         dropped = on_rank0(lambda: self.csv.rewind(self.step))
         if dropped:
-            log.warning("metrics.csv: dropped %d row(s) past step %d (written after the "
-                        "checkpoint this run starts from)", dropped, self.step)
+            log.warning("metrics.csv: moved %d row(s) past step %d (written after the "
+                        "checkpoint this run starts from) to %s", dropped, self.step,
+                        self.csv.dropped_path)
 
     def set_aside(self, found: List[Path]) -> None:
         """``run.resume=false`` in a directory holding checkpoints: refuse, or with
@@ -208,21 +253,23 @@ class Trainer:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             target = self.ckpt.dir.with_name(f"{self.ckpt.dir.name}.old-{stamp}")
             self.ckpt.dir.rename(target)
-            if self.csv.path.exists():
-                self.csv.path.rename(self.csv.path.with_name(f"metrics.old-{stamp}.csv"))
+            for path in (self.csv.path, self.csv.dropped_path):
+                if path.exists():
+                    path.rename(path.with_name(f"{path.stem}.old-{stamp}.csv"))
             return target
 
         target = on_rank0(move)
         log.warning("run.resume=false: moved the earlier run's checkpoints %s to %s",
                     ", ".join(p.name for p in found), target)
 
-    def load_good(self, found: List[Path]) -> bool:
+    def load_good(self, found: List[Path], overrides: bool = True) -> bool:
         """Load the newest of ``found`` that verifies, loads and holds finite values,
         skipping (and renaming to ``step_N.bad``) each that does not, with a warning;
-        False when ``found`` is empty. A config mismatch is refused, not skipped."""
+        False when ``found`` is empty. A config mismatch is refused, not skipped.
+        ``overrides``: apply the config's learning rates where they changed."""
         skipped = []
         for path in found:
-            problem = self.ckpt.verify(path)
+            problem = self.ckpt.verify(path, self.allow_unverified)
             manifest = None if problem else on_rank0(lambda: read_manifest(path))
             if manifest is not None:
                 self.check_compatible(path, manifest)
@@ -242,7 +289,7 @@ class Trainer:
             self.step, self.resumed_from = step, path
             self.ckpt.run_id = (manifest or {}).get("run_id") or self.ckpt.run_id \
                 or on_rank0(lambda: uuid.uuid4().hex[:12])
-            if manifest is not None:
+            if manifest is not None and overrides:
                 self.apply_overrides(compare(manifest.get("config", {}), self.fingerprint))
             if isinstance(self.pipeline, SemiSyncPipeline):
                 # its start_batch counts batches: continue the count of the run we resume
@@ -279,15 +326,15 @@ class Trainer:
         if changes.allowed:
             parts["embedding"].zero_grad()  # FBGEMM's fused optimizer picks up lr there
 
-    def scale_lrs(self, factor: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-        dict(self.optimizer.optimizers)["embedding"].zero_grad()
+    def set_lrs(self, lrs: List[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        dict(self.optimizer.optimizers)["embedding"].zero_grad()  # FBGEMM reads it there
 
     def load_weights(self, path: "str | os.PathLike") -> None:
         """The model of checkpoint ``path`` (no optimizer state: nothing is trained), after
         its checksums; refuses a damaged checkpoint or one holding inf/NaN."""
-        problem = self.ckpt.verify(path)
+        problem = self.ckpt.verify(path, self.allow_unverified)
         if problem is None:
             self.step = self.ckpt.load_model(path, self.dmp)
             problem = self.guard.check(self.dmp, self.optimizer, tensors=True)
@@ -304,10 +351,12 @@ class Trainer:
                         unit="step", dynamic_ncols=True)
         self.window.restart()
         self.dmp.train()
+        self.signals.install()
         try:
             with logging_redirect_tqdm():
                 yield
         finally:
+            self.signals.uninstall()
             self.bar.close()
 
     # ------------------------------------------------------------------ training
@@ -319,9 +368,12 @@ class Trainer:
                               for every in (run.eval_every, run.checkpoint_every,
                                             run.get("check_every", 0)) if every]
         end = min(ends)
-        run_to_end(self.pipeline, self.data.train_batches(self.step, end - self.step),
-                   self.on_step)
-        if self.step != end:
+        # on a stop signal every rank stops taking batches at the same one; the pipeline
+        # then trains those in flight, so each rank ends on the same finished step
+        batches = self.signals.until_stopped(self.data.train_batches(self.step,
+                                                                     end - self.step))
+        run_to_end(self.pipeline, batches, self.on_step)
+        if self.step != end and not self.signals.agreed:
             raise RuntimeError(f"the data ran out at step {self.step} (expected {end})")
 
     def on_step(self, output) -> None:
@@ -360,7 +412,41 @@ class Trainer:
                                   meta={"config": self.fingerprint})
             self.say("checkpoint %s", path)
 
-    def healthy(self) -> bool:
+    def stop_requested(self) -> bool:
+        """Whether any rank got a stop signal (SIGTERM, SIGUSR1) by now (collective: the
+        same answer on every rank)."""
+        return bool(self.signals.settle())
+
+    def stop(self) -> None:
+        """After a stop signal, at a segment end: a checkpoint of the step reached (unless
+        there is one), a log line, and :class:`Stopped` (the process exits 128 + signal)."""
+        name = signal.Signals(self.signals.agreed).name
+        path = self.ckpt.dir / f"step_{self.step}"
+        if path not in self.ckpt.candidates():
+            path = self.ckpt.save(self.step, self.dmp, self.optimizer,
+                                  meta={"config": self.fingerprint})
+        if self.main:
+            log.warning("stopped by %s at step %d, checkpoint %s", name, self.step, path.name)
+        raise Stopped(self.signals.agreed, self.step, path)
+
+    def timeout_error(self, exc: BaseException) -> CollectiveTimeout:
+        """What a collective that timed out on this rank means: which ranks did not
+        answer, asked through the process group's store."""
+        missing = who_is_missing(self.rank, self.world, self.step)
+        if missing is None:
+            who = ("the process group's store did not answer either: rank 0 (which holds it "
+                   "outside torchrun) is stopped, hung or gone")
+        elif missing:
+            who = (f"rank(s) {', '.join(map(str, missing))} did not answer (stopped, hung, or "
+                   f"on a lost host)")
+        else:
+            who = "every rank answered, so they waited in different collectives"
+        return CollectiveTimeout(
+            f"rank {self.rank}: a collective waited more than run.collective_timeout="
+            f"{self.collective_timeout:g}s at step {self.step}; {who}. The run stops; start it "
+            f"again to resume from its last checkpoint ({_last_line(exc)})")
+
+    def healthy(self, scan: bool = False) -> bool:
         """At a segment end: True if the losses so far were finite (and the parameters and
         optimizer state, scanned every ``run.check_every`` steps and before a checkpoint).
         Otherwise, as ``run.on_nonfinite`` says: raise :class:`NonFiniteError` (``stop``),
@@ -368,7 +454,7 @@ class Trainer:
         ``run.rollback_lr_scale`` and return False (``rollback``, at most
         ``run.max_rollbacks`` times)."""
         every = self.run.get("check_every", 0)
-        scan = self.checkpoint_due() or bool(every and self.step % every == 0)
+        scan = scan or self.checkpoint_due() or bool(every and self.step % every == 0)
         problem = self.guard.check(self.dmp, self.optimizer, tensors=scan)
         if problem is None:
             return True
@@ -388,14 +474,27 @@ class Trainer:
             raise NonFiniteError(f"{what}. Training stopped: there is no checkpoint to roll "
                                  f"back to (set run.checkpoint_every)")
         self.guard.reset()
-        self.load_good(good)
+        self.load_good(good, overrides=False)
         self.rollbacks += 1
-        scale = self.run.get("rollback_lr_scale", 0.5)
-        self.scale_lrs(scale)
+        # compounded from the learning rates this process started with: the k-th rollback
+        # trains at scale^k of them, never again at those of an earlier try
+        factor = self.run.get("rollback_lr_scale", 0.5) ** self.rollbacks
+        lrs = [lr * factor for lr in self.start_lrs]
+        attempt = (self.step, tuple(lrs))
+        if attempt in self.rolled_back_to:
+            earlier = self.rolled_back_to.index(attempt) + 1
+            raise NonFiniteError(
+                f"{what}. Training stopped: rollback {self.rollbacks} would repeat rollback "
+                f"{earlier} exactly (checkpoint {self.resumed_from.name}, the same batches, "
+                f"learning rates {', '.join(f'{lr:g}' for lr in lrs)}) and meet the same "
+                f"values. Lower the learning rates in the config, or look at the data past "
+                f"step {self.step}")
+        self.rolled_back_to.append(attempt)
+        self.set_lrs(lrs)
         on_rank0(lambda: self.csv.rewind(self.step))
         log.warning("%s: rolled back to checkpoint %s (step %d) with the learning rates x %g "
-                    "(rollback %d of at most %d)", what, self.resumed_from, self.step, scale,
-                    self.rollbacks, limit)
+                    "(now %s; rollback %d of at most %d)", what, self.resumed_from, self.step,
+                    factor, ", ".join(f"{lr:g}" for lr in lrs), self.rollbacks, limit)
         self.bar.n = self.step
         self.bar.refresh()
         self.window.discard()
@@ -556,6 +655,14 @@ class _Window:
     def samples_per_s(self, samples_per_step: int) -> float:
         """The training rate over the timed windows (there must be one)."""
         return self.timed_steps * samples_per_step / self.timed_s
+
+
+def _why(bad: Path) -> str:
+    """The reason recorded in a ``step_N.bad`` directory."""
+    try:
+        return (bad / "WHY").read_text().strip() or "unusable"
+    except OSError:
+        return "unusable"
 
 
 def _last_line(exc: BaseException) -> str:

@@ -1,6 +1,6 @@
 """Fault injection for the training app, in-process on a 1-rank group (docs/reliability.md):
-non-finite training, damaged checkpoints, a full disk, a second run in the same directory,
-and resumes with changed configs. One short run (``base``) is trained once and copied for
+non-finite training and rollbacks, damaged and unusable checkpoints, a full disk, a second run
+in the same directory, bad paths, and resumes with changed configs. One short run (``base``) is trained once and copied for
 the tests that damage or continue it."""
 
 from __future__ import annotations
@@ -125,6 +125,46 @@ def test_nonfinite_weights_roll_back_with_a_lower_learning_rate(copy, monkeypatc
         train(compose("run.steps=12", *every, "run.max_rollbacks=0"), copy)
 
 
+def _poison_every_time_at(monkeypatch, step: int, lrs: list) -> None:
+    """Fill a dense weight with NaN each time ``step`` trains; record the learning rates
+    it trained at."""
+    on_step = Trainer.on_step
+
+    def poisoned(self, output):
+        on_step(self, output)
+        if self.step == step:
+            lrs.append(sorted({g["lr"] for g in self.optimizer.param_groups}))
+            with torch.no_grad():
+                next(self.dmp.module.model.dense_arch.parameters()).fill_(float("nan"))
+
+    monkeypatch.setattr(Trainer, "on_step", poisoned)
+
+
+def test_rollbacks_compound_the_learning_rate_scale(copy, monkeypatch, caplog):
+    """The k-th rollback trains at lr x 0.5^k: 0.05, then 0.025, 0.0125, 0.00625 (not
+    0.025 three times, repeating the first rollback's run into the same NaN)."""
+    lrs: list = []
+    _poison_every_time_at(monkeypatch, 5, lrs)
+    every = ["run.checkpoint_every=2", "run.on_nonfinite=rollback", "run.check_every=1"]
+    with one_rank_group(), caplog.at_level(logging.WARNING), \
+            pytest.raises(NonFiniteError, match="3 rollback.*max_rollbacks=3"):
+        train(compose("run.steps=8", *every), copy)
+    assert lrs == [[0.05], [0.025], [0.0125], [0.00625]]
+    assert "x 0.125 (now 0.00625, 0.00625; rollback 3 of at most 3)" in caplog.text
+
+
+def test_a_rollback_that_would_repeat_another_stops_saying_so(copy, monkeypatch):
+    """At learning rate 0 scaling changes nothing: the second rollback would train the
+    same batches at the same rates as the first and meet the same NaN."""
+    _poison_every_time_at(monkeypatch, 5, [])
+    with one_rank_group(), pytest.raises(NonFiniteError, match=r"rollback 2 would repeat "
+                                         r"rollback 1 exactly \(checkpoint step_4, the same "
+                                         r"batches, learning rates 0, 0\)"):
+        train(compose("run.steps=8", "run.checkpoint_every=2", "run.on_nonfinite=rollback",
+                      "run.check_every=1", "optimizer.dense_lr=0", "optimizer.embedding_lr=0"),
+              copy)
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 @pytest.mark.parametrize("damage", ["bit_flip", "truncate_unverified"])
@@ -135,7 +175,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(copy, caplog, dama
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0x01
         data.write_bytes(bytes(raw))
-    else:  # no manifest (an older version's checkpoint): DCP's read error is caught
+    else:  # no manifest (an older version's, or planted): refused unless allowed
         (newest / MANIFEST).unlink()
         with open(data, "r+b") as f:
             f.truncate(data.stat().st_size // 2)
@@ -143,9 +183,23 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(copy, caplog, dama
         trainer = _resumed(compose("run.steps=4", *BASE), copy)
     assert trainer.step == 2
     assert f"checkpoint {newest} is unusable" in caplog.text
-    why = "checksum mismatch" if damage == "bit_flip" else "cannot be read"
+    why = "checksum mismatch" if damage == "bit_flip" else \
+        f"it has no {MANIFEST} (written by an older version, or not by this app)"
     assert why in caplog.text
     assert _steps(copy) == ["step_2", "step_4.bad"]
+    # no metrics row is dropped without a copy: those past step 2 are kept aside
+    assert ("train", "4") not in _metric_keys(copy)
+    with open(copy / "metrics.dropped.csv") as f:
+        assert ("train", "4") in [(r["phase"], r["step"]) for r in csv.DictReader(f)]
+
+
+def test_a_checkpoint_without_manifest_loads_only_when_allowed(copy, caplog):
+    """A flipped bit in a manifest-less checkpoint cannot be found, so such a checkpoint
+    is refused unless run.allow_unverified=true says to trust it."""
+    (copy / "checkpoints" / "step_4" / MANIFEST).unlink()
+    with one_rank_group(), caplog.at_level(logging.WARNING):
+        trainer = _resumed(compose("run.steps=4", *BASE, "run.allow_unverified=true"), copy)
+    assert trainer.step == 4 and "its files are not verified" in caplog.text
 
 
 def test_eval_of_a_damaged_checkpoint_is_refused(copy, tmp_path):
@@ -158,11 +212,67 @@ def test_eval_of_a_damaged_checkpoint_is_refused(copy, tmp_path):
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(copy):
+    """The first launch sets them aside as step_N.bad and stops; the same command again
+    (what torchrun --max-restarts does by itself) must not start over from step 0 and drop
+    the earlier rows of metrics.csv: only run.resume=false run.existing_checkpoints=move
+    starts over, with the old checkpoints and metrics renamed aside."""
     for step in ("step_2", "step_4"):
         (copy / "checkpoints" / step / ".metadata").write_bytes(b"garbage")
+    rows = _metric_keys(copy)
     with one_rank_group(), pytest.raises(CheckpointError, match="no usable checkpoint in .*"
                                                                 "step_4: .*step_2: "):
         train(compose("run.steps=6", *BASE), copy)
+    assert _steps(copy) == ["step_2.bad", "step_4.bad"]
+    with one_rank_group(), pytest.raises(CheckpointError, match=(
+            r"holds only unusable checkpoints of an earlier run \(step_4.bad: .*\.metadata"
+            r".*step_2.bad: .*\): this run would start over from step 0. To start over on "
+            r"purpose, set run.resume=false run.existing_checkpoints=move")):
+        train(compose("run.steps=6", *BASE), copy)
+    assert _metric_keys(copy) == rows and _steps(copy) == ["step_2.bad", "step_4.bad"]
+    with one_rank_group(), pytest.raises(ConfigError, match="run.resume=false but"):
+        train(compose("run.steps=2", "run.resume=false", *BASE), copy)
+    with one_rank_group():
+        out = train(compose("run.steps=2", "run.resume=false", "run.existing_checkpoints=move",
+                            *BASE), copy)
+    assert out["step"] == 2 and _steps(copy) == ["step_2"]
+    (old,) = copy.glob("checkpoints.old-*")
+    assert sorted(p.name for p in old.iterdir()) == ["step_2.bad", "step_4.bad"]
+    (old_metrics,) = copy.glob("metrics.old-*.csv")
+    with open(old_metrics) as f:
+        assert [(r["phase"], r["step"]) for r in csv.DictReader(f)] == rows
+
+
+def test_a_file_where_a_checkpoint_goes_is_named_before_step_one(copy, monkeypatch):
+    """A regular file at checkpoints/step_6 would make every save of step 6 fail (ENOTDIR)."""
+    (copy / "checkpoints" / "step_6").write_text("not a checkpoint")
+    steps = []
+    monkeypatch.setattr(Trainer, "run_segment", lambda self: steps.append(self.step))
+    with one_rank_group(), pytest.raises(CheckpointError, match=(
+            f"{copy / 'checkpoints' / 'step_6'} is not a checkpoint directory \\(a regular "
+            f"file\\): every save of step 6 would fail on it")):
+        train(compose("run.steps=6", *BASE), copy)
+    assert steps == []
+
+
+def test_bad_paths_are_named_before_step_one(tmp_path):
+    """A directory given as a data file, run.export naming a directory."""
+    from robe_torchrec.train.config import validate
+    from robe_torchrec.train.data import build_data
+
+    (tmp_path / "day_0").mkdir()
+    cfg = compose("data=criteo_tsv", f"data.train={tmp_path / 'day_0'}")
+    with pytest.raises(ConfigError, match=f"data.train: {tmp_path / 'day_0'} is a directory, "
+                                          f"not a data file"):
+        build_data(cfg, 0, 1)
+    (tmp_path / "p_dense.npy").mkdir()
+    with pytest.raises(ConfigError, match="data.train: .*p_dense.npy is a directory"):
+        build_data(compose("data=criteo_npy", f"data.train={tmp_path / 'p'}"), 0, 1)
+    with pytest.raises(ConfigError, match=f"run.export={tmp_path} is a directory; give the "
+                                          f"file to write"):
+        validate(compose(f"run.export={tmp_path}"))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="is a file, so the program cannot be written"):
+        validate(compose(f"run.export={tmp_path / 'f' / 'x.pt2'}"))
 
 
 # ---------------------------------------------------------------- saving
@@ -182,7 +292,8 @@ def test_sigkill_during_save_then_resume_equals_uninterrupted_run(tmp_path, capl
     with one_rank_group(), caplog.at_level(logging.INFO):
         train(compose("run.steps=6", *every), tmp_path / "r")
         train(compose("run.steps=6", *every), tmp_path / "straight")
-    assert "taking over the stale lock" in caplog.text and "at step 2" in caplog.text
+    assert "taking over the lock" in caplog.text and "at step 2" in caplog.text
+    assert "removed step_4.tmp" in caplog.text
     a = read_checkpoint(tmp_path / "r" / "checkpoints" / "step_6", tmp_path)
     b = read_checkpoint(tmp_path / "straight" / "checkpoints" / "step_6", tmp_path)
     assert assert_same_tensors(a, b, "model.") >= 5 and assert_same_tensors(a, b, "optim.") >= 5
@@ -282,12 +393,13 @@ def test_rotation_keeps_only_this_runs_checkpoints(copy):
 # ---------------------------------------------------------------- one run per directory
 
 def test_second_run_in_a_locked_directory_fails_at_once(tmp_path):
-    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = ("import sys, time; from robe_torchrec.train.rundir import RunLock; "
+            "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=helpers.env(),
+                             stdout=subprocess.PIPE, text=True)
     try:
-        RunLock(tmp_path).acquire()  # this process's lock ...
+        assert owner.stdout.readline().strip() == "held"
         lock = json.loads((tmp_path / LOCK_NAME).read_text())
-        lock["pid"] = owner.pid  # ... held by a live process
-        (tmp_path / LOCK_NAME).write_text(json.dumps(lock))
         with one_rank_group(), pytest.raises(RunDirLocked, match=f"in use by pid {owner.pid} "
                                                                  f"on host {lock['host']}"):
             train(compose("run.steps=2"), tmp_path)
@@ -300,16 +412,13 @@ def test_second_run_in_a_locked_directory_fails_at_once(tmp_path):
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    lock = RunLock(tmp_path)
-    lock.acquire()
-    owner = json.loads((tmp_path / LOCK_NAME).read_text())
-    (tmp_path / LOCK_NAME).write_text(json.dumps({**owner, "pid": int(dead)}))
-    lock.held = False
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "h", "pid": int(dead),
+                                                  "since": "then"}))
     with caplog.at_level(logging.WARNING):
         second = RunLock(tmp_path)
         second.acquire()
-    assert f"taking over the stale lock {tmp_path / LOCK_NAME} (pid {dead} is not running)" \
-        in caplog.text
+    assert f"taking over the lock {tmp_path / LOCK_NAME} left by pid {dead} on host h " \
+           f"(since then), which has ended" in caplog.text
     second.release()
     assert not (tmp_path / LOCK_NAME).exists()
 
