@@ -3,15 +3,27 @@
 # The CPU stack is pinned (torch 2.13.0 CPU, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0). torchrec is
 # installed with --no-deps because its metadata asks for the CUDA-only `fbgemm-gpu` package;
 # the torch pin in the `cpu` extra keeps pip from ever pulling a CUDA torch on this path.
+#
+# The oldest supported torchrec gets an environment of its own, `.venv-tr16`: the same stack
+# with torchrec 1.6.1 instead (1.6.1 asks for the same packages as 1.8.0, and runs on the same
+# torch and fbgemm-gpu-cpu). `make test` runs the distributed and pipeline tests in it too,
+# since those are the tests that touch the torchrec APIs that changed between the releases.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.robe-installed
+TR16_VENV ?= .venv-tr16
+TR16_PY := $(TR16_VENV)/bin/python
+TR16_STAMP := $(TR16_VENV)/.robe-installed
+# the tests that depend on which torchrec release is installed
+TR16_TESTS := tests/distributed tests/pipelines tests/test_torchrec_compat.py
 
-.PHONY: setup demo test test-fast bench compare quality clean
+.PHONY: setup setup-tr16 demo test test-main test-tr16 test-fast bench compare quality clean
 
 setup: $(STAMP)
+
+setup-tr16: $(TR16_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,12 +33,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
 	touch $(STAMP)
 
+$(TR16_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(TR16_VENV)
+	$(TR16_PY) -m pip install -q --upgrade pip
+	$(TR16_PY) -m pip install -q -e ".[cpu,test]"
+	$(TR16_PY) -m pip install -q --no-deps torchrec==1.6.1
+	$(TR16_PY) -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
+	$(TR16_PY) -c "import importlib.metadata as m; v = m.version('torchrec'); assert v == '1.6.1', v"
+	touch $(TR16_STAMP)
+
 demo: setup
 	$(PY) -m robe_torchrec.train
 
+# the whole suite on the pinned stack, then the torchrec-dependent tests on torchrec 1.6.1
+test: test-main test-tr16
+
 # two workers for the machine's two cores; tests/conftest.py groups them by file
-test: setup
+test-main: setup
 	$(PY) -m pytest tests -q -n 2 --dist loadgroup --durations=25
+
+test-tr16: setup-tr16
+	$(TR16_PY) -m pytest $(TR16_TESTS) -q -n 2 --dist loadgroup --durations=10
 
 test-fast: setup
 	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m "not slow"
@@ -41,4 +68,4 @@ quality: setup
 	$(PY) -m benchmarks.quality_study --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TR16_VENV) .pytest_cache

@@ -40,7 +40,7 @@ def test_wheel_install_trains_outside_the_repo(tmp_path):
     # from a copy: setuptools builds in <project>/build, whose leftovers would go into the
     # next wheel built there
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "outputs", "multirun", "*.egg-info", "__pycache__"))
+        ".git", ".venv*", "build", "dist", "outputs", "multirun", "*.egg-info", "__pycache__"))
     pip = [sys.executable, "-m", "pip", "-q"]
     subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w",
                     str(dist)], cwd=src, check=True, capture_output=True, timeout=300)

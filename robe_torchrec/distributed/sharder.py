@@ -39,6 +39,7 @@ from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
 from robe_torchrec.optim import RowWiseAdagrad, resolve_optimizer
+from robe_torchrec.torchrec_compat import undo_data_parallel_wrapping
 from robe_torchrec.variable_batch import order_inverse_indices
 
 DP = ShardingType.DATA_PARALLEL.value
@@ -301,6 +302,10 @@ class RobeShardedArrays:
         super().__init__(  # type: ignore[call-arg]  # the TorchRec class after this mixin
             view, plan, env, fused_params=None, device=device,
             qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn)
+        # torchrec 1.6's constructor puts DDP around data-parallel lookups (1.8 asks
+        # init_data_parallel below, which declines); the rest of this class reads the
+        # lookups themselves
+        undo_data_parallel_wrapping(self._lookups)
         self._robe_finish(module)
         del self.__dict__["_robe_src"]
 
