@@ -35,8 +35,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
-from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup
 
+from robe_torchrec.torchrec_compat import start_embedding_lookup
 from pipelines.forwards import CpuSafeInSyncEmbeddingPipelinedForward, compute_stream
 from pipelines.guards import check_pipeline_model, uses_streams
 
@@ -67,6 +67,9 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
         check_pipeline_model(model, optimizer, "FusedSparseDist")
         super().__init__(model, optimizer, device, emb_lookup_stream=emb_lookup_stream,
                          **kwargs)
+        # progress() below is ours and steps this optimizer itself: TorchRec's own step
+        # helper exists only from torchrec 1.8 on
+        self._dense_optimizer = optimizer
         if not uses_streams(device):
             # TorchRec keeps torch.cpu.current_stream() for "current"; CPU has no streams
             self._emb_lookup_stream = None
@@ -84,24 +87,28 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
                 self._emb_lookup_stream.wait_stream(target)
             with self._stream_context(self._emb_lookup_stream):
                 for module in self._pipelined_modules:
-                    _start_embedding_lookup(module, context, source_stream=self._data_dist_stream,
-                                            target_stream=target,
-                                            stream_context=self._stream_context)
+                    start_embedding_lookup(module, context, source_stream=self._data_dist_stream,
+                                           target_stream=target,
+                                           stream_context=self._stream_context)
 
     def wait_embedding_lookup(self) -> None:
         if self._emb_lookup_stream is not None:
             super().wait_embedding_lookup()
 
+    def _dense_optimizer_step(self) -> None:
+        with record_function(f"## optimizer {self.contexts[0].index} ##"):
+            self._dense_optimizer.step()
+
     def _optimizer_and_next_lookup(self) -> None:
         nxt = (self.batches[1], self.contexts[1]) if len(self.batches) >= 2 else None
         if nxt is None:
-            self._optimizer_step()
+            self._dense_optimizer_step()
         elif self._lookup_after_opt:
-            self._optimizer_step()
+            self._dense_optimizer_step()
             self.start_embedding_lookup(*nxt)
         else:
             self.start_embedding_lookup(*nxt)
-            self._optimizer_step()
+            self._dense_optimizer_step()
 
     def progress(self, dataloader_iter: Iterator):
         if not self._model_attached:
@@ -114,7 +121,7 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
         self.start_embedding_lookup(self.batches[0], self.contexts[0])
         if self._model.training:
             with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
+                self._dense_optimizer.zero_grad()
         self._wait_for_batch()
         if len(self.batches) >= 2:
             self.start_sparse_data_dist(self.batches[1], self.contexts[1])

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import TrainPipeline
-from torchrec.distributed.train_pipeline.utils import _to_device
 
 
 class PlainPipeline(TrainPipeline):
@@ -46,7 +45,8 @@ class PlainPipeline(TrainPipeline):
 
     def progress(self, dataloader_iter: Iterator) -> object:
         batch = next(dataloader_iter)  # StopIteration ends training, as in TorchRec
-        batch = _to_device(batch, self._device, non_blocking=False)
+        # Pipelineable.to: how TorchRec batches (Batch, KJT, tensors) move, public API
+        batch = batch.to(device=self._device, non_blocking=False)
         # zero_grad before the forward, where TrainPipelineSparseDist puts it, so that the
         # gradients a caller may read after progress() are the same in every pipeline
         if self._model.training:

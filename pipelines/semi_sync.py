@@ -31,8 +31,8 @@ from torchrec.distributed.train_pipeline.pipeline_context import (
     EmbeddingTrainPipelineContext,
     TrainPipelineContext,
 )
-from torchrec.distributed.train_pipeline.utils import _start_embedding_lookup, _wait_for_events
 
+from robe_torchrec.torchrec_compat import start_embedding_lookup, wait_for_events
 from pipelines.forwards import CpuSafeEmbeddingPipelinedForward, compute_stream
 from pipelines.guards import check_pipeline_model
 
@@ -76,16 +76,16 @@ class SemiSyncPipeline(TrainPipelineSemiSync):
             return
         with record_function(f"## start_embedding_lookup {context.index} ##"):
             target = compute_stream(self._device)
-            _wait_for_events(batch, context, target)
+            wait_for_events(batch, context, target)
             for module in self._pipelined_modules:
-                _start_embedding_lookup(module, context, source_stream=self._data_dist_stream,
-                                        target_stream=target,
-                                        stream_context=self._stream_context)
+                start_embedding_lookup(module, context, source_stream=self._data_dist_stream,
+                                       target_stream=target,
+                                       stream_context=self._stream_context)
                 event = torch.get_device_module(self._device).Event()
                 event.record()
                 context.events.append(event)
 
     def _mlp_forward(self, batch, context: TrainPipelineContext) -> Tuple[torch.Tensor, object]:
         with record_function(f"## forward {context.index} ##"):
-            _wait_for_events(batch, context, compute_stream(self._device))
+            wait_for_events(batch, context, compute_stream(self._device))
             return self._model_fwd(batch)
