@@ -50,18 +50,15 @@ smoke test that CI runs; its timings mean nothing)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
-import functools
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 import traceback
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -110,11 +107,17 @@ class CheckResult:
     error: str = ""
 
 
-def run_checks(device: str, quick: bool, only: Optional[str]) -> List[CheckResult]:
+def run_checks(device: str, quick: bool, only: Optional[str],
+               matrix: int) -> List[CheckResult]:
     from tests.ops.checks import triton_checks
 
+    checks = triton_checks(device, quick=quick)
+    if device == "cuda":
+        from tests.ops.gpu_checks import gpu_checks, torchrec_gpu_checks
+
+        checks += gpu_checks(matrix=matrix) + torchrec_gpu_checks()
     results = []
-    for name, check in triton_checks(device, quick=quick):
+    for name, check in checks:
         if only and only not in name:
             continue
         start = time.perf_counter()
@@ -163,48 +166,11 @@ class Timer:
         return self.host_ms
 
 
-@dataclasses.dataclass
-class Row:
-    name: str
-    block_size: Optional[int]
-    forward: Callable[[], object]
-    train: Callable[[], object]
-    reps: int
-    first_ms: float = float("nan")
-    forward_ms: List[float] = dataclasses.field(default_factory=list)
-    train_ms: List[float] = dataclasses.field(default_factory=list)
-    forward_host_ms: List[float] = dataclasses.field(default_factory=list)
-    train_host_ms: List[float] = dataclasses.field(default_factory=list)
-
-    def median(self, which: str) -> float:
-        samples = getattr(self, f"{which}_ms")
-        return statistics.median(samples) if samples else float("nan")
-
-
 def _criteo_ids(setting: Setting, device: torch.device) -> torch.Tensor:
     """``[T * B]`` ids, feature-major (bag ``t * B + b`` holds sample b's id of feature t)."""
     g = torch.Generator().manual_seed(0)
     return torch.cat([torch.randint(0, c, (setting.batch,), generator=g)
                       for c in setting.cardinalities]).to(device)
-
-
-def embedding_bag_row(setting: Setting, ids: torch.Tensor, device: torch.device) -> Row:
-    tables = [torch.nn.EmbeddingBag(c, setting.dim, mode="sum", sparse=True, device=device)
-              for c in setting.cardinalities]
-    batch = setting.batch
-    per_feature = [ids[t * batch:(t + 1) * batch].contiguous() for t in range(len(tables))]
-    offsets = torch.arange(batch, device=device)
-    grads = [torch.randn(batch, setting.dim, device=device) for _ in tables]
-
-    def forward():
-        return [table(x, offsets) for table, x in zip(tables, per_feature)]
-
-    def train():
-        for table in tables:
-            table.weight.grad = None
-        torch.autograd.backward(forward(), grads)
-
-    return Row("nn.EmbeddingBag, full tables", None, forward, train, setting.reps)
 
 
 #: lr, eps, beta1, beta2, weight decay of the fused row's Adagrad
@@ -242,131 +208,50 @@ def robe_inputs(setting: Setting, ids: torch.Tensor, device: torch.device,
     return RobeInputs(weights, flat, grad)
 
 
-def robe_rows(setting: Setting, ids: torch.Tensor, device: torch.device,
-              block_size: int) -> List[Row]:
-    from robe_torchrec.ops import cpu_backend, defer_checks, reference
-    from robe_torchrec.ops.meta import Optimizer
+def speed(args: argparse.Namespace, device: torch.device) -> List[str]:
+    """The speed half (:mod:`benchmarks.gpu_speed`): one id a bag and ``--ids-per-bag``
+    ids a bag at the paper's setting, then the single-table sweep."""
+    from benchmarks import gpu_speed
 
-    inputs = robe_inputs(setting, ids, device, block_size)
-    weights, flat, grad = inputs.weights.requires_grad_(True), inputs.flat, inputs.grad
-    # CUDA tensors always reach the Triton kernels; CPU ones (--cpu) only when asked
-    dispatch = contextlib.nullcontext if device.type == "cuda" else lambda: cpu_backend("triton")
-    rows = []
-    read_at_call = functools.partial(defer_checks, False)
-    for name, fn, reps, mode in [
-            ("ROBE-Z triton", torch.ops.robe.forward, setting.reps, contextlib.nullcontext),
-            ("ROBE-Z pytorch (reference)", reference.forward, setting.reference_reps,
-             contextlib.nullcontext),
-            ("ROBE-Z triton, checks read at the call", torch.ops.robe.forward, setting.reps,
-             read_at_call)]:
-        def forward(fn=fn, mode=mode):
-            with torch.no_grad(), dispatch(), mode():
-                return fn(weights, *flat)
-
-        def train(fn=fn, mode=mode):
-            weights.grad = None
-            with dispatch(), mode():
-                fn(weights, *flat).backward(grad)
-
-        rows.append(Row(f"{name}, Z={block_size}", block_size, forward, train, reps))
-
-    # the training path the module takes with apply_optimizer_in_backward: the backward
-    # updates the array and the Adagrad state in place, no dense gradient
-    fused_weights, state = weights.detach().clone(), torch.zeros_like(weights.detach())
-    values, offsets_, _, table_meta, _, _, hash_mode, params, _ = flat
-
-    def fused_forward():
-        with torch.no_grad(), dispatch():
-            return torch.ops.robe.forward(fused_weights, *flat)
-
-    def fused_train():
-        with torch.no_grad(), dispatch():
-            torch.ops.robe.forward(fused_weights, *flat)
-            torch.ops.robe.backward_fused_(grad, fused_weights, state, state.new_empty(0), values,
-                                           offsets_, None, table_meta, block_size, hash_mode,
-                                           params, int(Optimizer.ADAGRAD), _FUSED_ADAGRAD, 1)
-
-    rows.append(Row(f"ROBE-Z triton + fused Adagrad, Z={block_size}", block_size,
-                    fused_forward, fused_train, setting.reps))
-    return rows
-
-
-def output_floor_row(setting: Setting, device: torch.device) -> Row:
-    """Writing the pooled output ``[B, T * D]`` once: what any forward costs at least."""
-    out = torch.empty(setting.batch, setting.dim * len(setting.cardinalities), device=device)
-    return Row("floor: write the [B, T*D] output once", None, out.zero_, out.zero_,
-               setting.reps)
-
-
-def run_speed(setting: Setting, device: torch.device) -> Tuple[List[Row], str]:
-    ids = _criteo_ids(setting, device)
-    rows = [embedding_bag_row(setting, ids, device)]
-    for z in setting.block_sizes:
-        rows += robe_rows(setting, ids, device, z)
-    rows.append(output_floor_row(setting, device))
+    setting = cpu_setting(args) if args.cpu else gpu_setting(args)
     timer = Timer(device)
-    for row in rows:  # first call (compilation), then the warm-up, before any timing
-        row.first_ms = timer(row.train, 1)
-        for _ in range(setting.warmup):
-            row.forward()
-            row.train()
-        print(f"  warm {row.name:40s} first call {row.first_ms:.1f} ms", flush=True)
-    for rep in range(setting.reps):
-        # each round starts one row later, so that no row always follows the same one
-        for row in rows[rep % len(rows):] + rows[:rep % len(rows)]:
-            if rep < row.reps:
-                inner = setting.inner if row.reps == setting.reps else 1
-                row.forward_ms.append(timer(row.forward, inner))
-                row.forward_host_ms.append(timer.host_ms)
-                row.train_ms.append(timer(row.train, inner))
-                row.train_host_ms.append(timer.host_ms)
-    from robe_torchrec.ops import raise_pending_checks
-    raise_pending_checks()  # every deferred check of the timed calls passed
-    memory = ""
+    variants = {"": {}} if args.cpu else VARIANTS
+    lines = []
+    for per_bag in (1, args.ids_per_bag):
+        scenario = gpu_speed.Scenario(
+            f"{per_bag} id(s) a bag", setting.batch, setting.dim, setting.cardinalities,
+            per_bag, setting.block_sizes, setting.compression)
+        lines += gpu_speed.run_scenario(
+            scenario, device, timer, setting.reps, setting.inner, setting.warmup,
+            variants if per_bag > 1 else {"": {}},
+            reference_reps=setting.reference_reps)
+        print("\n".join(lines[-12:]), flush=True)
+    sizes = [1000, 5000] if args.cpu else [4_000_000, 16_000_000, 64_000_000, 256_000_000]
+    compressions = [10, 100] if args.cpu else [10, 100, 1000, 10000]
+    lines += gpu_speed.single_table_sweep(device, timer, max(3, setting.reps // 3),
+                                          setting.inner, sizes, compressions,
+                                          batch=setting.batch, dim=setting.dim,
+                                          block_size=setting.block_sizes[0])
     if device.type == "cuda":
-        memory = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-    return rows, memory
+        lines.append(f"Peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB.")
+    return lines
+
+
+#: launch variants timed beside the default with several ids a bag (tuning fields)
+VARIANTS = {
+    "": {},
+    "two-pass": {"two_pass_mean_bag": 0.0},
+    "two-pass, ids 4 a step": {"two_pass_mean_bag": 0.0, "tile": 512},
+    "two-pass, ids 32 a step": {"two_pass_mean_bag": 0.0, "tile": 8192},
+    "ids 4 a step": {"tile": 512},
+    "8 warps": {"num_warps": 8},
+    "2 warps": {"num_warps": 2},
+}
 
 
 # ---------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------
-
-def _fmt(x: float, digits: int = 3) -> str:
-    return "n/a" if x != x else f"{x:.{digits}f}"
-
-
-def speed_table(rows: Sequence[Row]) -> List[str]:
-    base = rows[0]
-    out = ["| row | forward ms | forward + backward ms | forward / nn.EmbeddingBag | "
-           "forward + backward / nn.EmbeddingBag | host ms: forward, forward + backward | "
-           "first call ms | samples |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r.name} | {_fmt(r.median('forward'))} | {_fmt(r.median('train'))} | "
-                   f"{_fmt(r.median('forward') / base.median('forward'), 2)} | "
-                   f"{_fmt(r.median('train') / base.median('train'), 2)} | "
-                   f"{_fmt(r.median('forward_host'))}, {_fmt(r.median('train_host'))} | "
-                   f"{_fmt(r.first_ms, 1)} | {len(r.forward_ms)} |")
-    return out
-
-
-def targets_table(rows: Sequence[Row], block_sizes: Sequence[int]) -> List[str]:
-    base = rows[0].median("forward")
-    out = ["| target | Z | value | goal | verdict |", "|---|---|---|---|---|"]
-    for z in block_sizes:
-        ours, ref = (next(r for r in rows[1:] if r.block_size == z and r.name.startswith(p))
-                     for p in ("ROBE-Z triton", "ROBE-Z pytorch"))
-        ratio = ours.median("forward") / base
-        speedup = ref.median("forward") / ours.median("forward")
-        out.append(f"| forward / nn.EmbeddingBag forward | {z} | {_fmt(ratio, 2)}x | "
-                   f"<= {EMBEDDING_BAG_TARGET}x | "
-                   f"{'met' if ratio <= EMBEDDING_BAG_TARGET else 'missed'} |")
-        out.append(f"| pure-PyTorch ROBE-Z forward / ours | {z} | {_fmt(speedup, 1)}x | "
-                   f">= {REFERENCE_TARGET:.0f}x | "
-                   f"{'met' if speedup >= REFERENCE_TARGET else 'missed'} |")
-    return out
-
 
 def versions(device: torch.device) -> List[str]:
     try:
@@ -382,8 +267,8 @@ def versions(device: torch.device) -> List[str]:
             f"Python {platform.python_version()}, {platform.platform()}"]
 
 
-def report(args: argparse.Namespace, device: torch.device, setting: Optional[Setting],
-           checks: List[CheckResult], rows: List[Row], memory: str, seconds: float) -> str:
+def report(args: argparse.Namespace, device: torch.device, checks: List[CheckResult],
+           speed_lines: List[str], seconds: float) -> str:
     mode = "CPU mode (Triton interpreter, tiny sizes: the timings mean nothing)" if args.cpu \
         else "GPU"
     lines = ["# GPU check: Triton kernels against the reference, and their speed", "",
@@ -398,19 +283,8 @@ def report(args: argparse.Namespace, device: torch.device, setting: Optional[Set
               "| check | result | seconds | error |", "|---|---|---|---|"]
     lines += [f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {c.seconds:.1f} | {c.error} |"
               for c in checks]
-    if rows and setting is not None:
-        cards = setting.cardinalities
-        lines += ["", "## Speed", "",
-                  f"Batch {setting.batch}, dim {setting.dim}, {len(cards)} features "
-                  f"({sum(cards):,} rows in all), one id per bag, float32, int64 ids; ROBE "
-                  f"array {setting.compression:g}x smaller than the tables, reference hash. "
-                  f"Median of {setting.reps} samples of {setting.inner} calls each (the "
-                  f"pure-PyTorch rows: {setting.reference_reps} samples of 1 call), rows "
-                  f"interleaved, each round starting one row later. Host ms: the host's time "
-                  f"to issue the calls (on a GPU, the device's time when the host is what "
-                  f"limits them). {memory}", ""]
-        lines += speed_table(rows)
-        lines += ["", "## Targets", ""] + targets_table(rows, setting.block_sizes)
+    if speed_lines:
+        lines += ["", "## Speed", ""] + speed_lines
     return "\n".join(lines) + "\n"
 
 
@@ -466,6 +340,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--only", default=None, help="run only the checks whose name contains this")
+    p.add_argument("--matrix", type=int, default=24,
+                   help="random configurations of the GPU matrix (CUDA only)")
+    p.add_argument("--ids-per-bag", type=int, default=20,
+                   help="ids a bag of the multi-hot speed scenario")
     args = p.parse_args(argv)
     args.argv = list(argv)
     return args
@@ -479,12 +357,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device is None:
         return 2
     print("\n".join(versions(device)), flush=True)
-    checks = [] if args.skip_checks else run_checks(str(device), args.cpu, args.only)
-    rows, memory, setting = [], "", None
-    if not args.skip_speed:
-        setting = cpu_setting(args) if args.cpu else gpu_setting(args)
-        rows, memory = run_speed(setting, device)
-    text = report(args, device, setting, checks, rows, memory, time.perf_counter() - start)
+    checks = [] if args.skip_checks else run_checks(str(device), args.cpu, args.only,
+                                                    args.matrix)
+    speed_lines = [] if args.skip_speed else speed(args, device)
+    text = report(args, device, checks, speed_lines, time.perf_counter() - start)
     publish(text, args.out)
     return 1 if any(not c.ok for c in checks) else 0
 

@@ -34,7 +34,7 @@ non-deterministic in the last bits.
 import math
 import os
 import sys
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -237,13 +237,37 @@ def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
 
 
 @triton.jit
+def _stored_indices(starts_ptr, i, id_mask, w_offset, blk, s, NUM_BLOCKS: tl.constexpr):
+    """:func:`_element_indices` from the block starts ``_hash_starts_kernel`` stored
+    (``[num_values, NUM_BLOCKS]``): a load instead of the hash."""
+    mask = id_mask[:, None, None] & (blk[None, :, :] < NUM_BLOCKS)
+    start = tl.load(starts_ptr + i[:, None, None].to(tl.int64) * NUM_BLOCKS + blk[None, :, :],
+                    mask=mask, other=0).to(tl.int64)
+    return w_offset + start + s[None, :, :]
+
+
+@triton.jit
+def _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+             p0, p1, p2, HASH_MODE: tl.constexpr, STARTS: tl.constexpr,
+             NUM_BLOCKS: tl.constexpr):
+    """The elements' flat indices, hashed here or (``STARTS``) read from the stored starts."""
+    if STARTS:
+        idx = _stored_indices(starts_ptr, i, id_mask, w_offset, blk, s, NUM_BLOCKS)
+    else:
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                               p0, p1, p2, HASH_MODE)
+    return idx
+
+
+@triton.jit
 def _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset, w_offset,
                    span, blk, s, p0, p1, p2, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr,
-                   ACC: tl.constexpr):
+                   ACC: tl.constexpr, starts_ptr, STARTS: tl.constexpr,
+                   NUM_BLOCKS: tl.constexpr):
     """The elements ``[N, BLOCK_B, BLOCK_Z]`` of the ids at positions ``i`` (``[N]``) in
     the column tile, times their per-sample weights; 0 where masked."""
-    idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                           p0, p1, p2, HASH_MODE)
+    idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                   p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS)
     mask = id_mask[:, None, None] & col_mask[None, :, :]
     rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
     if HAS_PSW:
@@ -334,12 +358,14 @@ def _inputs_clean(guard_ptr, GUARDED: tl.constexpr):
 def _forward_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, out_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64, starts_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
+    STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)].
+    """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]; with
+    ``STARTS`` the block starts are read from ``starts_ptr`` instead of hashed.
 
     With ``CHECK`` it also counts the input checks' problems into ``problems_ptr[0:4]``, as
     ``_input_summary_kernel`` does (the programs of column tile 0 read every id of their
@@ -362,7 +388,8 @@ def _forward_kernel(
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
-                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
+                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
+                              starts_ptr, STARTS, NUM_BLOCKS)
         acc += tl.sum(rows, axis=0)
         if CHECK:
             bad_ids, bad_weights = _count_value_problems(
@@ -413,7 +440,8 @@ def _forward_short_bags_kernel(
         i = lo + k
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
-                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC)
+                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
+                              values_ptr, False, 1)
         acc += rows
         if CHECK:
             bad_ids, bad_weights = _count_value_problems(
@@ -468,10 +496,10 @@ def _backward_short_bags_kernel(
 def _backward_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr, starts_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
-    GUARDED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
@@ -488,8 +516,8 @@ def _backward_kernel(
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
-        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                               p0, p1, p2, HASH_MODE)
+        idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
+                       p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS)
         mask = id_mask[:, None, None] & col_mask[None, :, :]
         contrib = tl.zeros([BLOCK_N, BLOCK_B, BLOCK_Z], dtype=ACC) + grad[None, :, :]
         if HAS_PSW:
@@ -528,6 +556,32 @@ def _psw_grad_kernel(
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)
         dot = tl.where(_inputs_clean(guard_ptr, GUARDED), _div_rn(dot, divisor), 0.0)
         tl.store(out_ptr + i, dot.to(out_ptr.dtype.element_ty), mask=id_mask)
+
+
+@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+def _hash_starts_kernel(
+    values_ptr, offsets_ptr, meta_ptr, starts_ptr, batch, num_features, num_values,
+    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    Z: tl.constexpr, HASH_MODE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+):
+    """starts[i, blk] = start of block ``blk`` of the id at position ``i`` (one bag a
+    program): the hash once per id and block, for kernels that would otherwise hash it in
+    every thread that reads the block."""
+    bag = tl.program_id(0).to(tl.int64)
+    b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
+        meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, tl.float32)
+    blk = tl.arange(0, BLOCK_NB).to(tl.int64)
+    blk_mask = (blk < NUM_BLOCKS) & (blk * Z < dim)
+    for i0 in range(lo, hi, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        id_mask = i < hi
+        ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
+        start = _block_start((ids + row_offset)[:, None], blk[None, :], span, p0, p1, p2,
+                             HASH_MODE)
+        tl.store(starts_ptr + i[:, None].to(tl.int64) * NUM_BLOCKS + blk[None, :],
+                 start.to(starts_ptr.dtype.element_ty),
+                 mask=id_mask[:, None] & blk_mask[None, :])
 
 
 @triton.jit
@@ -745,6 +799,11 @@ class _Tiles:
                     num_warps=self.num_warps)
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.contiguous()`` without its call when it already is (host time a launch)."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
 def _cdiv(a: int, b: int) -> int:
     # not triton.cdiv: a Triton function, slow to call from the host
     return -(-a // b)
@@ -777,7 +836,7 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``table_meta`` on the kernels' device, copied once per tensor version when the caller
     keeps it elsewhere (a copy per call would wait on the host, and break a graph capture)."""
     if table_meta.device == device:
-        return table_meta.contiguous()
+        return _dense(table_meta)
     hit = _DEVICE_META.get(table_meta)
     if hit is not None and hit[0] == table_meta._version and hit[1].device == device:
         return hit[1]
@@ -887,6 +946,73 @@ def _guard_args(guard: Optional[torch.Tensor], any_tensor: torch.Tensor):
     return (any_tensor if guard is None else guard,), dict(GUARDED=guard is not None)
 
 
+class _ForwardPlan(NamedTuple):
+    """What a forward derives on the host from its static layout, computed once per layout
+    (:func:`_forward_plan`)."""
+    meta_cpu: torch.Tensor
+    id_check: IdCheck
+    params: List[int]
+    batch: int
+    counted: bool
+    covers_output: bool
+    tiles: "_Tiles"
+    check_constants: dict
+    key_limit: int
+
+
+#: table_meta -> {everything else a plan depends on: plan}; weak keys, so a module's plan
+#: lives as long as its table_meta
+_PLANS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_size,
+                  hash_mode, hash_params, bounds_check) -> _ForwardPlan:
+    """The checked static layout of a forward call and its launch parameters, from the cache
+    when an earlier call had the same layout: the same ``table_meta`` (and version), the same
+    dtypes, shapes, devices and scalar arguments, the same tuning. A module calls with the
+    same layout every step, and re-deriving it is most of a GPU forward's host time."""
+    try:
+        version = table_meta._version
+    except RuntimeError:  # an inference tensor: no version to key on, so no cache
+        version = None
+    key = (version, weights.dtype, weights.shape, weights.device, values.dtype, values.shape,
+           values.device, offsets.dtype, offsets.shape, offsets.device,
+           None if psw is None else (psw.dtype, psw.shape, psw.device), output_dim,
+           block_size, hash_mode, tuple(hash_params), bounds_check, current_tuning())
+    plans = _PLANS.get(table_meta) if version is not None else None
+    plan = None if plans is None else plans.get(key)
+    if plan is not None:
+        return plan
+    kernels = _kernels_for(weights.device)
+    _same_device(weights.device, values=values, offsets=offsets, per_sample_weights=psw)
+    meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
+                                      block_size, hash_mode, hash_params, bounds_check)
+    num_bags = offsets.numel() - 1
+    batch = num_bags // table_meta.shape[1]
+    facts = meta_facts(meta_cpu, block_size, output_dim)
+    counted = _counts_in_kernel(batch, output_dim, facts)
+    tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
+                   _is_interpreted(kernels))
+    if counted:
+        check_constants, key_limit = dict(CHECK=True, **_id_check_constants(id_check)), \
+            _key_limit_arg(id_check)
+    else:  # the kernel never touches the problem counts
+        check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
+    plan = _ForwardPlan(meta_cpu, id_check, _hash_args(hash_params), batch, counted,
+                        facts.covers_output, tiles, check_constants, key_limit)
+    if version is not None:
+        if plans is None:
+            plans = _PLANS[table_meta] = {}
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
+#: plans kept per table_meta (batch sizes and tunings a module sees; beyond, start over)
+_MAX_PLANS = 32
+
+
 def forward(
     weights: torch.Tensor,
     values: torch.Tensor,
@@ -900,42 +1026,33 @@ def forward(
     bounds_check: int,
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
-    _same_device(weights.device, values=values, offsets=offsets,
-                 per_sample_weights=per_sample_weights)
     psw = per_sample_weights
-    meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
-                                      block_size, hash_mode, hash_params, bounds_check)
-    params = _hash_args(hash_params)
-    num_features = table_meta.shape[1]
-    num_bags = offsets.numel() - 1
-    batch = num_bags // num_features
-    facts = meta_facts(meta_cpu, block_size, output_dim)
-    counted = _counts_in_kernel(batch, output_dim, facts)
-    if not counted and not _summarize_inputs(values, offsets, psw, table_meta, meta_cpu,
-                                             id_check):
+    plan = _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_size,
+                         hash_mode, hash_params, bounds_check)
+    meta_cpu, id_check = plan.meta_cpu, plan.id_check
+    if not plan.counted and not _summarize_inputs(values, offsets, psw, table_meta, meta_cpu,
+                                                  id_check):
         check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     # columns no feature covers (output_dim > sum of dims) must read 0
-    shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
-    out = (_empty(*shape, dtype=dtype, device=weights.device) if facts.covers_output
+    shape, dtype = (plan.batch, output_dim), m.accumulation_dtype(weights.dtype)
+    out = (_empty(*shape, dtype=dtype, device=weights.device) if plan.covers_output
            else torch.zeros(shape, dtype=dtype, device=weights.device))
-    if batch == 0 or output_dim == 0:
+    if plan.batch == 0 or output_dim == 0:
         return out
-    if counted:
+    if plan.counted:
         deferred_checks.raise_ready()
         problems = torch.zeros(4, dtype=torch.int64, device=weights.device)
-        check_args = (problems, _key_limit_arg(id_check))
-        check_constants = dict(CHECK=True, **_id_check_constants(id_check))
-    else:  # the kernel never touches the problem counts: any pointer will do
+        check_args = (problems, plan.key_limit)
+    else:  # any pointer will do
         check_args = (out, 0)
-        check_constants = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False)
-    tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
-                   _is_interpreted(kernels))
-    _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel), tiles,
-                       weights, weights, out, values, offsets, psw, table_meta, output_dim,
-                       block_size, hash_mode, params, check_args, check_constants)
+    _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel),
+                       plan.tiles, weights, weights, out, values, offsets, psw, table_meta,
+                       output_dim, block_size, hash_mode, plan.params, check_args,
+                       plan.check_constants)
     # bad input made the kernel compute a wrong output but touch nothing outside its
     # tensors; the problem is raised here, or by a later call when the checks are deferred
-    if counted and not _answer(problems, values, offsets, psw, table_meta, meta_cpu, id_check):
+    if plan.counted and not _answer(problems, values, offsets, psw, table_meta, meta_cpu,
+                                    id_check):
         check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     return out
 
@@ -953,8 +1070,8 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
     num_bags = offsets.numel() - 1
     batch = num_bags // num_features
     psw = per_sample_weights
-    args = (source.contiguous(), values.contiguous(), offsets.contiguous(),
-            weights if psw is None else psw.contiguous(),
+    args = (_dense(source), _dense(values), _dense(offsets),
+            weights if psw is None else _dense(psw),
             _meta_on(table_meta, weights.device), target,
             batch, num_features, values.numel(), width, *params, *extra_args)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
@@ -965,9 +1082,67 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
         grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
         short_bags[grid](*args, BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps,
                          **constants)
-    else:
-        per_bag[(num_bags, tiles.col_tiles)](*args, BLOCK_N=tiles.block_n,
-                                             num_warps=tiles.num_warps, **constants)
+        return
+    starts = _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode, params,
+                          tiles, weights) if tiles.two_pass else values
+    per_bag[(num_bags, tiles.col_tiles)](*args, starts, BLOCK_N=tiles.block_n,
+                                         num_warps=tiles.num_warps, STARTS=tiles.two_pass,
+                                         NUM_BLOCKS=tiles.num_blocks, **constants)
+
+
+def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor,
+                 batch: int, block_size: int, hash_mode: int, params: List[int], tiles: _Tiles,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """Every id's block starts, ``[num_values, tiles.num_blocks]``, hashed once (the first
+    pass of a two-pass launch): int32 while every start fits, else int64."""
+    kernels = _kernels_for(values.device)
+    num_blocks = tiles.num_blocks
+    fits = weights.numel() < 2**31  # every start lies below it
+    starts = _empty(values.numel(), num_blocks, dtype=torch.int32 if fits else torch.int64,
+                    device=values.device)
+    num_bags = offsets.numel() - 1
+    block_nb = _next_pow2(num_blocks)
+    kernels._hash_starts_kernel[(num_bags,)](
+        values.contiguous(), offsets.contiguous(), _meta_on(table_meta, values.device), starts,
+        batch, table_meta.shape[1], values.numel(), *params, Z=block_size,
+        HASH_MODE=int(hash_mode), NUM_BLOCKS=num_blocks,
+        BLOCK_N=max(1, min(tiles.block_n, 1024 // block_nb)), BLOCK_NB=block_nb,
+    )
+    return starts
+
+
+def hash_starts(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                table_meta: torch.Tensor, max_dim: int, block_size: int, hash_mode: int,
+                hash_params: List[int]) -> torch.Tensor:
+    """Every id's block starts (``[num_values, ceil(max_dim / block_size)]``), as the first
+    pass of a two-pass forward stores them; no input checks. For benchmarks and tests."""
+    tiles = _Tiles(max_dim, block_size, values.numel(), offsets.numel() - 1,
+                   _is_interpreted(_kernels_for(values.device)))
+    batch = (offsets.numel() - 1) // table_meta.shape[1]
+    return _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode,
+                        _hash_args(hash_params), tiles, weights)
+
+
+def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                        table_meta: torch.Tensor, output_dim: int, max_dim: int,
+                        block_size: int, starts: torch.Tensor) -> torch.Tensor:
+    """The second pass of a two-pass forward alone: the bags pooled from block starts
+    computed beforehand (:func:`hash_starts`), no hash, no input checks, sum pooling as
+    ``table_meta`` says. What reading the touched blocks and pooling them costs: a floor
+    for benchmarks (never for untrusted input)."""
+    kernels = _kernels_for(weights.device)
+    num_bags = offsets.numel() - 1
+    batch = num_bags // table_meta.shape[1]
+    tiles = _Tiles(max_dim, block_size, values.numel(), num_bags, _is_interpreted(kernels))
+    out = torch.zeros(batch, output_dim, dtype=m.accumulation_dtype(weights.dtype),
+                      device=weights.device)
+    kernels._forward_kernel[(num_bags, tiles.col_tiles)](
+        weights, values, offsets, weights, _meta_on(table_meta, weights.device), out, batch,
+        table_meta.shape[1], values.numel(), output_dim, 0, 0, 0, out, 0, starts,
+        Z=block_size, HASH_MODE=0, HAS_PSW=False, ACC=_acc_dtype(weights), CHECK=False,
+        IN_BOUNDS=False, KEY_LIMIT=False, STARTS=True, NUM_BLOCKS=tiles.num_blocks,
+        **tiles.kwargs())
+    return out
 
 
 def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights, table_meta,

@@ -231,8 +231,11 @@ def check_deferred_bad_input(case: OpCase) -> None:
                                  ("values", "offsets")[position - 1]: bad})
             tk.forward(*bad_case.forward_args())
             grad, _, *lookup = bad_case.backward_args(case.grad())
+            # raised by the backward if the forward's answer was ready, else by the next
+            # read; either way the backward wrote nothing
             try:
                 tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+                raise_pending_checks()
                 raised = None
             except DeferredCheckError as exc:
                 raised = str(exc)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from .checks import triton_checks
+from .gpu_checks import gpu_checks, torchrec_gpu_checks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -14,4 +15,12 @@ CHECKS = triton_checks("cuda")
 
 @pytest.mark.parametrize("check", [c for _, c in CHECKS], ids=[n for n, _ in CHECKS])
 def test_triton_matches_reference_on_cuda(check):
+    check()
+
+
+GPU_CHECKS = gpu_checks(matrix=40) + torchrec_gpu_checks()
+
+
+@pytest.mark.parametrize("check", [c for _, c in GPU_CHECKS], ids=[n for n, _ in GPU_CHECKS])
+def test_gpu_only(check):
     check()

@@ -628,3 +628,32 @@ def test_forward_kernel_counts_the_problems_the_summary_counts(bounds, short_bag
         assert raised == any(expected), f"trial {trial}: raised {raised}, summary {summary}"
         kinds.update(i for i, bad in enumerate(expected) if bad)
     assert kinds >= {0, 2, 3, 1 if bounds == "error" else 0}, kinds
+
+
+def test_matrix_cases_in_the_interpreter():
+    """The GPU matrix's drawing and checking code, on the few of its cases small enough for
+    the interpreter (the GPU runs all of them: tests/ops/test_gpu.py)."""
+    from .gpu_checks import check_matrix_case, matrix_case
+
+    small = [seed for seed in range(60)
+             if matrix_case(seed)[1].values.numel() * max(
+                 matrix_case(seed)[1].table_meta[1].tolist()) < 20_000][:4]
+    assert len(small) == 4
+    for seed in small:
+        check_matrix_case(seed, device="cpu")
+
+
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_two_pass_kernels(kw):
+    """Block starts hashed in a pass of their own, then pooled and scattered from it: the
+    same results as the reference (and, pooled in the same order, bitwise the one-pass
+    per-bag kernel's forward)."""
+    if kw.get("max_bag", 6) > 100:
+        kw = dict(kw, max_bag=40)
+    case = random_case(**kw)
+    with tuned(short_bag_mean=-1.0):
+        one_pass = tk.forward(*case.forward_args())
+        with tuned(two_pass_mean_bag=0.0):
+            assert torch.equal(tk.forward(*case.forward_args()), one_pass)
+            check_forward(case)
+            check_backward_dense(case)

@@ -1,0 +1,316 @@
+"""Checks that need a CUDA device: the op matrix against the reference, no host
+synchronisation in forward, backward and a fused step, and CUDA-graph capture and replay.
+
+Run by ``tests/ops/test_gpu.py`` (skipped without a GPU) and by ``benchmarks.gpu_check``
+(which needs no pytest). :func:`matrix_case` draws the random configurations; on CPU its
+first few run in Triton's interpreter too (``tests/ops/test_triton_kernel.py``), so the
+drawing code cannot rot.
+
+Example::
+
+    >>> for name, check in gpu_checks(matrix=40):
+    ...     check()                      # raises AssertionError naming what differs
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, List, Tuple
+
+import torch
+
+from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import raise_pending_checks
+from robe_torchrec.ops import triton_kernels as tk
+from robe_torchrec.ops.deferred_checks import DeferredCheckError
+from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
+
+from .cases import OpCase, random_case
+from .checks import (OPTIMIZERS, check_backward_dense, check_forward, check_fused,
+                     check_per_sample_weights_grad, fused_states)
+
+DIMS = (1, 2, 3, 7, 16, 33, 64, 100, 128, 255, 256, 512)
+BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 31, 32, 64, 128, 256)
+BAGS = (0, 1, 2, 3, 5, 20, 100, 500)
+BATCHES = (1, 3, 7, 33, 64)
+#: keep a case's reference (pure PyTorch, float64 on the CPU) to a second or so
+MAX_ELEMENTS = 4_000_000
+
+
+def matrix_case(seed: int) -> Tuple[str, OpCase]:
+    """A random configuration (1 to 30 features, dims 1 to 512, Z 1 to 256, int32/int64 ids,
+    sum and mean, per-sample weights or not, bags of 0 to 500 ids, either hash, batch 1 or
+    odd) and a label that names it."""
+    r = random.Random(seed)
+    features = r.choice((1, 1, 2, 3, 5, 13, 26, 30))
+    dims = [r.choice(DIMS) for _ in range(features)]
+    block_size = r.choice(BLOCK_SIZES)
+    batch = r.choice(BATCHES)
+    max_bag = r.choice(BAGS)
+    while features * batch * max(max_bag, 1) * max(dims) > MAX_ELEMENTS and max_bag > 1:
+        max_bag //= 2
+    kw = dict(seed=seed, dims=dims, batch=batch, max_bag=max_bag, block_size=block_size,
+              hash_mode=int(r.choice(list(HashMode))), shared=r.random() < 0.5,
+              weighted=r.random() < 0.4, pooling=[r.randint(0, 1) for _ in dims],
+              index_dtype=r.choice((torch.int32, torch.int64)),
+              memory_size=r.randint(block_size, 4 * block_size + 50_000),
+              empty_fraction=r.choice((0.0, 0.2)))
+    label = (f"T={features} dims={sorted(set(dims))} Z={block_size} B={batch} bag<={max_bag} "
+             f"{HashMode(kw['hash_mode']).name.lower()} "
+             f"{'weighted ' if kw['weighted'] else ''}{str(kw['index_dtype'])[6:]}")
+    if not kw["shared"]:  # one array per feature: each must hold a block
+        kw["memory_size"] = max(kw["memory_size"], (block_size + 13) * features)
+    return label, random_case(**kw)
+
+
+def check_adjoint(case: OpCase) -> None:
+    """``<backward(g), w> = <forward(w), g>`` (the backward is the forward's transpose,
+    whatever the hash), in float64 to keep rounding out of it."""
+    case64 = OpCase(**{**case.__dict__, "weights": case.weights.double(),
+                       "per_sample_weights": None if case.per_sample_weights is None
+                       else case.per_sample_weights.double()})
+    g = case.grad().double()
+    lhs = (tk.backward_dense(*case64.backward_args(g)) * case64.weights).sum()
+    rhs = (tk.forward(*case64.forward_args()) * g).sum()
+    scale = float((tk.forward(*case64.forward_args()).abs() * g.abs()).sum()) or 1.0
+    assert abs(float(lhs - rhs)) <= 1e-9 * scale, f"<Bg, w> = {float(lhs)}, <Fw, g> = {float(rhs)}"
+
+
+def check_matrix_case(seed: int, device: str = "cuda") -> None:
+    """Every op of one random configuration against the reference: forward, the dense and
+    per-sample-weight gradients, each fused optimizer, and the adjoint identity."""
+    _, case = matrix_case(seed)
+    case = case.to(device)
+    check_forward(case)
+    check_backward_dense(case)
+    if case.per_sample_weights is not None:
+        check_per_sample_weights_grad(case)
+    check_adjoint(case)
+    if case.values.numel():
+        for name in OPTIMIZERS:
+            check_fused(case, name, steps=1)
+    raise_pending_checks()
+
+
+# ---------------------------------------------------------------------------------------
+# no host synchronisation, CUDA graphs
+# ---------------------------------------------------------------------------------------
+
+def _graph_case(seed: int = 5) -> OpCase:
+    """Two features, short and long bags, per-sample weights of 1 and 2: with a gradient of
+    small integers every sum is exact in float32, so the order of the atomic adds cannot
+    change a bit and replays are compared bitwise."""
+    case = random_case(seed=seed, dims=[32, 64], batch=48, max_bag=6, block_size=16,
+                       memory_size=1 << 14, weighted=True).to("cuda")
+    case.per_sample_weights = torch.randint(1, 3, case.values.shape,
+                                            device="cuda").to(torch.float32)
+    return case
+
+
+def _integer_grad(case: OpCase, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, (case.batch, case.output_dim), generator=g).float().cuda()
+
+
+def _fused_step(case: OpCase, weights, state, grad, optimizer: Optimizer, hparams):
+    torch.ops.robe.backward_fused_(grad, weights, *state, case.values, case.offsets,
+                                   case.per_sample_weights, case.table_meta, case.block_size,
+                                   case.hash_mode, case.hash_params, int(optimizer), hparams, 1)
+
+
+def check_no_host_sync() -> None:
+    """Forward with autograd, its dense backward, the per-sample-weight gradient and a fused
+    step under ``torch.cuda.set_sync_debug_mode("error")``: nothing waits for the device
+    (after a first call, which checks the static layout once)."""
+    case = _graph_case()
+    weights = case.weights.clone().requires_grad_(True)
+    psw = case.per_sample_weights.clone().requires_grad_(True)
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    state = fused_states(case, optimizer)
+    fused_weights = case.weights.clone()
+    grad = _integer_grad(case, 0)
+
+    def step():
+        out = torch.ops.robe.forward(weights, case.values, case.offsets, psw,
+                                     *case.forward_args()[4:])
+        out.backward(grad)
+        torch.ops.robe.forward(fused_weights, *case.forward_args()[1:])
+        _fused_step(case, fused_weights, state, grad, optimizer, hparams)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    raise_pending_checks()
+
+
+def _capture(fn: Callable[[], object]) -> Tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up on a side stream (as torch.cuda.graph's docs ask), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+def check_graph_forward() -> None:
+    """A captured forward replays bitwise equal to eager, on new ids copied into the
+    static inputs."""
+    case = _graph_case()
+    static_values = case.values.clone()
+    args = list(case.forward_args())
+
+    def forward():
+        return torch.ops.robe.forward(case.weights, static_values, *args[2:])
+
+    graph, out = _capture(forward)
+    fewest_rows = int(case.table_meta[NUM_ROWS].min())
+    for seed in (11, 12):
+        # new ids, the same bag lengths (the static offsets stay valid)
+        g = torch.Generator().manual_seed(seed)
+        new_values = torch.randint(0, fewest_rows, static_values.shape, generator=g)
+        new_values = new_values.to(static_values)
+        static_values.copy_(new_values)
+        graph.replay()
+        expected = torch.ops.robe.forward(case.weights, new_values.clone(), *args[2:])
+        assert torch.equal(out, expected), "graph replay differs from eager"
+    raise_pending_checks()
+
+
+def check_graph_fused_backward() -> None:
+    """Forward and fused backward (SGD, Adagrad, row-wise Adagrad) captured together replay
+    bitwise equal to eager over three steps; bad ids copied in before a replay change no
+    weight and raise from :func:`raise_pending_checks`."""
+    for name in ("sgd", "adagrad", "rowwise_adagrad"):
+        optimizer, hparams = OPTIMIZERS[name]
+        case = _graph_case()
+        static_grad = _integer_grad(case, 0)
+        graphed_w, eager_w = case.weights.clone(), case.weights.clone()
+        graphed_state, eager_state = fused_states(case, optimizer), fused_states(case, optimizer)
+        graphed_case = OpCase(**{**case.__dict__, "weights": graphed_w})
+
+        def step():
+            torch.ops.robe.forward(graphed_w, *graphed_case.forward_args()[1:])
+            _fused_step(graphed_case, graphed_w, graphed_state, static_grad, optimizer,
+                        hparams)
+
+        # the warm-up inside _capture takes one step: eager takes it too
+        graph, _ = _capture(step)
+        eager_case = OpCase(**{**case.__dict__, "weights": eager_w})
+        torch.ops.robe.forward(eager_w, *eager_case.forward_args()[1:])
+        _fused_step(eager_case, eager_w, eager_state, static_grad, optimizer, hparams)
+        for seed in (1, 2, 3):
+            static_grad.copy_(_integer_grad(case, seed))
+            graph.replay()
+            torch.ops.robe.forward(eager_w, *eager_case.forward_args()[1:])
+            _fused_step(eager_case, eager_w, eager_state, static_grad, optimizer, hparams)
+            assert torch.equal(graphed_w, eager_w), f"{name}: replay {seed} differs from eager"
+            for a, b in zip(graphed_state, eager_state):
+                assert torch.equal(a, b), f"{name}: state after replay {seed} differs"
+        raise_pending_checks()
+        kept = graphed_w.clone()
+        case.values[-1] = 10**9  # out of range: the replay's forward counts it
+        graph.replay()
+        assert torch.equal(graphed_w, kept), f"{name}: a replay on bad ids changed weights"
+        try:
+            raise_pending_checks()
+            raised = False
+        except DeferredCheckError as exc:
+            raised = "1000000000" in str(exc)
+        assert raised, f"{name}: the graph's bad ids were not reported"
+        case.values[-1] = 0
+        graph.replay()
+        raise_pending_checks()  # the next good replay reads clean again
+
+
+def check_graph_refuses_adam() -> None:
+    case = _graph_case()
+    optimizer, hparams = OPTIMIZERS["adam"]
+    state = fused_states(case, optimizer)
+    grad = _integer_grad(case, 0)
+    weights = case.weights.clone()
+    _fused_step(case, weights, state, grad, optimizer, hparams)  # warm
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            _fused_step(case, weights, state, grad, optimizer, hparams)
+        refused = False
+    except ValueError as exc:
+        refused = "Adam cannot be captured" in str(exc)
+    assert refused, "fused Adam was captured with a frozen step"
+
+
+def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
+    """``(name, check)`` of the CUDA-only checks: ``matrix`` random configurations, then
+    the synchronisation and graph checks."""
+    checks = [(f"matrix[{seed}: {matrix_case(seed)[0]}]",
+               lambda s=seed: check_matrix_case(s)) for seed in range(matrix)]
+    checks += [("no_host_sync", check_no_host_sync),
+               ("graph_forward", check_graph_forward),
+               ("graph_fused_backward", check_graph_fused_backward),
+               ("graph_refuses_adam", check_graph_refuses_adam)]
+    return checks
+
+
+# ---------------------------------------------------------------------------------------
+# TorchRec's DLRM compiled with CUDA graphs (needs torchrec; fbgemm's sparse ops on CUDA)
+# ---------------------------------------------------------------------------------------
+
+def _dlrm_losses(compiled: bool, steps: int) -> List[float]:
+    from robe_torchrec.config import RobeConfig
+    from robe_torchrec.data.synthetic import SyntheticCriteo
+    from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_dlrm, dense_optimizer
+
+    from benchmarks.gpu_torchrec import fbgemm_cuda_shim
+
+    fbgemm_cuda_shim.install()  # CUDA kernels of fbgemm's sparse ops where there are none
+    data = SyntheticCriteo(batch_size=256, num_sparse=8, cardinality_scale=1e-2)
+    spec = DLRMSpec(robe=RobeConfig(compression=100, block_size=8), embedding_dim=16,
+                    embedding_optimizer=OptimizerSpec("adagrad", lr=0.05),
+                    dense_optimizer=OptimizerSpec("sgd", lr=0.1))
+    torch.manual_seed(0)
+    model, _ = build_dlrm(spec, data.keys, data.cardinalities)
+    model = model.cuda()
+    dense = dense_optimizer(model, spec.dense_optimizer.cls, spec.dense_optimizer.kwargs())
+    step_model = torch.compile(model, mode="reduce-overhead") if compiled else model
+    losses = []
+    for batch in data.batches(0, steps):
+        batch = batch.to(torch.device("cuda"))
+        dense.zero_grad()
+        loss, _ = step_model(batch)
+        loss.backward()
+        dense.step()
+        losses.append(float(loss))
+    raise_pending_checks()
+    return losses
+
+
+def check_compiled_dlrm(steps: int = 20) -> None:
+    """TorchRec's DLRM on ROBE-Z tables with fused Adagrad, compiled with
+    ``mode="reduce-overhead"`` (CUDA graphs), trains as eager does for ``steps`` steps.
+    Float atomics in the embedding backward make two eager runs differ in the last bits
+    where ids collide, so the check allows what two eager runs differ by, plus 1e-5."""
+    eager, again = _dlrm_losses(False, steps), _dlrm_losses(False, steps)
+    compiled = _dlrm_losses(True, steps)
+    noise = max(abs(a - b) for a, b in zip(eager, again))
+    worst = max(abs(a - b) for a, b in zip(eager, compiled))
+    print(f"    compiled DLRM: worst loss difference {worst:.3g} over {steps} steps "
+          f"(eager against eager: {noise:.3g})", flush=True)
+    assert worst <= noise + 1e-5, (eager, compiled)
+
+
+def torchrec_gpu_checks() -> List[Tuple[str, Callable[[], None]]]:
+    """The checks that need torchrec on the GPU (none when it is not importable)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchrec") is None:
+        return []
+    return [("compiled_dlrm_reduce_overhead", check_compiled_dlrm)]
