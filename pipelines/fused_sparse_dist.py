@@ -36,9 +36,9 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 
-from robe_torchrec.torchrec_compat import start_embedding_lookup
 from pipelines.forwards import CpuSafeInSyncEmbeddingPipelinedForward, compute_stream
 from pipelines.guards import check_pipeline_model, uses_streams
+from robe_torchrec.torchrec_compat import start_embedding_lookup
 
 _STREAM_CHOICES = ("data_dist", "new", "current")
 

@@ -32,9 +32,9 @@ from torchrec.distributed.train_pipeline.pipeline_context import (
     TrainPipelineContext,
 )
 
-from robe_torchrec.torchrec_compat import start_embedding_lookup, wait_for_events
 from pipelines.forwards import CpuSafeEmbeddingPipelinedForward, compute_stream
 from pipelines.guards import check_pipeline_model
+from robe_torchrec.torchrec_compat import start_embedding_lookup, wait_for_events
 
 DEFAULT_START_BATCH = 900  # TorchRec's
 
