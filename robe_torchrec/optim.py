@@ -85,6 +85,28 @@ _TUNABLE = {
 _IGNORED = {"foreach", "fused", "differentiable", "capturable"}
 
 
+def in_backward_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of the kwargs ``apply_optimizer_in_backward`` recorded on a parameter, in
+    ``torch.optim``'s spelling.
+
+    ``apply_optimizer_in_backward(cls, model.parameters(), kwargs)`` records the *same* dict
+    on every parameter, and TorchRec's sharders edit it in place when they shard a stock
+    table: they add ``optimizer`` (an ``EmbOptimType``) and rename ``lr`` to
+    ``learning_rate``. A ROBE array sharing the dict with a stock table sharded before it
+    then sees those keys: they are read back here (``learning_rate`` as ``lr``, ``optimizer``
+    dropped) instead of being refused as unknown arguments.
+
+    Example::
+
+        >>> in_backward_kwargs({"learning_rate": 0.1, "optimizer": EmbOptimType.EXACT_ADAGRAD})
+        {'lr': 0.1}
+    """
+    out = {k: v for k, v in kwargs.items() if k not in ("optimizer", "learning_rate")}
+    if "learning_rate" in kwargs and "lr" not in out:
+        out["lr"] = kwargs["learning_rate"]
+    return out
+
+
 def resolve_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[str, Any]) -> Optimizer:
     """Which fused kernel implements ``optimizer_class(**kwargs)``; raises if none does."""
     kind = _SUPPORTED.get(optimizer_class)
@@ -124,6 +146,7 @@ class RobeFusedOptimizer(FusedOptimizer):
         optimizer_kwargs: Dict[str, Any],
         block_size: Optional[int] = None,
     ) -> None:
+        optimizer_kwargs = in_backward_kwargs(optimizer_kwargs)
         self.kind = resolve_optimizer(optimizer_class, optimizer_kwargs)
         if self.kind == Optimizer.ROWWISE_ADAGRAD and not block_size:
             raise ValueError("robe_torchrec: row-wise Adagrad needs the array's block_size "

@@ -38,7 +38,7 @@ from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
-from robe_torchrec.optim import RowWiseAdagrad, resolve_optimizer
+from robe_torchrec.optim import RowWiseAdagrad, in_backward_kwargs, resolve_optimizer
 from robe_torchrec.torchrec_compat import undo_data_parallel_wrapping
 from robe_torchrec.variable_batch import order_inverse_indices
 
@@ -97,7 +97,8 @@ def resolve_fused_optimizer(
     applied = module.in_backward_optimizer()
     if applied is not None:
         optimizer_class, kwargs = applied
-        kwargs = {k: v for k, v in kwargs.items() if k != "optimizer"}
+        # TorchRec's own sharders may have edited the dict (shared with stock tables)
+        kwargs = in_backward_kwargs(kwargs)
         resolve_optimizer(optimizer_class, kwargs)
         return optimizer_class, kwargs
     fused_params = fused_params or {}
