@@ -240,12 +240,11 @@ def speed(args: argparse.Namespace, device: torch.device) -> List[str]:
 #: launch variants timed beside the default with several ids a bag (tuning fields)
 VARIANTS = {
     "": {},
-    "two-pass": {"two_pass_mean_bag": 0.0},
-    "two-pass, ids 4 a step": {"two_pass_mean_bag": 0.0, "tile": 512},
-    "two-pass, ids 32 a step": {"two_pass_mean_bag": 0.0, "tile": 8192},
-    "ids 4 a step": {"tile": 512},
-    "8 warps": {"num_warps": 8},
-    "2 warps": {"num_warps": 2},
+    "one pass": {"two_pass_mean_bag": float("inf")},
+    "one pass, ids 4 a step": {"two_pass_mean_bag": float("inf"), "tile": 512},
+    "two-pass, ids 16 a step": {"two_pass_tile": 2048},
+    "two-pass, 2 warps": {"num_warps": 2},
+    "two-pass, 8 warps": {"num_warps": 8},
 }
 
 

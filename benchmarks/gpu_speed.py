@@ -323,6 +323,9 @@ def run_scenario(s: Scenario, device: torch.device, timer, reps: int, inner: int
         rows += [r for r in floor_rows(lk, z) if z == s.block_sizes[0] or "L2" in r.name]
     time_rows(rows, timer, reps, inner, warmup)
     notes = check_variants_agree(rows)
+    # the interpreter runs every program in Python: a couple of calls say enough there
+    calls = 300 if device.type == "cuda" else 2
+    profile = host_profile(lk, s.block_sizes[0], calls) if s.ids_per_bag == 1 else []
     cards = s.cardinalities
     lines = [f"### {s.name}", "",
              f"Batch {s.batch}, dim {s.dim}, {len(cards)} features ({sum(cards):,} rows), "
@@ -332,10 +335,40 @@ def run_scenario(s: Scenario, device: torch.device, timer, reps: int, inner: int
     lines += scenario_table(rows, rows[0]) + [""] + targets(rows, s)
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
+    lines += [""] + profile
     del lk, rows
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return lines + [""]
+
+
+def host_profile(lk: Lookup, block_size: int, calls: int = 300, top: int = 14) -> List[str]:
+    """Where the host's time of a forward call goes: ``cProfile`` over ``calls`` calls of
+    the registered op (no grad), the entries with the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    weights, flat = robe_arrays(lk, block_size)
+    with torch.no_grad(), _triton(lk.device):
+        for _ in range(min(20, calls)):
+            torch.ops.robe.forward(weights, *flat)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            torch.ops.robe.forward(weights, *flat)
+        profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    from robe_torchrec.ops import raise_pending_checks
+
+    raise_pending_checks()
+    body = [line for line in text.getvalue().splitlines() if line.strip()]
+    return ([f"### Host time of a forward call, Z={block_size}, {lk.s.ids_per_bag} id(s) a bag",
+             "", f"cProfile over {calls} calls of `torch.ops.robe.forward` (no grad; the "
+             "profiler itself slows every Python call):", "", "```"] + body[:top + 8]
+            + ["```", ""])
 
 
 def single_table_sweep(device: torch.device, timer, reps: int, inner: int,

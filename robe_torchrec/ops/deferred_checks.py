@@ -263,7 +263,7 @@ def raise_pending_checks() -> None:
 def is_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (then nothing may wait for the
     device, query an event or copy to pageable host memory)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_streamis_capturing()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclasses.dataclass

@@ -114,12 +114,23 @@ def _fmix64(x):
 
 @triton.jit
 def _reference_start(key, blk, span, a, b, c):
-    """``((key * A + blk * B + C) mod P) mod span``. Validated keys never overflow int64, so
-    the sum is non-negative and its unsigned remainder is the signed one; a key that fails
-    its check (reported later when checks are deferred) may wrap, and the unsigned
-    remainder still lands in ``[0, P)``, so that no start falls outside the array."""
-    h = (key * a + blk * b + c).to(tl.uint64, bitcast=True) % _REFERENCE_PRIME
-    return h.to(tl.int64, bitcast=True) % span
+    """``((key * A + blk * B + C) mod P) mod span``, computed as
+    ``((key * A) mod P + (blk * B + C) mod P) mod P``: the product's remainder once per key
+    and the block term's once per block, not once per (key, block) pair, then one compare
+    to fold the sum back below P. Every start is below P < 2**31, so the remainder by
+    ``span`` is taken in 32 bits where ``span`` fits (a larger span leaves it as it is).
+
+    Validated keys never overflow int64, so these are the reference's values exactly; a
+    key that fails its check (reported later when checks are deferred) may wrap, and the
+    unsigned remainders still land in ``[0, P)``, so that no start falls outside the
+    array."""
+    per_key = (key * a).to(tl.uint64, bitcast=True) % _REFERENCE_PRIME
+    per_block = (blk * b + c).to(tl.uint64, bitcast=True) % _REFERENCE_PRIME
+    h = per_key + per_block
+    h = tl.where(h >= _REFERENCE_PRIME, h - _REFERENCE_PRIME, h)
+    span32 = tl.minimum(span, _REFERENCE_PRIME).to(tl.uint32)
+    folded = (h.to(tl.uint32) % span32).to(tl.int64)
+    return tl.where(span > _REFERENCE_PRIME, h.to(tl.int64, bitcast=True), folded)
 
 
 @triton.jit
@@ -782,11 +793,12 @@ class _Tiles:
         self.block_b = min(_next_pow2(num_blocks), max(1, tuning.col_tile // self.block_z))
         self.col_tiles = -(-num_blocks // self.block_b)
         mean_bag = num_values / max(num_bags, 1)
-        tile = tuning.interpreter_tile if interpreted else tuning.tile
-        self.block_n = min(_next_pow2(max(-(-num_values // max(num_bags, 1)), 1)),
-                           max(1, tile // (self.block_b * self.block_z)))
         self.short_bags = mean_bag <= tuning.short_bag_mean
         self.two_pass = not self.short_bags and mean_bag >= tuning.two_pass_mean_bag
+        tile = (tuning.interpreter_tile if interpreted
+                else tuning.two_pass_tile if self.two_pass else tuning.tile)
+        self.block_n = min(_next_pow2(max(-(-num_values // max(num_bags, 1)), 1)),
+                           max(1, tile // (self.block_b * self.block_z)))
         self.block_bags = tuning.bags_per_program or max(
             1, tuning.blocks_per_program // self.block_b)
         elements = self.block_n * self.block_b * self.block_z

@@ -40,10 +40,14 @@ class TritonTuning:
     blocks_per_program: int = 4
     #: overrides that rule when set
     bags_per_program: Optional[int] = None
-    #: bags of at least this many ids on average are pooled in two passes: the block
-    #: starts of every id hashed once into a buffer, then pooled from it (see
-    #: ``triton_kernels._block_starts_pass``); ``float("inf")``: never
-    two_pass_mean_bag: float = float("inf")
+    #: bags of at least this many ids on average are pooled (and scattered) in two passes:
+    #: the block starts of every id hashed once into a buffer, then read from it;
+    #: ``float("inf")``: never. At 20 ids a bag on an H100 the two passes took 0.40-0.54x
+    #: the one-pass forward's time (benchmarks/results/gpu_check_h100.md)
+    two_pass_mean_bag: float = 4.0
+    #: ``tile`` of the two-pass kernels: 8192 lets a bag of up to 32 ids (dim 128) be read
+    #: in one step, which beat 2048 and 512 in the same run
+    two_pass_tile: int = 8192
 
 
 _current = TritonTuning()

@@ -97,11 +97,12 @@ def check_matrix_case(seed: int, device: str = "cuda") -> None:
 # ---------------------------------------------------------------------------------------
 
 def _graph_case(seed: int = 5) -> OpCase:
-    """Two features, short and long bags, per-sample weights of 1 and 2: with a gradient of
-    small integers every sum is exact in float32, so the order of the atomic adds cannot
-    change a bit and replays are compared bitwise."""
+    """Two features, sum pooling, bags of up to 6 ids, per-sample weights of 1 and 2: with a
+    gradient of small integers every sum is exact in float32, so the order of the atomic
+    adds cannot change a bit and replays are compared bitwise (mean pooling would divide
+    by the bag size and make the order matter)."""
     case = random_case(seed=seed, dims=[32, 64], batch=48, max_bag=6, block_size=16,
-                       memory_size=1 << 14, weighted=True).to("cuda")
+                       memory_size=1 << 14, weighted=True, pooling=[0, 0]).to("cuda")
     case.per_sample_weights = torch.randint(1, 3, case.values.shape,
                                             device="cuda").to(torch.float32)
     return case
