@@ -50,6 +50,41 @@ DTYPES = (torch.int8, torch.float16)
 _DTYPE_OF = {torch.int8: torch.int8, torch.qint8: torch.int8, torch.quint8: torch.int8,
              torch.float16: torch.float16}
 _INT8_LEVELS = 255  # int8 spans [-128, 127]
+#: dtypes of the pooled output (``output_dtype``), as TorchRec's quantized EBC offers them
+OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _storage_dtype(dtype: torch.dtype, what: str = "") -> torch.dtype:
+    if dtype not in _DTYPE_OF:
+        raise ValueError(f"QuantRobeEmbeddingBagCollection: cannot store a ROBE array as "
+                         f"{dtype}{what}; use torch.int8 (or qint8 / quint8) or torch.float16")
+    return _DTYPE_OF[dtype]
+
+
+def _output_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"QuantRobeEmbeddingBagCollection: output_dtype {dtype} is not "
+                         "supported; the pooled embeddings are float32, float16 or bfloat16")
+    return dtype
+
+
+def weight_dtype_of(module: RobeEmbeddingBagCollection, default: torch.dtype,
+                    per_table: Optional[Dict[str, torch.dtype]]) -> torch.dtype:
+    """The storage dtype of ``module``'s array: ``per_table[name]`` for each of its tables
+    (``default`` for tables not named). A ROBE array is stored in one dtype for all the tables
+    it holds (and a module's per-table arrays share one flat buffer), so they must agree."""
+    per_table = per_table or {}
+    wanted = {t.name: per_table.get(t.name, default) for t in module.embedding_bag_configs()}
+    for name, dtype in wanted.items():
+        _storage_dtype(dtype, f" (table {name!r})")
+    stored = {name: _DTYPE_OF[dtype] for name, dtype in wanted.items()}
+    if len(set(stored.values())) > 1:
+        raise ValueError(
+            "QuantRobeEmbeddingBagCollection stores a module's ROBE array(s) in one dtype, but "
+            f"per_table_weight_dtype (with the default {default} for tables it does not name) "
+            f"asks for {stored}; give every table of the module the same dtype, or put the "
+            "tables that need another dtype in their own RobeEmbeddingBagCollection")
+    return next(iter(stored.values()))
 
 
 class QuantRobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -80,8 +115,10 @@ class QuantRobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def __init__(self, tables: List[EmbeddingBagConfig], robe: RobeConfig,
                  is_weighted: bool = False, dtype: torch.dtype = torch.int8,
                  quant_block_size: int = 64, scale_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device | str] = None) -> None:
+                 device: Optional[torch.device | str] = None,
+                 output_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.output_dtype = _output_dtype(output_dtype)
         if dtype not in DTYPES:
             raise ValueError(f"QuantRobeEmbeddingBagCollection: dtype must be one of {DTYPES}, "
                              f"got {dtype}")
@@ -117,23 +154,32 @@ class QuantRobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @classmethod
     def from_float(cls, module: RobeEmbeddingBagCollection, dtype: Optional[torch.dtype] = None,
                    quant_block_size: int = 64, scale_dtype: torch.dtype = torch.float32,
-                   **_: Any) -> "QuantRobeEmbeddingBagCollection":
+                   output_dtype: Optional[torch.dtype] = None
+                   ) -> "QuantRobeEmbeddingBagCollection":
         """Quantize a trained float module (what ``torch.ao.quantization.quantize_dynamic``
-        and TorchRec's ``quantize_inference_model`` call). ``dtype`` ``None``: the weight
-        dtype of ``module.qconfig`` if it has one (int8 / quint8 / qint8 -> int8, float16),
-        else int8."""
+        and TorchRec's ``quantize_inference_model`` call).
+
+        ``dtype`` ``None``: from ``module.qconfig`` if it has one (TorchRec's
+        ``quantization_dtype``, then its ``per_table_weight_dtype`` for this module's tables,
+        which must agree: see :func:`weight_dtype_of`; int8 / quint8 / qint8 -> int8,
+        float16), else int8. ``output_dtype`` ``None``: the qconfig's activation dtype
+        (TorchRec's ``output_dtype``), else float32. A value this module cannot honour is
+        refused with ``ValueError``."""
         if not isinstance(module, RobeEmbeddingBagCollection):
             raise TypeError(f"QuantRobeEmbeddingBagCollection.from_float takes a "
                             f"RobeEmbeddingBagCollection, got {type(module).__name__}")
+        qconfig = getattr(module, "qconfig", None)
         if dtype is None:
-            qconfig = getattr(module, "qconfig", None)
-            dtype = qconfig.weight().dtype if qconfig is not None else torch.int8
-        if dtype not in _DTYPE_OF:
-            raise ValueError(f"QuantRobeEmbeddingBagCollection: cannot store a ROBE array as "
-                             f"{dtype}; use torch.int8 or torch.float16")
+            default = qconfig.weight().dtype if qconfig is not None else torch.int8
+            dtype = weight_dtype_of(module, default,
+                                    getattr(qconfig, "per_table_weight_dtype", None))
+        if output_dtype is None:
+            activation = getattr(qconfig, "activation", None)
+            output_dtype = activation().dtype if activation is not None else torch.float32
         layout = module.layout
         quant = cls(module.embedding_bag_configs(), layout.config, module.is_weighted(),
-                    _DTYPE_OF[dtype], quant_block_size, scale_dtype, device=module.device)
+                    _storage_dtype(dtype), quant_block_size, scale_dtype, device=module.device,
+                    output_dtype=output_dtype)
         quant.quantize_(module.weight.detach())
         return quant
 
@@ -209,13 +255,19 @@ class QuantRobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """The float module's forward on the dequantized array."""
         tensors = {"weight": self.dequantize(), "table_meta": self.table_meta,
                    "robe_layout": self.robe_layout}
-        return functional_call(self._shell[0], tensors, (features,))
+        pooled = functional_call(self._shell[0], tensors, (features,))
+        if self.output_dtype == torch.float32:
+            return pooled
+        return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(),
+                           values=pooled.values().to(self.output_dtype))
 
     def extra_repr(self) -> str:
         scales = f", quant_block_size={self.quant_block_size}, scale_dtype={self.scale_dtype}" \
             if self.dtype == torch.int8 else ""
+        output = f", output_dtype={self.output_dtype}" \
+            if self.output_dtype != torch.float32 else ""
         return (f"tables={self.layout.table_names}, memory_size={self.memory_size}, "
-                f"dtype={self.dtype}{scales}")
+                f"dtype={self.dtype}{scales}{output}")
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args,
                               **kwargs) -> None:
@@ -254,19 +306,38 @@ def check_quantized(model: nn.Module) -> None:
                          "robe_torchrec.quant.quantize_inference_model")
 
 
+def _table_names(model: nn.Module) -> List[str]:
+    names = []
+    for m in model.modules():
+        for attr in ("embedding_bag_configs", "embedding_configs"):
+            configs = getattr(m, attr, None)
+            if callable(configs):
+                names += [t.name for t in configs()]
+    return names
+
+
 def quantize_inference_model(model: nn.Module, **kwargs: Any) -> nn.Module:
     """TorchRec's ``quantize_inference_model`` (in place, ``kwargs`` passed on) with ROBE in
     the mapping (added to a ``quantization_mapping`` given), then :func:`check_quantized`.
+    ``output_dtype``, ``quantization_dtype`` and ``per_table_weight_dtype`` apply to the ROBE
+    modules as to TorchRec's, or are refused (a dtype a ROBE array cannot be stored in, tables
+    of one ROBE module given different dtypes); ``per_table_weight_dtype`` naming a table the
+    model does not have is refused too.
 
     Example::
 
         >>> qmodel = quantize_inference_model(model, quantization_dtype=torch.int8)
     """
     mapping = {**quantization_mapping(), **(kwargs.pop("quantization_mapping", None) or {})}
+    per_table = kwargs.get("per_table_weight_dtype") or {}
+    unknown = sorted(set(per_table) - set(_table_names(model)))
+    if unknown:
+        raise ValueError(f"per_table_weight_dtype names tables no embedding module of the model "
+                         f"has: {unknown} (tables: {sorted(_table_names(model))})")
     model = _torchrec_quantize(model, quantization_mapping=mapping, **kwargs)
     check_quantized(model)
     return model
 
 
-__all__ = ["DTYPES", "QuantRobeEmbeddingBagCollection", "check_quantized", "float_robe_modules",
+__all__ = ["DTYPES", "OUTPUT_DTYPES", "weight_dtype_of", "QuantRobeEmbeddingBagCollection", "check_quantized", "float_robe_modules",
            "quantization_mapping", "quantize_inference_model"]
