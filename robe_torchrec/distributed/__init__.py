@@ -25,7 +25,10 @@ from robe_torchrec.distributed.sharder import (
     planner_sharding_types,
 )
 
+from robe_torchrec.distributed.unsharded import UnshardedRobeModuleError, install_dmp_check
+
 install_default_sharder()
+install_dmp_check()
 
 __all__ = [
     "RobeEmbeddingBagCollectionSharder",
@@ -33,8 +36,10 @@ __all__ = [
     "ShardedRobeEmbeddingBagCollection",
     "ShardedRobeEmbeddingCollection",
     "ShardedRobeFusedOptimizer",
+    "UnshardedRobeModuleError",
     "get_default_sharders",
     "install_default_sharder",
+    "install_dmp_check",
     "planner_sharding_types",
     "robe_sharding_constraints",
 ]
