@@ -185,6 +185,11 @@ class RobeShardedLookup(ArrayOwner):
                 "data_parallel, or run this batch without gradients (torch.no_grad())")
 
 
+#: how to look up raw ids, as the unsharded message says it (validation.RAW_IDS_HINT)
+ROW_WISE_RAW_IDS_HINT = ("; to look up raw ids (any 64-bit value), hash them with "
+                         "RobeConfig(bounds_check=\"unbounded\", hash=\"mix\")")
+
+
 def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeLayout) -> str:
     """An out-of-range id seen by a row-wise lookup is the rank-local id TorchRec's bucketing
     made of it, checked against the rank's rows: say so, with the table's full range (the
@@ -196,7 +201,7 @@ def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeL
         ...                   "[0, 150)", [f3_on_rank_1], layout)
         'robe: an id of feature 0 is out of range [0, 300) (ids must lie in [0, num_embeddings)):
         this rank, which holds rows [150, 300) of it under row-wise sharding, got it as local
-        id 500000 at position 0 of its input'
+        id 500000 at position 0 of its input; to look up raw ids ...'
     """
     found = re.match(r"robe: id (-?\d+) at position (\d+) of feature (\d+) is out of range", message)
     if not found or int(found.group(3)) >= len(features):
@@ -209,7 +214,7 @@ def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeL
     return (f"robe: an id of feature {found.group(3)} is out of range [0, {table.num_rows}) "
             f"(ids must lie in [0, num_embeddings)): this rank, which holds rows [{start}, "
             f"{start + local.num_rows}) of it under row-wise sharding, got it as local id "
-            f"{found.group(1)} at position {found.group(2)} of its input")
+            f"{found.group(1)} at position {found.group(2)} of its input{ROW_WISE_RAW_IDS_HINT}")
 
 
 def name_feature(message: str, names: List[str]) -> str:

@@ -304,7 +304,7 @@ def check_data(values: torch.Tensor, offsets: torch.Tensor,
     if id_check.in_bounds:
         upper = table_meta[m.NUM_ROWS].to(values.device)[feature]
         _raise_first(vals, (vals < 0) | (vals >= upper), feature,
-                     lambda t: f"is out of range [0, {int(meta_cpu[m.NUM_ROWS, t])})")
+                     lambda t: f"is out of range [0, {int(meta_cpu[m.NUM_ROWS, t])}){RAW_IDS_HINT}")
     elif key_limit is not None:
         keys = vals + table_meta[m.ROW_OFFSET].to(values.device)[feature]
         _raise_first(vals, (vals < 0) | (keys >= key_limit), feature,
@@ -371,6 +371,11 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
                              f"on {state.device}")
     if optimizer == m.Optimizer.ADAM and step < 1:
         raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
+
+
+#: the end of the out-of-range id message (the C++ kernel's ``kRawIdsHint`` says the same)
+RAW_IDS_HINT = ("; ids must lie in [0, num_embeddings): to look up raw ids (any 64-bit "
+                "value), hash them with RobeConfig(bounds_check=\"unbounded\", hash=\"mix\")")
 
 
 def _raise_first(vals: torch.Tensor, bad: torch.Tensor, feature: torch.Tensor, describe) -> None:

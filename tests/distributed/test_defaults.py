@@ -121,6 +121,8 @@ def test_sharded_id_error_names_the_feature(world, types):
     match = r"feature 'f3'.* is out of range \[0, 300\)"
     if "row_wise" in types.values():
         match += r".*holds rows \[\d+, \d+\) of it under row-wise sharding"
+    # and how to look up raw ids instead (issue 31, item 7)
+    match += r'.*hash them with RobeConfig\(bounds_check="unbounded", hash="mix"\)'
     with pytest.raises(RuntimeError, match=match):
         run_ranks(_bad_id, world, types)
 

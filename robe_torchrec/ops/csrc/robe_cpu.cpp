@@ -72,6 +72,10 @@ enum OptimizerId : int64_t { OPT_SGD = 0, OPT_ADAGRAD = 1, OPT_ADAM = 2, OPT_ROW
 constexpr int64_t kPoolingMean = 1;
 
 constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+// the end of the out-of-range id message (validation.py's RAW_IDS_HINT says the same)
+constexpr const char* kRawIdsHint =
+    "; ids must lie in [0, num_embeddings): to look up raw ids (any 64-bit value), hash them "
+    "with RobeConfig(bounds_check=\"unbounded\", hash=\"mix\")";
 
 // ---------------------------------------------------------------------------------------
 // errors: every message starts with "robe:" (validation.py texts); raised as c10::ValueError
@@ -420,7 +424,7 @@ void raise_loop_errors(const LoopErrors& err, const index_t* offs, const index_t
     const int64_t id = vals[pos];
     if (bounds_check == BOUNDS_ERROR) {
       fail(cat("robe: id ", id, " at position ", pos, " of feature ", t, " is out of range [0, ",
-               L.feats[t].num_rows, ")"));
+               L.feats[t].num_rows, ")", kRawIdsHint));
     }
     fail(cat("robe: id ", id, " at position ", pos, " of feature ", t,
              " cannot be hashed by the reference hash (keys must lie in [0, ", limit_str,
