@@ -497,7 +497,7 @@ inline void with_block_length(int64_t Z, bool whole, Fn&& fn) {
 // for ownership that a plain store of a cold line costs (half of the output traffic). Where
 // the CPU has 512-bit stores, one writes a whole line: at one thread the forward took
 // 0.88-0.95x its time with 256-bit ones on the pair model and 0.80-0.82x with rows of 312
-// floats, bitwise equal, and the same at two threads (results/kernel_ab_forward_stream512*.md).
+// floats, bitwise equal, and the same at two threads (results/probes/kernel_ab_forward_stream512*.md).
 #if defined(__AVX512F__)
 constexpr int64_t kStreamBytesPerStore = 64;  // one 512-bit store: a whole cache line
 inline void stream_vector(float* dst, const float* src) { _mm512_stream_ps(dst, _mm512_loadu_ps(src)); }
@@ -570,8 +570,8 @@ constexpr int64_t kTileEntries = 64;
 // made the bags-of-20-ids forward 1.16-1.17x slower in two A/B runs. The forward prefetches
 // its blocks from arrays larger than this: the gathers from a smaller one hit the caches
 // anyway, and prefetching them cost up to 20% of the forward on 512 KiB arrays
-// (results/kernel_ab_forward_prefetch_limit.md) and 7-9% on a 1 MiB one in a 1 MiB L2
-// (results/kernel_ab_forward_prefetch_l2.md).
+// (results/probes/kernel_ab_forward_prefetch_limit.md) and 7-9% on a 1 MiB one in a 1 MiB L2
+// (results/probes/kernel_ab_forward_prefetch_l2.md).
 int64_t reported_l2_bytes() {
   const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
   return reported > 0 ? static_cast<int64_t>(reported) : int64_t(512) << 10;
@@ -583,7 +583,7 @@ const int64_t kL2Bytes = reported_l2_bytes();
 inline bool forward_prefetches(int64_t weights_bytes) { return weights_bytes > kL2Bytes; }
 
 // Arrays beyond this go through the backward scatter's window (see ScatterWindow; measured with
-// this limit, results/kernel_ab_direct_window.md).
+// this limit, results/probes/kernel_ab_direct_window.md).
 constexpr int64_t kScatterWindowMinBytes = int64_t(512) << 10;
 // Outputs at least this large are written with non-temporal stores.
 constexpr int64_t kStreamBytes = int64_t(1) << 21;
@@ -765,8 +765,8 @@ uint64_t forward_kernel(const scalar_t* __restrict__ w, const index_t* __restric
   // A value's blocks can hash independently of each other (Hash::starts): when every feature
   // has more than two, the hash pass writes a value's starts in one loop that vectorizes,
   // then prefetches them. Mix hash: 0.57x the forward's time on bags of 20 ids at Z = 4,
-  // 0.88x on the pair model at Z = 8 (results/kernel_ab_forward_mix_starts.md); reference
-  // hash, up to 64 blocks: 0.77-0.79x and 0.82-0.85x (results/kernel_ab_forward_ref_starts*.md).
+  // 0.88x on the pair model at Z = 8 (results/probes/kernel_ab_forward_mix_starts.md); reference
+  // hash, up to 64 blocks: 0.77-0.79x and 0.82-0.85x (results/probes/kernel_ab_forward_ref_starts*.md).
   // With two blocks or fewer the mix hash was slower that way, so there the pass hashes,
   // prefetches and stores block by block (the reference hash follows the same rule).
   bool starts_first = std::all_of(L.feats.begin(), L.feats.end(), [](const Feature& f) { return f.nblocks > 2; });
@@ -1213,7 +1213,7 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // grad_output rows beyond a page, see direct_scatter_windowed) go through a ScatterWindow: a
 // block's destination and gradient lines are prefetched a window of blocks before it is
 // added, so its misses overlap the others' instead of each stalling the loop.
-// Measured on a 32 MiB-L3 EPYC at one thread (results/kernel_ab_direct_window.md), the
+// Measured on a 32 MiB-L3 EPYC at one thread (results/probes/kernel_ab_direct_window.md), the
 // windowed scatter takes 0.4-0.8x the plan's time up to 10.5 MB arrays, and the fused steps
 // lose from 16 MB on (the direct path zeroes and steps a whole-array gradient out of cache).
 constexpr int64_t kDirectMaxBytes = int64_t(12) << 20;
@@ -1223,7 +1223,7 @@ constexpr int64_t kPageBytes = 4096;
 // share the fused optimizer step). The plan writes, buckets and reads back a record of every block,
 // and there those passes cost more than the second thread saves: on a 2-core EPYC the direct
 // scatter took 0.24-0.91x the plan's time on arrays up to 2.2 MB
-// (results/kernel_ab_direct_at_2_threads.md); taken further, 0.93-1.05x at 4-8 MB and its
+// (results/probes/kernel_ab_direct_at_2_threads.md); taken further, 0.93-1.05x at 4-8 MB and its
 // fused step 1.12-1.15x at 10.5 MB (..._12mib.md, ..._sizes.md). From 3 threads on: the plan.
 constexpr int64_t kDirectMaxBytesTwoThreads = int64_t(4) << 20;
 
