@@ -4,7 +4,7 @@
 ``EmbeddingBagCollectionSharder`` and :class:`ShardedRobeEmbeddingBagCollection` subclasses
 ``ShardedEmbeddingBagCollection``: TorchRec's input dist, output dist, KeyedTensor assembly,
 planner and pipelines are reused as they are; only the lookup kernel (``_create_lookups``),
-the optimizer and the state dict are ROBE's own. See ``README_SECTION.md`` for semantics.
+the optimizer and the state dict are ROBE's own. See ``docs/sharding.md`` for semantics.
 """
 
 from __future__ import annotations
