@@ -243,8 +243,7 @@ VARIANTS = {
     "one pass": {"two_pass_mean_bag": float("inf")},
     "one pass, ids 4 a step": {"two_pass_mean_bag": float("inf"), "tile": 512},
     "two-pass, ids 16 a step": {"two_pass_tile": 2048},
-    "two-pass, 2 warps": {"num_warps": 2},
-    "two-pass, 8 warps": {"num_warps": 8},
+    "two-pass, 4 warps": {"num_warps": 4},
 }
 
 

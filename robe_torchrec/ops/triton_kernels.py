@@ -802,8 +802,9 @@ class _Tiles:
         self.block_bags = tuning.bags_per_program or max(
             1, tuning.blocks_per_program // self.block_b)
         elements = self.block_n * self.block_b * self.block_z
-        self.num_warps = tuning.num_warps or max(
-            1, min(tuning.max_warps, elements // tuning.elements_per_warp))
+        self.num_warps = tuning.num_warps or (
+            tuning.two_pass_warps if self.two_pass
+            else max(1, min(tuning.max_warps, elements // tuning.elements_per_warp)))
         self.short_bags_warps = tuning.num_warps or 1
 
     def kwargs(self):

@@ -42,12 +42,15 @@ class TritonTuning:
     bags_per_program: Optional[int] = None
     #: bags of at least this many ids on average are pooled (and scattered) in two passes:
     #: the block starts of every id hashed once into a buffer, then read from it;
-    #: ``float("inf")``: never. At 20 ids a bag on an H100 the two passes took 0.40-0.54x
-    #: the one-pass forward's time (benchmarks/results/gpu_check_h100.md)
+    #: ``float("inf")``: never. At 20 ids a bag, Z = 32, on an H100 the two-pass forward
+    #: took 0.63x the one-pass forward's time (benchmarks/results/gpu_check_h100.md)
     two_pass_mean_bag: float = 4.0
     #: ``tile`` of the two-pass kernels: 8192 lets a bag of up to 32 ids (dim 128) be read
     #: in one step, which beat 2048 and 512 in the same run
     two_pass_tile: int = 8192
+    #: warps of the two-pass kernels (``num_warps`` overrides it): 2 took 0.82x the time
+    #: of 4 on the two-pass forward at 20 ids a bag, Z = 32, 8 took 1.94x (same run)
+    two_pass_warps: int = 2
 
 
 _current = TritonTuning()
