@@ -11,7 +11,7 @@ another process interrupts is an outlier, not a shift of the mean. Each process 
 stalls every parallel loop, and the spread between identical runs reached 10x).
 Synthetic batches are pre-generated per rank (``data.cycle``) so that generating them (slower
 than a step at this size) is not measured.
-The target of issue #5: ROBE-Z >= 1.5x the full model's samples/s.
+The project's target: ROBE-Z >= 1.5x the full model's samples/s.
 
 ``--cache-sized-scale S`` adds a third run to each round: full tables at cardinality scale
 ``S`` (small enough to stay in cache), same model, batch and pipeline. Its samples/s over the

@@ -1,5 +1,5 @@
 """The train-pipeline factory of the ``pipeline`` config group: ``pipelines.make_pipeline``
-(issue #4: plain, sparse_dist, fused_sparse_dist, semi_sync), with the config's errors.
+(plain, sparse_dist, fused_sparse_dist, semi_sync), with the config's errors.
 
 Example::
 
