@@ -159,12 +159,15 @@ def robe_rows(lk: Lookup, block_size: int, variants: Dict[str, dict]) -> List[Ro
         fused = weights.clone()
         state = torch.zeros_like(fused)
 
-        def forward(tuning=tuning, w=weights):
-            with torch.no_grad(), tuned(**tuning), _triton(lk.device):
+        # the default row enters no tuning block: its host time is the op's alone
+        launch = (lambda t=tuning: tuned(**t)) if tuning else contextlib.nullcontext
+
+        def forward(launch=launch, w=weights):
+            with torch.no_grad(), launch(), _triton(lk.device):
                 return torch.ops.robe.forward(w, *flat)
 
-        def train(tuning=tuning, optimizer=Optimizer.SGD, w=fused, state=state):
-            with torch.no_grad(), tuned(**tuning), _triton(lk.device):
+        def train(launch=launch, optimizer=Optimizer.SGD, w=fused, state=state):
+            with torch.no_grad(), launch(), _triton(lk.device):
                 torch.ops.robe.forward(w, *flat)
                 torch.ops.robe.backward_fused_(
                     lk.grad, w, state, state.new_empty(0), values, offsets, None, meta,

@@ -356,3 +356,14 @@ def test_registered_op_backward_reuses_the_forward_check(lagging_device, summari
         out.sum().backward()
     assert len(summaries) == 1
     assert weights.grad is not None and psw.grad is not None
+
+
+def test_capture_is_asked_of_torch_once_cuda_started(monkeypatch):
+    """``is_capturing`` reads torch's capture state once CUDA is initialised (without a GPU
+    it is never asked: CUDA never starts), and says so."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    for capturing in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        assert dc.is_capturing() is capturing
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert dc.is_capturing() is False
