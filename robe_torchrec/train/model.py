@@ -112,7 +112,9 @@ def _table_names(model: nn.Module) -> List[str]:
 def shard(model: DLRMTrain, cfg: DictConfig, device: torch.device) -> DistributedModelParallel:
     """Plan (TorchRec's planner, collectively) and wrap in DistributedModelParallel."""
     pg = dist.group.WORLD
-    sharders = [RobeEmbeddingBagCollectionSharder(), *get_default_sharders()]
+    # the last sharder of a module type wins: ours, offering row_wise when the config asks
+    row_wise = "row_wise" in (cfg.sharding.types or [])
+    sharders = [*get_default_sharders(), RobeEmbeddingBagCollectionSharder(row_wise=row_wise)]
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type,
                         local_world_size=local_world)
