@@ -345,29 +345,33 @@ def run_scenario(s: Scenario, device: torch.device, timer, reps: int, inner: int
     return lines + [""]
 
 
-def host_profile(lk: Lookup, block_size: int, calls: int = 300, top: int = 14) -> List[str]:
-    """Where the host's time of a forward call goes: ``cProfile`` over ``calls`` calls of
-    the registered op (no grad), the entries with the most time of their own."""
+def profile_calls(fn: Callable[[], object], calls: int, top: int) -> List[str]:
+    """``cProfile`` of ``calls`` calls of ``fn`` (after one to warm up): the ``top`` entries
+    with the most time of their own, as lines of text."""
     import cProfile
     import io
     import pstats
 
-    weights, flat = robe_arrays(lk, block_size)
-    with torch.no_grad(), _triton(lk.device):
-        for _ in range(min(20, calls)):
-            torch.ops.robe.forward(weights, *flat)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(calls):
-            torch.ops.robe.forward(weights, *flat)
-        profile.disable()
+    fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
     text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("tottime").print_stats(top)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+def host_profile(lk: Lookup, block_size: int, calls: int = 300, top: int = 14) -> List[str]:
+    """Where the host's time of a forward call goes: ``cProfile`` over ``calls`` calls of
+    the registered op (no grad), the entries with the most time of their own."""
     from robe_torchrec.ops import raise_pending_checks
 
+    weights, flat = robe_arrays(lk, block_size)
+    with torch.no_grad(), _triton(lk.device):
+        body = profile_calls(lambda: torch.ops.robe.forward(weights, *flat), calls, top)
     raise_pending_checks()
-    body = [line for line in text.getvalue().splitlines() if line.strip()]
     return ([f"### Host time of a forward call, Z={block_size}, {lk.s.ids_per_bag} id(s) a bag",
              "", f"cProfile over {calls} calls of `torch.ops.robe.forward` (no grad; the "
              "profiler itself slows every Python call):", "", "```"] + body[:top + 8]

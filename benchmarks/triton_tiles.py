@@ -238,23 +238,14 @@ def host_profile(setting: Setting, ids: torch.Tensor, device: torch.device, z: i
                  calls: int = 200) -> List[str]:
     """Where the host spends a registered forward's time (cProfile, ``calls`` calls): on a
     GPU the op is short enough for its Python to matter."""
-    import cProfile
-    import io
-    import pstats
+    from benchmarks.gpu_speed import profile_calls
 
     inputs = robe_inputs(setting, ids, device, z)
     w, flat = inputs.weights, inputs.flat
     with torch.no_grad():
-        torch.ops.robe.forward(w, *flat)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(calls):
-            torch.ops.robe.forward(w, *flat)
-        profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        lines = profile_calls(lambda: torch.ops.robe.forward(w, *flat), calls, 25)
     return [f"### Z = {z}: host profile of {calls} calls of torch.ops.robe.forward", "",
-            "```", *text.getvalue().strip().splitlines(), "```", ""]
+            "```", *lines, "```", ""]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
