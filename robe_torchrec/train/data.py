@@ -23,8 +23,13 @@ from torchrec.datasets.utils import Batch
 from robe_torchrec.data.synthetic import SyntheticCriteo
 from robe_torchrec.train.config import ConfigError
 
-# the validation and test streams start far past any training step, so they never overlap it
+# Synthetic splits: each is its own range of stream batch indices, and a rank's share of a
+# split is ``start + step * world_size + rank`` (the offset outside the product), so the
+# ranges stay apart for every world size: training reads [0, 1e9), validation [1e9, 2e9),
+# test [2e9, ...).
 VAL_STREAM_START, TEST_STREAM_START = 10**9, 2 * 10**9
+_SPLIT_RANGES = {"train": (0, VAL_STREAM_START), "val": (VAL_STREAM_START, TEST_STREAM_START),
+                 "test": (TEST_STREAM_START, None)}
 
 
 class DataSource(Protocol):
@@ -41,7 +46,8 @@ class DataSource(Protocol):
 
 class SyntheticSource:
     """:class:`~robe_torchrec.data.synthetic.SyntheticCriteo`: rank ``r`` of ``W`` reads
-    stream batch ``step * W + r``, so every rank generates only its own share.
+    stream batch ``split start + step * W + r``, so every rank generates only its own share,
+    and training, validation and test read disjoint index ranges whatever ``W`` is.
 
     ``cfg.cycle = N > 0`` generates this rank's first N training batches once and repeats
     them: for throughput measurements, where generating batches would cost more than the
@@ -56,17 +62,22 @@ class SyntheticSource:
         self._cycle = [self._data.batch(i * world_size + rank)
                        for i in range(cfg.get("cycle", 0) or 0)]
 
-    def _stream(self, first: int, count: int) -> Iterator[Batch]:
-        for i in range(first, first + count):
-            yield self._data.batch(i * self._world + self._rank)
+    def _stream(self, split: str, first: int, count: int) -> Iterator[Batch]:
+        low, high = _SPLIT_RANGES[split]
+        if high is not None and low + (first + count) * self._world > high:
+            raise ConfigError(f"{split}: {first + count} steps x {self._world} rank(s) of "
+                              f"synthetic batches run past the split's {high - low} batches "
+                              f"(its indices would reach the next split's); use fewer steps")
+        return (self._data.batch(low + i * self._world + self._rank)
+                for i in range(first, first + count))
 
     def train_batches(self, start: int, count: int) -> Iterator[Batch]:
         if self._cycle:
             return (self._cycle[i % len(self._cycle)] for i in range(start, start + count))
-        return self._stream(start, count)
+        return self._stream("train", start, count)
 
     def eval_batches(self, split: str, count: int) -> Iterator[Batch]:
-        return self._stream(VAL_STREAM_START if split == "val" else TEST_STREAM_START, count)
+        return self._stream("val" if split == "val" else "test", 0, count)
 
 
 class FileSource:
@@ -165,6 +176,27 @@ def _no_directories(paths: List[str], key: str, kind: str) -> None:
                                                       f"{key}=[{f}/day_0,...]") + ")")
 
 
+def _disjoint_splits(splits, npy: bool, split_eval_prefix: bool) -> None:
+    """Refuse a file (or npy prefix) named by two splits: training, validation and test must
+    not share rows. The one exception is npy's ``split_eval_prefix`` (the default), under
+    which ``data.val`` and ``data.test`` may name one prefix: validation reads its first half
+    and test its second."""
+    halves = npy and split_eval_prefix
+    seen = {}
+    for split in ("train", "val", "test"):
+        if not splits.get(split):
+            continue
+        for p in _paths(splits[split], f"data.{split}"):
+            key = p if "://" in p else os.path.realpath(p)
+            other = seen.get(key)
+            if other is not None and other != split and not (halves and {other, split} == {"val", "test"}):
+                raise ConfigError(f"data.{other} and data.{split} both name {p}: the splits "
+                                  f"would share rows; give each split its own files" +
+                                  (" (data.val and data.test may share one npy prefix with "
+                                   "data.split_eval_prefix=true)" if npy else ""))
+            seen.setdefault(key, split)
+
+
 def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
     d, batch = cfg.data, cfg.run.batch_size
     if OmegaConf.is_missing(d, "train"):
@@ -178,6 +210,7 @@ def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
     for split, value in splits.items():
         if value:
             _no_directories(_paths(value, f"data.{split}"), f"data.{split}", d.name)
+    _disjoint_splits(splits, d.name == "criteo_npy", d.get("split_eval_prefix", True))
     if d.name == "criteo_tsv":
         from robe_torchrec.data.criteo_tsv import CriteoTsv
 

@@ -79,7 +79,7 @@ def test_inputs_are_checked_before_the_first_step(tmp_path):
     good = write_tsv(tmp_path / "good.tsv", random_rows(40))
     empty = write_tsv(tmp_path / "empty.tsv", [])
     short = write_tsv(tmp_path / "short.tsv", random_rows(20))
-    build_data(_tsv_cfg(tmp_path, train=good, val=good), 0, 1)
+    build_data(_tsv_cfg(tmp_path, train=good, val=write_tsv(tmp_path / "val.tsv", random_rows(40, seed=1))), 0, 1)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope.tsv'} does not exist"):
         build_data(_tsv_cfg(tmp_path, train=good, test=tmp_path / "nope.tsv"), 0, 1)
     with pytest.raises(ConfigError, match=f"data.val: {empty}: 0 good row"):
