@@ -79,16 +79,43 @@ def dynamic_shapes(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> Tuple[dict, l
 
 def export_model(model: torch.nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor,
                  strict: bool = False) -> ExportedProgram:
-    """``torch.export`` ``model(dense, kjt)`` for any batch size (one included) and any
-    number of ids (none included); outputs equal the eager model's. The example batch must
-    have two samples or more (``torch.export`` specialises a size of 1)."""
+    """``torch.export`` ``model(dense, kjt)`` for any batch size (one included), any
+    number of ids (none included) and int32 or int64 ids, lengths and offsets (each either,
+    whatever the example's); outputs equal the eager model's. The example batch must have
+    two samples or more (``torch.export`` specialises a size of 1)."""
     if kjt.stride() < 2:
         raise ValueError(f"export: the example batch has {kjt.stride()} sample(s); give two "
                          "or more (torch.export would fix the program's batch to it)")
-    # general-case semantics for sizes 0 and 1: the program checks no batch != 1
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        return torch.export.export(model, (dense, kjt), dynamic_shapes=dynamic_shapes(dense, kjt),
-                                   strict=strict)
+    # the program's first step copies the ids, lengths and offsets to int64, whatever their
+    # dtype: it then serves int32 and int64 (each field either) like the eager model, not
+    # only the example's dtypes
+    hook = model.register_forward_pre_hook(_int64_ids_hook, prepend=True)
+    try:
+        # general-case semantics for sizes 0 and 1: the program checks no batch != 1
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return torch.export.export(model, (dense, kjt),
+                                       dynamic_shapes=dynamic_shapes(dense, kjt), strict=strict)
+    finally:
+        hook.remove()
+
+
+def _as_int64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # ``_to_copy``, not ``.to``: ``.to`` of a tensor already int64 returns it, which export
+    # guards with an assertion of the example's dtype (``Tensor dtype mismatch! Expected:
+    # Int, Got: long int`` for a client whose dtype differs); a copy is dtype-agnostic
+    return None if t is None else torch.ops.aten._to_copy.default(t, dtype=torch.int64)
+
+
+def _int64_ids_hook(module: torch.nn.Module, args: Tuple) -> Optional[Tuple]:
+    """Forward pre-hook of :func:`export_model`: the KJT argument with int64 ids, lengths
+    and offsets (weights and the dense features as given)."""
+    if len(args) != 2 or not isinstance(args[1], KeyedJaggedTensor):
+        return None
+    dense, kjt = args
+    return dense, KeyedJaggedTensor(keys=kjt.keys(), values=_as_int64(kjt.values()),
+                                    weights=kjt.weights_or_none(),
+                                    lengths=_as_int64(kjt._lengths),
+                                    offsets=_as_int64(kjt._offsets))
 
 
 class UnsafeProgramError(ValueError):

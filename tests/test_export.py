@@ -103,3 +103,39 @@ def test_torchrec_fx_symbolic_trace():
     for seed in range(2):
         dense, kjt = dense_input(seed), make_kjt(seed)
         assert torch.equal(traced(dense, kjt), model(dense, kjt))
+
+
+INT_DTYPES = [(v, ln) for v in (torch.int32, torch.int64) for ln in (torch.int32, torch.int64)]
+
+
+def _with_dtypes(kjt: KeyedJaggedTensor, values: torch.dtype, lengths: torch.dtype,
+                 offsets: bool = False) -> KeyedJaggedTensor:
+    if offsets:
+        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(values),
+                                 offsets=kjt.offsets().to(lengths))
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(values),
+                             lengths=kjt.lengths().to(lengths))
+
+
+@pytest.mark.parametrize("example", INT_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}")
+def test_program_serves_int32_and_int64_ids_and_lengths(tmp_path, example):
+    """Exported on one pair of dtypes (the app's: int64 ids, int32 lengths), the program
+    serves every pair, also once saved and loaded, like the eager model; likewise a program
+    exported on offsets serves int32 and int64 offsets."""
+    torch.manual_seed(0)
+    model = make_dlrm()
+    dense, kjt = batch_of(5, 0)
+    program = export_model(model, dense, _with_dtypes(kjt, *example))
+    torch.export.save(program, tmp_path / "p.pt2")
+    loaded = torch.export.load(tmp_path / "p.pt2")
+    for values, lengths in INT_DTYPES:
+        for size, seed, ids in SERVED:
+            d, k = batch_of(size, seed, ids)
+            client = _with_dtypes(k, values, lengths)
+            for p in (program, loaded):
+                assert torch.equal(p.module()(d, client), model(d, k)), (values, lengths, size)
+    with_offsets = export_model(model, dense, _with_dtypes(kjt, *example, offsets=True))
+    for values, offsets in INT_DTYPES:
+        d, k = batch_of(4, 7)
+        assert torch.equal(with_offsets.module()(d, _with_dtypes(k, values, offsets, True)),
+                           model(d, k))
