@@ -34,6 +34,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipelines import SemiSyncPipeline, run_to_end
+from robe_torchrec import quiet
 from robe_torchrec.export import export_model
 from robe_torchrec.threads import choose_threads
 from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException, Checkpointer,
@@ -169,8 +170,9 @@ class Trainer:
         """Data, model, sharding, optimizers and pipeline."""
         cfg, run = self.cfg, self.run
         # TorchRec logs several warnings per table while sharding; keep the run's log readable
+        # (ROBE_TORCHREC_ALL_WARNINGS=1 shows the per-table ones, robe_torchrec.quiet)
         logging.getLogger("torchrec").setLevel(logging.ERROR)
-        logging.getLogger().addFilter(_quiet_planner)
+        quiet.install()
         # one run per directory; taking the lock also shows the directory is writable
         on_rank0(self.lock.acquire)
         if self.world > 1:
@@ -668,12 +670,6 @@ def _why(bad: Path) -> str:
 def _last_line(exc: BaseException) -> str:
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
-
-
-def _quiet_planner(record: logging.LogRecord) -> bool:
-    # the planner warns (on the root logger) for every data-parallel table, which has no
-    # sharding spec by design
-    return not str(record.msg).startswith("Sharding spec not found")
 
 
 def _device(name: str) -> torch.device:
