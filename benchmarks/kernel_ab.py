@@ -2,7 +2,9 @@
 
 A kernel change is judged on this machine by timing both builds in one process, alternating
 call by call, so that the load other processes put on the shared cores hits both alike.
-The baseline's ``robe_cpu.cpp`` is taken from git (or a file), built as a second extension
+The baseline's kernel files (``robe_torchrec/ops/csrc``; one ``robe_cpu.cpp`` in revisions
+before the kernels were split by phase) are taken from git (or from a folder, or one file
+that replaces its namesake in the working tree's), built as a second extension
 with the same flags, and first checked against the working tree's: the report says, per
 case and op, whether the two builds give bitwise the same result (the forward's output, the
 dense gradient, the weights and Adagrad state after one fused step) or else the largest
@@ -40,7 +42,9 @@ from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import cpu
 from robe_torchrec.ops.meta import Optimizer, build_table_meta
 
-_SOURCE_IN_REPO = "robe_torchrec/ops/csrc/robe_cpu.cpp"
+_CSRC_IN_REPO = "robe_torchrec/ops/csrc"
+_ONE_FILE_KERNEL = "robe_cpu.cpp"  # the whole kernel, in revisions before the split by phase
+_BENCHMARK_ONLY = {os.path.basename(p) for p in cpu._PARTS_SOURCES if p.endswith(".cpp")}
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,38 +76,74 @@ SMALL_CASES = [
 ]
 
 
-def baseline_source(revision: Optional[str], path: Optional[str]) -> "tuple[str, str]":
-    """The baseline kernel's text and a label for it: from ``path`` or from git ``revision``."""
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", _REPO_ROOT, *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _kernel_files(names: Sequence[str]) -> List[str]:
+    """The names among ``names`` that make up the kernels' build: the one-file kernel alone
+    where there is one, else every .cpp and .h but the benchmark-only ones."""
+    if _ONE_FILE_KERNEL in names:
+        return [_ONE_FILE_KERNEL]
+    return sorted(n for n in names if n.endswith((".cpp", ".h")) and n not in _BENCHMARK_ONLY)
+
+
+def baseline_source(revision: Optional[str], path: Optional[str]) -> "tuple[Dict[str, str], str]":
+    """The baseline kernel's files (name: text) and a label for it: from git ``revision``, or
+    from ``path``, a folder of kernel files or one file (a file named as one of the working
+    tree's kernel files replaces it there; any other is a whole one-file kernel)."""
     if path is not None:
         try:
+            if os.path.isdir(path):
+                names = _kernel_files(os.listdir(path))
+                files = {}
+                for name in names:
+                    with open(os.path.join(path, name)) as f:
+                        files[name] = f.read()
+                return files, path
             with open(path) as f:
-                return f.read(), path
+                text = f.read()
         except OSError as err:
             raise SystemExit(f"kernel_ab: cannot read the baseline source {path}: {err}") from None
+        current = {os.path.basename(p): p for p in cpu._SOURCES}
+        name = os.path.basename(path)
+        if name not in current:
+            return {_ONE_FILE_KERNEL: text}, path
+        files = {}
+        for other, other_path in current.items():
+            with open(other_path) as f:
+                files[other] = f.read()
+        files[name] = text
+        return files, f"{path} in the working tree's kernel"
     try:
-        text = subprocess.run(["git", "-C", _REPO_ROOT, "show", f"{revision}:{_SOURCE_IN_REPO}"],
-                              check=True, capture_output=True, text=True).stdout
-        sha = subprocess.run(["git", "-C", _REPO_ROOT, "rev-parse", "--short", revision],
-                             check=True, capture_output=True, text=True).stdout.strip()
+        names = _git("ls-tree", "--name-only", f"{revision}:{_CSRC_IN_REPO}").split()
+        files = {name: _git("show", f"{revision}:{_CSRC_IN_REPO}/{name}") for name in _kernel_files(names)}
+        sha = _git("rev-parse", "--short", revision).strip()
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        raise SystemExit(f"kernel_ab: cannot read {_SOURCE_IN_REPO} at revision {revision!r} "
+        raise SystemExit(f"kernel_ab: cannot read {_CSRC_IN_REPO} at revision {revision!r} "
                          f"from the git checkout at {_REPO_ROOT}: {detail.strip()}") from None
-    return text, f"{revision} ({sha})"
+    return files, f"{revision} ({sha})"
 
 
-def build_baseline(text: str):
-    """Build ``text`` as an extension of its own name (cached by content)."""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+def build_baseline(files: Dict[str, str]):
+    """Build the kernel ``files`` (name: text) as an extension of its own name (cached by content)."""
+    digest = hashlib.sha256("\0".join(f"{n}\0{files[n]}" for n in sorted(files)).encode()).hexdigest()[:12]
     directory = os.path.join(cpu.build_directory(), "kernel_ab", digest)
     os.makedirs(directory, exist_ok=True)
-    source = os.path.join(directory, "robe_cpu_baseline.cpp")
-    if not os.path.exists(source):  # written whole or not at all: the name is the content's
-        partial = f"{source}.{os.getpid()}.tmp"
-        with open(partial, "w") as f:
-            f.write(text)
-        os.replace(partial, source)
-    return cpu.build(f"robe_cpu_baseline_{digest}", source, directory)
+    sources = []
+    for name, text in sorted(files.items()):
+        if name == _ONE_FILE_KERNEL:
+            name = "robe_cpu_baseline.cpp"
+        source = os.path.join(directory, name)
+        if not os.path.exists(source):  # written whole or not at all: the folder is the content's
+            partial = f"{source}.{os.getpid()}.tmp"
+            with open(partial, "w") as f:
+                f.write(text)
+            os.replace(partial, source)
+        sources.append(source)
+    return cpu.build(f"robe_cpu_baseline_{digest}", sources, directory)
 
 
 def _inputs(case: Case, seed: int = 0) -> Dict[str, Any]:
@@ -216,7 +256,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--baseline", default="HEAD", help="git revision of the baseline kernel")
-    which.add_argument("--baseline-source", help="a robe_cpu.cpp to use as the baseline instead")
+    which.add_argument("--baseline-source",
+                       help="instead: a folder of kernel files, or one file replacing its namesake "
+                            "in the working tree's kernel (any other name: a one-file kernel)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test)")

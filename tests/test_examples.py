@@ -137,11 +137,11 @@ def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
     """The A/B benchmark builds a baseline kernel and says whether its outputs differ: here a
     baseline that doubles every block added by a fixed-length loop, the forward's and the
     backward's (a second C++ build, about 30 s)."""
-    with open(os.path.join(ROOT, "robe_torchrec", "ops", "csrc", "robe_cpu.cpp")) as f:
+    with open(os.path.join(ROOT, "robe_torchrec", "ops", "csrc", "loops.h")) as f:
         source = f.read()
     fixed_add = "for (int64_t j = 0; j < kN; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;"
     assert source.count(fixed_add) == 1
-    mutated = tmp_path / "robe_cpu.cpp"
+    mutated = tmp_path / "loops.h"  # replaces its namesake in the baseline's build
     mutated.write_text(source.replace(fixed_add, fixed_add.replace("* scale;", "* (scale + scale);")))
     run_example("-m", "benchmarks.kernel_ab", "--baseline-source", str(mutated),
                 "--small", "--iters", "2", "--clock", "cpu", "--out", str(tmp_path))

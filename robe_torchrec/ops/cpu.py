@@ -1,4 +1,4 @@
-"""Multithreaded C++ ROBE-Z kernels for CPU tensors (``csrc/robe_cpu.cpp``).
+"""Multithreaded C++ ROBE-Z kernels for CPU tensors (``csrc/``: ``common.h`` lists its files).
 
 Same signatures as :mod:`robe_torchrec.ops.reference`. The extension is compiled on first
 use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached on
@@ -28,14 +28,22 @@ import os
 import shutil
 import sys
 import threading
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from robe_torchrec.ops.validation import check_static
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "robe_cpu.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_HEADERS = [os.path.join(_CSRC, f"{name}.h")
+            for name in ("common", "hash", "layout", "loops", "forward", "optimizers", "ops")]
+# what the kernels' extension builds: its translation units (the .cpp) and every header they
+# include (copied next to them, see build())
+_SOURCES = [os.path.join(_CSRC, f"{name}.cpp") for name in ("forward", "backward", "register")] + _HEADERS
 _NAME = "robe_torchrec_cpu"
+# the forward's profiling aids, a benchmark build of their own (forward_hash_only below)
+_PARTS_SOURCES = [os.path.join(_CSRC, "forward_parts.cpp")] + _HEADERS
+_PARTS_NAME = "robe_torchrec_cpu_parts"
 # -fopenmp is required: at::parallel_for in the ATen headers is an `omp parallel` region,
 # which without it silently runs on one thread. -fno-math-errno lets sqrt vectorise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-DNDEBUG"]
@@ -43,6 +51,7 @@ LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _module = None
+_parts_module = None
 
 
 def _cpu_flags_line() -> str:
@@ -68,8 +77,11 @@ def build_directory() -> str:
     # (a venv's and the system's) rebuilt the kernel each time. The source is part of the key:
     # two checkouts of different versions sharing one venv rebuilt each other's kernel on every
     # load (each copies its source into the directory, see build()).
-    with open(_SOURCE, "rb") as f:
-        source_digest = hashlib.sha256(f.read()).hexdigest()
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    source_digest = digest.hexdigest()
     key = hashlib.sha256("\n".join([source_digest,
         " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
         sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
@@ -111,10 +123,12 @@ def _find_compiler() -> Optional[str]:
     return None
 
 
-def build(name: str, source: str, directory: Optional[str] = None):
-    """Build (or load, if up to date) the C++ file ``source`` as extension module ``name`` in
-    ``directory`` (default: :func:`build_directory`), with this package's flags and toolchain. :func:`extension` builds the
-    kernels with it; the kernel A/B benchmark builds another revision's kernels with it."""
+def build(name: str, sources: Union[str, Sequence[str]], directory: Optional[str] = None):
+    """Build (or load, if up to date) the C++ files ``sources`` (a path or paths: translation
+    units and the headers they include) as extension module ``name`` in ``directory``
+    (default: :func:`build_directory`), with this package's flags and toolchain.
+    :func:`extension` builds the kernels with it; the kernel A/B benchmark builds another
+    revision's kernels with it."""
     if _find_compiler() is None:
         raise RuntimeError(
             "robe: the C++ CPU kernels need a C++ compiler to build, and none was found "
@@ -128,13 +142,19 @@ def build(name: str, source: str, directory: Optional[str] = None):
     # Compile a copy kept in the build directory: build.ninja names the source's path, so
     # compiling the package's own file would rebuild whenever the same kernel is loaded
     # from another place (a checkout and a wheel install, two clones).
-    local_source = os.path.join(directory, f"{name}.cpp")
-    _write_if_changed(local_source, source)
-    with open(local_source, encoding="utf-8") as f:
-        # kernels before the switch to TORCH_LIBRARY were a pybind11 module (kernel_ab builds old revisions)
-        python_module = "PYBIND11_MODULE" in f.read()
+    # The copies keep their names, side by side: the .cpp files include the headers by name.
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    local_sources, python_module = [], False
+    for source in sources:
+        local = os.path.join(directory, os.path.basename(source))
+        _write_if_changed(local, source)
+        if local.endswith(".cpp"):
+            local_sources.append(local)
+            with open(local, encoding="utf-8") as f:
+                # kernels before the switch to TORCH_LIBRARY were a pybind11 module (kernel_ab builds old revisions)
+                python_module = python_module or "PYBIND11_MODULE" in f.read()
     with _interpreter_bin_first_on_path():
-        loaded = load(name=name, sources=[local_source], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        loaded = load(name=name, sources=local_sources, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                       build_directory=directory, is_python_module=python_module,
                       verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
     # the operators the library registered under its own namespace, called like module functions
@@ -166,8 +186,20 @@ def extension():
         return _module
     with _lock:
         if _module is None:
-            _module = build(_NAME, _SOURCE)
+            _module = build(_NAME, _SOURCES)
     return _module
+
+
+def parts_extension():
+    """The benchmark build of the forward's profiling aids (``forward_parts.cpp``, an extension
+    of its own next to :func:`extension`'s; built or loaded on first call; thread-safe)."""
+    global _parts_module
+    if _parts_module is not None:
+        return _parts_module
+    with _lock:
+        if _parts_module is None:
+            _parts_module = build(_PARTS_NAME, _PARTS_SOURCES, os.path.join(build_directory(), "parts"))
+    return _parts_module
 
 
 @contextlib.contextmanager
@@ -269,16 +301,17 @@ def backward_fused_(
 def forward_hash_only(*forward_args) -> int:
     """Benchmark aid: :func:`forward`'s hash pass alone (its loops, id checks, hashes and
     tile buffers, without prefetches, gathers and output writes); returns the sum of every
-    block's start in the flat weights."""
-    ext = extension()
+    block's start in the flat weights. Runs :func:`parts_extension`, not the kernels' build."""
+    ext = parts_extension()
     with _value_errors():
         return int(ext.forward_part(*forward_args, 1))
 
 
 def forward_gather_only(*forward_args) -> torch.Tensor:
     """Benchmark aid: :func:`forward` without its output stores (hashing, gathers and pooling
-    as the forward does them); returns the forward's output summed over its rows, [output_dim]."""
-    ext = extension()
+    as the forward does them); returns the forward's output summed over its rows, [output_dim].
+    Runs :func:`parts_extension`, not the kernels' build."""
+    ext = parts_extension()
     with _value_errors():
         return ext.forward_part(*forward_args, 2)
 
@@ -292,5 +325,6 @@ __all__ = [
     "forward",
     "forward_gather_only",
     "forward_hash_only",
+    "parts_extension",
     "per_sample_weights_grad",
 ]

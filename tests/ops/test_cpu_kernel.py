@@ -325,10 +325,10 @@ def test_build_directory_follows_the_source(monkeypatch, tmp_path):
     other's kernel on every load: each source gets a directory of its own."""
     monkeypatch.delenv("ROBE_TORCHREC_BUILD_DIR", raising=False)
     default = cpu.build_directory()
-    other = tmp_path / "robe_cpu.cpp"
-    with open(cpu._SOURCE) as f:
+    other = tmp_path / "forward.cpp"
+    with open(cpu._SOURCES[0]) as f:
         other.write_text(f.read() + "\n// another version\n")
-    monkeypatch.setattr(cpu, "_SOURCE", str(other))
+    monkeypatch.setattr(cpu, "_SOURCES", [str(other)] + cpu._SOURCES[1:])
     assert cpu.build_directory() != default
 
 
