@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,12 +78,37 @@ def _hydra_argv(argv: list, rank: int) -> list:
     return argv + ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
+def own_errors() -> Tuple[type, ...]:
+    """The app's own error types: refusals whose message names the problem and the fix, so
+    the app prints them as one line (:func:`_task`)."""
+    from robe_torchrec.data.criteo_tsv import CriteoFileError, CriteoRowError
+    from robe_torchrec.export import UnsafeProgramError
+    from robe_torchrec.ops.deferred_checks import DeferredCheckError
+    from robe_torchrec.train.checkpoint import CheckpointError, CheckpointSaveError
+    from robe_torchrec.train.config import ConfigError
+    from robe_torchrec.train.preempt import CollectiveTimeout
+    from robe_torchrec.train.rundir import RunDirLocked
+    from robe_torchrec.train.trainer import NonFiniteError
+
+    return (ConfigError, CheckpointError, CheckpointSaveError, CollectiveTimeout, RunDirLocked,
+            NonFiniteError, CriteoRowError, CriteoFileError, UnsafeProgramError,
+            DeferredCheckError)
+
+
 def _task(cfg) -> Optional[Dict[str, Any]]:
     from hydra.core.hydra_config import HydraConfig
 
-    from robe_torchrec.train.trainer import run
+    from robe_torchrec.train.trainer import log, run
 
-    return run(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        return run(cfg, HydraConfig.get().runtime.output_dir)
+    except own_errors() as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        # one line, in the log and its file, instead of Hydra's traceback (whose last line
+        # this is); exit status 1 as with the traceback
+        log.error("%s: %s  (HYDRA_FULL_ERROR=1 shows the traceback)", type(e).__name__, e)
+        raise SystemExit(1) from None
 
 
 def main() -> None:

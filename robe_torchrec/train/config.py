@@ -117,6 +117,8 @@ def validate(cfg: DictConfig) -> None:
     elif checkpoint:
         raise ConfigError(f"run.checkpoint is read by run.mode=eval only (got run.mode={mode}; "
                           f"run.resume continues training from the run dir's checkpoints)")
+    if not isinstance(run.get("tensorboard", False), bool):
+        raise ConfigError(f"run.tensorboard must be true or false, got {run.tensorboard!r}")
     if not isinstance(run.get("predictions", False), bool):
         raise ConfigError(f"run.predictions must be true or false, got {run.predictions!r}")
     if run.get("predictions") and mode != "eval":

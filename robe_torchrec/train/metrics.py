@@ -1,6 +1,8 @@
 """Metrics of a phase (AUC, log loss: torchmetrics, synced over ranks at ``compute``) and the
 run's ``metrics.csv`` (written by rank 0; a resumed run drops the rows past its checkpoint
-and appends, so each phase has at most one row per step).
+and appends, so each phase has at most one row per step), and with ``run.tensorboard=true``
+the same values as TensorBoard scalars (``<phase>/auc``, ``<phase>/log_loss``,
+``<phase>/samples_per_s``) in ``<run dir>/tensorboard/``.
 
 Example::
 
@@ -55,9 +57,17 @@ class MetricsCsv:
 
     FIELDS = ("phase", "step", "samples", "auc", "log_loss", "samples_per_s", "elapsed_s")
 
-    def __init__(self, path: "str | os.PathLike", enabled: bool = True) -> None:
+    def __init__(self, path: "str | os.PathLike", enabled: bool = True,
+                 tensorboard: "str | os.PathLike | None" = None) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        # each row also goes to a TensorBoard event file in this directory (rank 0)
+        self.tensorboard = tensorboard_writer(tensorboard) if enabled and tensorboard else None
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
     def _rows(self) -> List[List[str]]:
         if not self.path.exists():
@@ -119,6 +129,26 @@ class MetricsCsv:
                 w.writerow(self.FIELDS)
             w.writerow([phase, step, samples, _fmt(auc), _fmt(log_loss), _fmt(samples_per_s),
                         _fmt(elapsed_s)])
+        if self.tensorboard is not None:
+            for name, value in (("auc", auc), ("log_loss", log_loss),
+                                ("samples_per_s", samples_per_s)):
+                if value is not None:
+                    self.tensorboard.add_scalar(f"{phase}/{name}", value, step)
+            self.tensorboard.flush()
+
+
+def tensorboard_writer(path: "str | os.PathLike"):
+    """A ``torch.utils.tensorboard.SummaryWriter`` writing to ``path``; a clear error if the
+    ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        from robe_torchrec.train.config import ConfigError
+
+        raise ConfigError(f"run.tensorboard=true needs the tensorboard package ({e}): "
+                          f"pip install tensorboard (the project's cpu and gpu extras have it), "
+                          f"or run.tensorboard=false") from None
+    return SummaryWriter(log_dir=os.fspath(path))
 
 
 def _fmt(x: Optional[float]) -> str:

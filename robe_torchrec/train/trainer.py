@@ -142,7 +142,9 @@ class Trainer:
         self.say = log.info if self.main else log.debug
         self.collective_timeout = float(self.run.get("collective_timeout", 1800))
         self.step = 0
-        self.csv = MetricsCsv(self.run_dir / "metrics.csv", enabled=self.main)
+        self.csv = MetricsCsv(self.run_dir / "metrics.csv", enabled=self.main,
+                              tensorboard=self.run_dir / "tensorboard"
+                              if self.run.get("tensorboard", False) else None)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=self.run.keep_checkpoints)
         self.window = _Window()
         self.bar: Optional[tqdm] = None
@@ -158,6 +160,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (every rank; rank 0 holds its lock)."""
+        self.csv.close()
         self.lock.release()
 
     @property

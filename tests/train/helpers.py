@@ -10,7 +10,7 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,14 +78,15 @@ def _kill_marked(marker: str) -> None:
             pass
 
 
-def run(cmd: List[str], cwd: Path, timeout: float, venv_on_path: bool = True
-        ) -> subprocess.CompletedProcess:
+def run(cmd: List[str], cwd: Path, timeout: float, venv_on_path: bool = True,
+        env_extra: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run a launcher with a timeout; afterwards (and on timeout) no process it started is
     left. Output goes through a file, so a leftover worker holding it cannot block us."""
     marker = uuid.uuid4().hex
     log = cwd / f"launch-{marker[:8]}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker, venv_on_path), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**env(marker, venv_on_path), **(env_extra or {})},
+                                stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
