@@ -2,9 +2,10 @@
 
 Same signatures as :mod:`robe_torchrec.ops.reference`. The extension is compiled on first
 use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached on
-disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of the flags, of this CPU's flags and
-of the Python/torch install>`` or in ``$ROBE_TORCHREC_BUILD_DIR``. A later process with the
-same torch, flags and CPU loads the cached build without compiling. The build registers its
+disk, in ``~/.cache/robe_torchrec/<torch version>-<hash of every file of csrc/, the torch
+version and build, the flags and this CPU's flags>`` (:func:`cache_key`) or in
+``$ROBE_TORCHREC_BUILD_DIR``. A later process with the same sources, torch build, flags and
+CPU loads the cached build without compiling, from any checkout or virtual environment. The build registers its
 functions as operators of its own library, ``torch.ops.robe_torchrec_cpu``, which
 :func:`extension` returns (no pybind11: the build takes about half the time,
 ``benchmarks/results/build_time.md``). The kernels run on ``torch.get_num_threads()``
@@ -65,32 +66,49 @@ def _cpu_flags_line() -> str:
     return ""
 
 
+def _csrc_files() -> List[str]:
+    """Every file of ``csrc/`` (sub-folders included, whatever their names) and every file
+    the build compiles: what the cache key hashes."""
+    found = set(os.path.abspath(p) for p in _SOURCES)
+    for root, dirs, files in os.walk(_CSRC):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found.update(os.path.join(root, f) for f in files if not f.endswith((".pyc", ".tmp")))
+    return sorted(found)
+
+
+def cache_key(files: Optional[Sequence[str]] = None) -> str:
+    """The build cache's key: a hash of the sources (each file's name within ``csrc/`` and
+    its bytes), the torch version and build, the compiler and linker flags, this CPU's flags
+    (``-march=native``) and the Python ABI. Nothing of where the sources, torch or the
+    interpreter are installed: two checkouts or virtual environments of the same source and
+    torch build share one build."""
+    digest = hashlib.sha256()
+    for path in files if files is not None else _csrc_files():
+        rel = os.path.relpath(path, _CSRC)
+        name = rel if not rel.startswith("..") else os.path.basename(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    parts = [digest.hexdigest(), torch.__version__, getattr(torch.version, "git_version", ""),
+             str(torch.version.cuda), " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
+             sys.implementation.cache_tag or ""]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
 def build_directory() -> str:
-    """Where the compiled extension is cached (created on demand)."""
+    """Where the compiled extension is cached (created on demand):
+    ``~/.cache/robe_torchrec/<torch version>-<cache_key()>``, or ``$ROBE_TORCHREC_BUILD_DIR``."""
     override = os.environ.get("ROBE_TORCHREC_BUILD_DIR")
     if override:
         return override
-    # The flags and the CPU decide the machine code (-march=native); the interpreter and the
-    # torch install decide the ABI and build.ninja's include paths (two venvs sharing one
-    # directory would rebuild it in turn). The ninja on PATH is part of the key too: two ninja
-    # versions fingerprint the same build differently, so processes alternating between them
-    # (a venv's and the system's) rebuilt the kernel each time. The source is part of the key:
-    # two checkouts of different versions sharing one venv rebuilt each other's kernel on every
-    # load (each copies its source into the directory, see build()).
-    digest = hashlib.sha256()
-    for path in _SOURCES:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    source_digest = digest.hexdigest()
-    key = hashlib.sha256("\n".join([source_digest,
-        " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_flags_line(),
-        sys.implementation.cache_tag or "", os.path.dirname(os.path.realpath(torch.__file__)),
-        # build.ninja names torch's include directory as imported, links unresolved: two
-        # checkouts whose .venv links to one venv would rewrite each other's build.ninja
-        os.path.dirname(os.path.abspath(torch.__file__)),
-        os.path.realpath(_ninja() or "no-ninja"),
-    ]).encode()).hexdigest()[:12]
-    return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec", f"{torch.__version__}-{key}")
+    # Keyed by content only (cache_key): the key used to hold the torch install's path and
+    # the ninja's, so every virtual environment compiled its own copy. A finished build is
+    # now loaded without ninja (build(): its stamp), which is what made those paths matter:
+    # build.ninja names torch's include directory, and another environment's ninja would
+    # have rebuilt.
+    return os.path.join(os.path.expanduser("~"), ".cache", "robe_torchrec",
+                        f"{torch.__version__}-{cache_key()}")
 
 
 def _interpreter_bin() -> str:
@@ -153,12 +171,32 @@ def build(name: str, sources: Union[str, Sequence[str]], directory: Optional[str
             with open(local, encoding="utf-8") as f:
                 # kernels before the switch to TORCH_LIBRARY were a pybind11 module (kernel_ab builds old revisions)
                 python_module = python_module or "PYBIND11_MODULE" in f.read()
+    # a finished build of exactly these sources, flags and torch: load it without ninja,
+    # which would rebuild it for another checkout or environment (build.ninja holds paths)
+    stamp, key = os.path.join(directory, f"{name}.built"), cache_key(sources)
+    library = os.path.join(directory, f"{name}.so")
+    if not python_module and _read(stamp) == key and os.path.isfile(library):
+        torch.ops.load_library(library)
+        return getattr(torch.ops, name)
     with _interpreter_bin_first_on_path():
         loaded = load(name=name, sources=local_sources, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                       build_directory=directory, is_python_module=python_module,
                       verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+    if not python_module:
+        tmp = f"{stamp}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(key)
+        os.replace(tmp, stamp)
     # the operators the library registered under its own namespace, called like module functions
     return loaded if python_module else getattr(torch.ops, name)
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _write_if_changed(path: str, source: str) -> None:
