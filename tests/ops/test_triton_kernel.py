@@ -419,6 +419,14 @@ def test_gradcheck_through_registered_op():
 # ---------------------------------------------------------------------------------------
 
 def _load_copy(name, monkeypatch):
+    # the kernels' package too: its modules decorate the kernels (or stand in for triton)
+    # when first imported, and the copy must import them afresh
+    import robe_torchrec.ops as ops_package
+
+    for loaded in [k for k in sys.modules if k.startswith("robe_torchrec.ops.triton.")]:
+        monkeypatch.delitem(sys.modules, loaded)
+    monkeypatch.delitem(sys.modules, "robe_torchrec.ops.triton")
+    monkeypatch.delattr(ops_package, "triton")  # the fresh package's import sets it anew
     spec = importlib.util.spec_from_file_location(name, tk.__file__)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
