@@ -12,6 +12,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from robe_torchrec import stock_state_dict
 from robe_torchrec.array_module import RobeArrayModule, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.ops.args import LookupArgs
@@ -68,6 +69,7 @@ class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterfac
         device: Optional[torch.device | str] = None,
     ) -> None:
         super().__init__()
+        stock_state_dict.register(self)  # a stock EBC's state dict gets a hint, not a key list
         self._init_array(tables, robe, device)
         self._embedding_bag_configs = tables
         self._is_weighted = is_weighted

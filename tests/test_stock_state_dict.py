@@ -40,8 +40,6 @@ def test_stock_state_dict_into_robe_model_names_the_conversion():
     assert converted.weight.numel() == robe.ebc.weight.numel()
 
 
-@pytest.mark.xfail(strict=True, reason="needs stock_state_dict.register(self) in "
-                   "RobeEmbeddingBagCollection.__init__ (robe_torchrec/embedding_bag.py)")
 def test_every_robe_module_gets_the_hint():
     """Registered by the module itself (RobeEmbeddingBagCollection.__init__)."""
     stock = EmbeddingBagCollection(tables=TABLES)
