@@ -61,6 +61,8 @@ def validate(cfg: DictConfig) -> None:
                               f"one block (embedding.block_size={emb.block_size})")
         if emb.block_size < 1:
             raise ConfigError(f"embedding.block_size must be >= 1, got {emb.block_size}")
+        _choice(emb.get("hash", "reference"), ("reference", "mix"), "embedding.hash")
+        _choice(emb.get("bounds_check", "error"), ("error", "unbounded"), "embedding.bounds_check")
     init_from = emb.get("init_from")
     if init_from and emb.kind != "robe":
         raise ConfigError("embedding.init_from fits a ROBE array to a full model's tables: it "

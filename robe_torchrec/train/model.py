@@ -46,8 +46,10 @@ def optimizer_spec(opt: DictConfig, lr: float) -> OptimizerSpec:
 def dlrm_spec(cfg: DictConfig) -> DLRMSpec:
     """The ``model``, ``embedding`` and ``optimizer`` config groups as a spec."""
     emb, m, opt = cfg.embedding, cfg.model, cfg.optimizer
+    # a run directory saved before bounds_check was a key resumes with the default
     robe = (RobeConfig(compression=emb.compression, memory_size=emb.memory_size,
-                       block_size=emb.block_size, hash=emb.hash, seed=emb.seed, shared=emb.shared)
+                       block_size=emb.block_size, hash=emb.hash, seed=emb.seed, shared=emb.shared,
+                       bounds_check=emb.get("bounds_check", "error"))
             if emb.kind == "robe" else None)
     dcn = {"dcn_num_layers": m.dcn_num_layers, "dcn_low_rank_dim": m.dcn_low_rank_dim} \
         if m.name == "dcn" else {}

@@ -30,6 +30,7 @@ def test_default_config_composes_and_is_valid():
     ["embedding.compression=null", "embedding.memory_size=4096", "embedding.shared=false",
      "embedding.hash=mix", "sharding=table_wise", "optimizer=sgd"],
     ["pipeline=fused_sparse_dist"], ["pipeline=semi_sync"], ["sharding=data_parallel"],
+    ["embedding.bounds_check=unbounded", "embedding.hash=mix"],
 ])
 def test_every_group_option_is_valid(overrides):
     validate(compose(*overrides))
@@ -53,6 +54,8 @@ def test_every_group_option_is_valid(overrides):
     (["run.on_nonfinite=ignore"], "run.on_nonfinite: unknown value 'ignore'"),
     (["run.rollback_lr_scale=2"], r"run.rollback_lr_scale must be in \(0, 1\)"),
     (["run.existing_checkpoints=delete"], "run.existing_checkpoints: unknown value 'delete'"),
+    (["embedding.bounds_check=clamp"], "embedding.bounds_check: unknown value 'clamp'"),
+    (["embedding.hash=md5"], "embedding.hash: unknown value 'md5'"),
 ])
 def test_bad_config_is_refused_with_the_key_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -110,3 +113,13 @@ def test_component_builds_the_torchrun_command():
     assert "--max_restarts" not in train("run.steps=5").roles[0].args[-1]
     assert train(python="/opt/py").roles[0].args[-1].startswith(
         "/opt/py -m torch.distributed.run --rdzv_backend ")
+
+
+def test_raw_ids_reach_the_model_through_the_app_config():
+    """``embedding.bounds_check=unbounded embedding.hash=mix``: the model hashes raw 64-bit
+    ids, as the out-of-range error's hint says."""
+    from robe_torchrec.train.model import dlrm_spec
+
+    robe = dlrm_spec(compose("embedding.bounds_check=unbounded", "embedding.hash=mix")).robe
+    assert (robe.bounds_check, robe.hash) == ("unbounded", "mix")
+    assert dlrm_spec(compose()).robe.bounds_check == "error"
