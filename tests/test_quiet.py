@@ -77,10 +77,16 @@ def test_only_the_known_messages_are_filtered():
 
     handler = Keep()
     utils = logging.getLogger("torchrec.distributed.utils")
+    # another test in this process may have configured logging (Hydra disables the loggers
+    # that exist when it sets up its own): this test is about our filter alone
+    was_disabled, level = utils.disabled, utils.level
+    utils.disabled = False
+    utils.setLevel(logging.WARNING)
     utils.addHandler(handler)
     try:
         utils.warning("Sharding Type is data_parallel, caching params will be ignored")
         utils.warning("something else torchrec says")
     finally:
         utils.removeHandler(handler)
+        utils.disabled, utils.level = was_disabled, level
     assert seen == ["something else torchrec says"]
