@@ -842,3 +842,16 @@ def test_low_precision_fused_step(dtype, code, backward_path):
     with pytest.raises(ValueError, match="state1 must be a contiguous Float tensor"):
         cpu.backward_fused_(g, low.clone(), torch.zeros(size, dtype=dtype),
                             torch.zeros(size, dtype=dtype), *rest)
+
+
+@pytest.mark.parametrize("op", ["backward_dense", "per_sample_weights_grad"])
+def test_backward_kernels_refuse_integer_weights(op):
+    """The C++ backward ops check their weights' dtype themselves (the Python wrapper checks
+    it first; this is the extension called directly)."""
+    case = random_case(seed=3)
+    layout = (int(case.block_size), int(case.hash_mode), [int(p) for p in case.hash_params])
+    weights = case.weights.to(torch.int32)
+    psw = (case.per_sample_weights,) if op == "backward_dense" else ()
+    with pytest.raises(ValueError, match="weights must be a floating point tensor, got Int"):
+        getattr(cpu.extension(), op)(case.grad(), weights, case.values, case.offsets, *psw,
+                                     case.table_meta, *layout)

@@ -453,10 +453,7 @@ at::Tensor backward_dense(const at::Tensor& grad_output, const at::Tensor& weigh
                           const at::Tensor& offsets, const std::optional<at::Tensor>& psw,
                           const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
                           const std::vector<int64_t>& hash_params) {
-  const at::ScalarType wst = weights.scalar_type();
-  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
-    fail(cat("robe: weights must be a floating point tensor, got ", wst));
-  }
+  const at::ScalarType wst = checked_weights_dtype(weights);
   const at::ScalarType acc_st = acc_type_of(wst);
   BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
                                        hash_mode, hash_params, acc_st);
@@ -626,10 +623,7 @@ at::Tensor per_sample_weights_grad(const at::Tensor& grad_output, const at::Tens
                                    const at::Tensor& values, const at::Tensor& offsets,
                                    const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
                                    const std::vector<int64_t>& hash_params) {
-  const at::ScalarType wst = weights.scalar_type();
-  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
-    fail(cat("robe: weights must be a floating point tensor, got ", wst));
-  }
+  const at::ScalarType wst = checked_weights_dtype(weights);
   const at::ScalarType acc_st = acc_type_of(wst);
   BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, std::nullopt, table_meta,
                                        block_size, hash_mode, hash_params, acc_st);
