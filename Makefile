@@ -25,22 +25,23 @@ setup: $(STAMP)
 
 setup-tr16: $(TR16_STAMP)
 
+# make_venv DIR, TORCHREC_PIN: a virtual environment with this package, its CPU stack and
+# that torchrec release (installed --no-deps, see above), checked, then stamped
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -e ".[cpu,test]"
+	$(1)/bin/python -m pip install -q --no-deps $(2)
+	$(1)/bin/python -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
+	$(1)/bin/python -c "import importlib.metadata as m; v = m.version('torchrec'); assert '$(2)' == 'torchrec==' + v, v"
+	touch $(1)/.robe-installed
+endef
+
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,test]"
-	$(PY) -m pip install -q --no-deps torchrec==1.8.0
-	$(PY) -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
-	touch $(STAMP)
+	$(call make_venv,$(VENV),torchrec==1.8.0)
 
 $(TR16_STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(TR16_VENV)
-	$(TR16_PY) -m pip install -q --upgrade pip
-	$(TR16_PY) -m pip install -q -e ".[cpu,test]"
-	$(TR16_PY) -m pip install -q --no-deps torchrec==1.6.1
-	$(TR16_PY) -c "import torch, fbgemm_gpu, torchrec; assert not torch.version.cuda, 'a CUDA torch was installed on the CPU path'"
-	$(TR16_PY) -c "import importlib.metadata as m; v = m.version('torchrec'); assert v == '1.6.1', v"
-	touch $(TR16_STAMP)
+	$(call make_venv,$(TR16_VENV),torchrec==1.6.1)
 
 demo: setup
 	$(PY) -m robe_torchrec.train
