@@ -63,7 +63,7 @@ bench: setup
 	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
 
 compare: setup
-	$(PY) -m pipelines.compare
+	$(PY) -m robe_torchrec.pipelines.compare
 
 quality: setup
 	$(PY) -m benchmarks.quality_study --out benchmarks/results

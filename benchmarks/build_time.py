@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 from torch.utils.cpp_extension import include_paths
 
 from benchmarks.kernel_ab import baseline_source
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec.ops import cpu
 
 HEADERS_NOW = ("#include <ATen/Dispatch.h>\n#include <ATen/core/Tensor.h>\n"

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 from benchmarks.train_throughput import log_line, run_app
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
 

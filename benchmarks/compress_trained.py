@@ -27,7 +27,7 @@ from typing import Dict, List
 import torch
 
 from benchmarks.train_loop import build, group_by, mean_and_spread, quality_spec, score, train
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import SyntheticCriteo
 from robe_torchrec.train.data import TEST_STREAM_START

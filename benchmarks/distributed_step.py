@@ -36,7 +36,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from pipelines.report import machine, machine_line, nearest_rank, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, nearest_rank, write_report
 from robe_torchrec.distributed.spawn import run_ranks
 
 

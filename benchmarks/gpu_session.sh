@@ -18,6 +18,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     >"$out/pip.log" 2>&1 || echo "wheels did not install: see pip.log"
 fi
+# An uninstalled copy: the folder pipelines/ is imported as robe_torchrec.pipelines, which an
+# install maps (pyproject's package-dir) and a link does here.
+[ -e robe_torchrec/pipelines ] || ln -s ../pipelines robe_torchrec/pipelines
 export PYTHONPATH=/tmp/site:.
 failed=0
 timeout 240 python3 -m benchmarks.gpu_check --matrix 24 --reps 10 --inner 3 \

@@ -317,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     parser.add_argument("--out", help="folder for host_overhead.{md,json}; printed if not given")
     args = parser.parse_args(argv)
 
-    from pipelines.report import machine_line, write_report
+    from robe_torchrec.pipelines.report import machine_line, write_report
 
     load_start = os.getloadavg()[0]
     samples = measure(args.reps, args.calls)

@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec.interaction import FastInteractionArch
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from pipelines.report import machine, machine_line, nearest_rank, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, nearest_rank, write_report
 from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import cpu
 from robe_torchrec.ops.meta import Optimizer, build_table_meta

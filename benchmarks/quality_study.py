@@ -39,7 +39,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
                                    train, with_gaps)
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.data.synthetic import SyntheticCriteo
 

@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from benchmarks.fit_synthetic import REAL_ROWS
 from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
                                    train, with_gaps)
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.data import CriteoTsv
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from pipelines.report import machine, machine_line, write_report
+from robe_torchrec.pipelines.report import machine, machine_line, write_report
 
 TARGET = 1.5
 

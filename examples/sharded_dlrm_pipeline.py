@@ -29,7 +29,7 @@ from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from pipelines import make_pipeline, run_to_end
+from robe_torchrec.pipelines import make_pipeline, run_to_end
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints

@@ -10,18 +10,18 @@
 
 Example::
 
-    >>> from pipelines import make_pipeline
+    >>> from robe_torchrec.pipelines import make_pipeline
     >>> pipeline = make_pipeline("sparse_dist", dmp_model, dense_opt, torch.device("cpu"))
     >>> it = iter(dataloader)
     >>> loss, logits, labels = pipeline.progress(it)  # DLRMTrain output
 """
 
-from pipelines.factory import PIPELINES, make_pipeline, run_to_end
-from pipelines.fused_sparse_dist import FusedSparseDistPipeline
-from pipelines.guards import PipelineModelError, check_pipeline_model
-from pipelines.plain import PlainPipeline
-from pipelines.semi_sync import SemiSyncPipeline
-from pipelines.sparse_dist import SparseDistPipeline
+from robe_torchrec.pipelines.factory import PIPELINES, make_pipeline, run_to_end
+from robe_torchrec.pipelines.fused_sparse_dist import FusedSparseDistPipeline
+from robe_torchrec.pipelines.guards import PipelineModelError, check_pipeline_model
+from robe_torchrec.pipelines.plain import PlainPipeline
+from robe_torchrec.pipelines.semi_sync import SemiSyncPipeline
+from robe_torchrec.pipelines.sparse_dist import SparseDistPipeline
 
 __all__ = [
     "PIPELINES",

@@ -3,7 +3,7 @@ name, so that a training app can switch with one config value.
 
 Example::
 
-    >>> from pipelines import make_pipeline
+    >>> from robe_torchrec.pipelines import make_pipeline
     >>> pipeline = make_pipeline("fused_sparse_dist", dmp_model, dense_opt,
     ...                          torch.device("cpu"), embedding_lookup_after_opt=True)
     >>> it = iter(dataloader)
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipeline
 
-from pipelines.fused_sparse_dist import FusedSparseDistPipeline
-from pipelines.plain import PlainPipeline
-from pipelines.semi_sync import SemiSyncPipeline
-from pipelines.sparse_dist import SparseDistPipeline
+from robe_torchrec.pipelines.fused_sparse_dist import FusedSparseDistPipeline
+from robe_torchrec.pipelines.plain import PlainPipeline
+from robe_torchrec.pipelines.semi_sync import SemiSyncPipeline
+from robe_torchrec.pipelines.sparse_dist import SparseDistPipeline
 
 PIPELINES: Dict[str, Type[TrainPipeline]] = {
     "plain": PlainPipeline,
@@ -39,7 +39,7 @@ def make_pipeline(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     ``start_batch``, ``stash_gradients`` (SemiSync), ``execute_all_batches`` (TorchRec's).
 
     Raises ``ValueError`` for an unknown name or for options the pipeline does not take, and
-    :class:`pipelines.guards.PipelineModelError` when FusedSparseDist or SemiSync would
+    :class:`robe_torchrec.pipelines.guards.PipelineModelError` when FusedSparseDist or SemiSync would
     train the model wrong.
     """
     try:

@@ -4,7 +4,7 @@ batch i, overlapping the dense optimizer step of batch i.
 Correct only when every embedding is updated inside backward by a fused optimizer (then the
 lookup of batch i+1 already sees batch i's update and does not depend on the dense
 optimizer) and there are no feature processors: the constructor refuses other models (see
-:mod:`pipelines.guards`). Under those conditions the weights are bit-identical to
+:mod:`robe_torchrec.pipelines.guards`). Under those conditions the weights are bit-identical to
 SparseDist's and the plain loop's (``tests/pipelines/test_parity.py``).
 
 Where the lookup runs (options as in TorchRec PR #2916):
@@ -36,8 +36,8 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 
-from pipelines.forwards import CpuSafeInSyncEmbeddingPipelinedForward, compute_stream
-from pipelines.guards import check_pipeline_model, uses_streams
+from robe_torchrec.pipelines.forwards import CpuSafeInSyncEmbeddingPipelinedForward, compute_stream
+from robe_torchrec.pipelines.guards import check_pipeline_model, uses_streams
 from robe_torchrec.torchrec_compat import start_embedding_lookup
 
 _STREAM_CHOICES = ("data_dist", "new", "current")

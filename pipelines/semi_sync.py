@@ -10,7 +10,7 @@ stale). Not bit-identical to the other pipelines; how far it drifts is measured 
   as soon as its gradients exist.
 
 Like FusedSparseDist it refuses models with feature processors or with embeddings not
-updated by a fused optimizer (:mod:`pipelines.guards`).
+updated by a fused optimizer (:mod:`robe_torchrec.pipelines.guards`).
 
 Example::
 
@@ -32,8 +32,8 @@ from torchrec.distributed.train_pipeline.pipeline_context import (
     TrainPipelineContext,
 )
 
-from pipelines.forwards import CpuSafeEmbeddingPipelinedForward, compute_stream
-from pipelines.guards import check_pipeline_model
+from robe_torchrec.pipelines.forwards import CpuSafeEmbeddingPipelinedForward, compute_stream
+from robe_torchrec.pipelines.guards import check_pipeline_model
 from robe_torchrec.torchrec_compat import start_embedding_lookup, wait_for_events
 
 DEFAULT_START_BATCH = 900  # TorchRec's

@@ -1,7 +1,7 @@
 """The one DLRM builder: TorchRec's ``DLRMTrain`` around ``DLRM`` or ``DLRM_DCN``, on ROBE-Z
 (or TorchRec's full) embedding tables, with the embedding optimizer fused into backward.
 
-The training app (``robe_torchrec.train``), the pipeline comparison (``pipelines.compare``)
+The training app (``robe_torchrec.train``), the pipeline comparison (``robe_torchrec.pipelines.compare``)
 and the tests describe their model as a :class:`DLRMSpec` and build it here, so they all
 train the same model. Sharding is left to the caller (the app plans with TorchRec's planner,
 the pipeline tests give an explicit per-table plan).

@@ -2,7 +2,7 @@
 carries as the package ``robe_torchrec_configs`` (pyproject.toml maps one to the other).
 
 Used by the training app (``robe_torchrec.train``) and the pipeline comparison
-(``pipelines.compare``), so both run from a checkout, an editable install or a wheel.
+(``robe_torchrec.pipelines.compare``), so both run from a checkout, an editable install or a wheel.
 
 Example::
 

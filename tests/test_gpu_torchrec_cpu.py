@@ -65,7 +65,7 @@ def test_no_gpu_activity_means_no_fraction() -> None:
 @pytest.mark.slow
 def test_cpu_mode_runs_every_part(tmp_path: Path) -> None:
     """All five parts on CPU with gloo (about 90 s on 2 cores): the shim in this process and
-    in a spawned rank, the pipelines against plain, the profiler trace, pipelines.compare
+    in a spawned rank, the pipelines against plain, the profiler trace, robe_torchrec.pipelines.compare
     and the app with a checkpoint and a resume."""
     out = tmp_path / "gpu_pipelines_cpu.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -1,6 +1,7 @@
-"""Package boundaries: ``pipelines`` depends on TorchRec and the ``robe_torchrec`` core,
-never on the training app ``robe_torchrec.train`` (the app depends on ``pipelines``); the
-installed packages never import the top-level ``benchmarks``."""
+"""Package boundaries: the pipelines (folder ``pipelines/``, installed as
+``robe_torchrec.pipelines``) depend on TorchRec and the ``robe_torchrec`` core, never on the
+training app ``robe_torchrec.train`` (the app depends on the pipelines); the installed
+packages never import the top-level ``benchmarks``."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def test_pipelines_do_not_import_the_app():
     assert offenders("pipelines", APP) == []
 
 
+def test_nothing_imports_a_top_level_pipelines_package():
+    """The folder installs as ``robe_torchrec.pipelines``; ``import pipelines`` would only
+    work by accident, from the repository root."""
+    folders = ("robe_torchrec", "pipelines", "benchmarks", "examples", "tests")
+    assert [o for f in folders for o in offenders(f, "pipelines")] == []
+
+
 def test_core_does_not_import_the_app():
     assert offenders("robe_torchrec", APP, skip=APP) == []
 
@@ -63,7 +71,7 @@ def test_installed_packages_do_not_import_benchmarks():
 
 def test_importing_pipelines_loads_no_app_module():
     """At run time too (an import inside a function, or one made by a dependency)."""
-    code = ("import sys, pipelines, pipelines.compare, pipelines.model\n"
+    code = ("import sys, robe_torchrec.pipelines, robe_torchrec.pipelines.compare, robe_torchrec.pipelines.model\n"
             f"print(sorted(m for m in sys.modules if m == {APP!r} or "
             f"m.startswith({APP + '.'!r})))")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -23,12 +23,15 @@ def _setuptools() -> dict:
 
 def test_pyproject_lists_every_package_and_config_group():
     tool = _setuptools()
-    code = set(find_packages(str(ROOT), include=["robe_torchrec*", "pipelines*"]))
+    code = set(find_packages(str(ROOT), include=["robe_torchrec*"]))
+    code |= {"robe_torchrec.pipelines"}
     groups = {f"robe_torchrec_configs.{p.name}" for p in (ROOT / "configs").iterdir()
               if p.is_dir() and any(p.glob("*.yaml"))}
     listed = set(tool["packages"])
     assert code | groups | {"robe_torchrec_configs"} <= listed, "add them to pyproject.toml"
-    assert tool["package-dir"] == {"robe_torchrec_configs": "configs"}
+    assert tool["package-dir"] == {"robe_torchrec.pipelines": "pipelines",
+                                   "robe_torchrec_configs": "configs"}
+    assert "pipelines" not in listed, "nothing installs under the generic name pipelines"
     assert all(tool["package-data"].get(g) == ["*.yaml"] for g in groups)
 
 
@@ -56,9 +59,9 @@ def test_wheel_install_trains_outside_the_repo(tmp_path):
         return subprocess.run([sys.executable, *args], cwd=work, env=env, capture_output=True,
                               text=True, timeout=300)
 
-    where = python("-c", "import robe_torchrec, pipelines; "
+    where = python("-c", "import robe_torchrec, robe_torchrec.pipelines as p; "
                          "from robe_torchrec.hydra_configs import config_dir; "
-                         "print(robe_torchrec.__file__, pipelines.__file__, config_dir())")
+                         "print(robe_torchrec.__file__, p.__file__, config_dir())")
     assert where.returncode == 0, where.stderr[-3000:]
     assert all(Path(p).is_relative_to(site) for p in where.stdout.split()), where.stdout
 

@@ -16,7 +16,7 @@ the others; the exit status is 1 if any failed, 2 without a GPU unless ``--cpu``
    ``SEMI_SYNC_ATOL`` after (its embeddings are one step stale by design).
 3. ``overlap``: a ``torch.profiler`` trace of FusedSparseDist; how much of the lookup of batch
    i+1 overlaps the dense optimizer step of batch i (:mod:`overlap`).
-4. ``compare``: ``pipelines.compare`` (its Hydra config, composed here; the plot is skipped
+4. ``compare``: ``robe_torchrec.pipelines.compare`` (its Hydra config, composed here; the plot is skipped
    when matplotlib is missing), P50/P90 step time, peak memory and QPS per pipeline, beside
    the P90 changes TorchRec's pull request measured.
 5. ``app``: ``python -m robe_torchrec.train run.device=cuda`` at small sizes with checkpoints,
@@ -51,7 +51,7 @@ import torch
 
 from benchmarks.gpu_torchrec import fbgemm_cuda_shim
 
-# pipelines.compare spawns its ranks, and a spawned process re-imports this main module (as
+# robe_torchrec.pipelines.compare spawns its ranks, and a spawned process re-imports this main module (as
 # __mp_main__): installing here gives those ranks the shim too. Errors wait for the report.
 try:
     SHIM_STATUS: Dict[str, str] = fbgemm_cuda_shim.install()
@@ -223,8 +223,8 @@ def part_shim(device: torch.device, sz: Dict[str, Any]) -> Dict[str, Any]:
 
 def _train(device: torch.device, sharding: str, name: str, options: Dict[str, Any],
            sz: Dict[str, Any]):
-    from pipelines import make_pipeline, run_to_end
-    from pipelines.model import build_sharded_dlrm, gather_state
+    from robe_torchrec.pipelines import make_pipeline, run_to_end
+    from robe_torchrec.pipelines.model import build_sharded_dlrm, gather_state
     from robe_torchrec.data.synthetic import SyntheticCriteo
 
     from benchmarks.gpu_torchrec.record_ops import FbgemmOpRecorder
@@ -325,8 +325,8 @@ def part_overlap(device: torch.device, sz: Dict[str, Any], out_dir: Path, stem: 
                  ) -> Dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from pipelines import make_pipeline
-    from pipelines.model import build_sharded_dlrm
+    from robe_torchrec.pipelines import make_pipeline
+    from robe_torchrec.pipelines.model import build_sharded_dlrm
     from robe_torchrec.data.synthetic import SyntheticCriteo
 
     from benchmarks.gpu_torchrec.overlap import lookup_optimizer_overlap
@@ -384,7 +384,7 @@ def part_compare(device: torch.device, sz: Dict[str, Any], out_dir: Path, stem: 
                  ) -> Dict[str, Any]:
     from hydra import compose, initialize_config_dir
 
-    import pipelines.compare as compare
+    import robe_torchrec.pipelines.compare as compare
     from robe_torchrec.hydra_configs import config_dir
 
     try:
@@ -525,7 +525,7 @@ def markdown(env: Dict[str, Any], parts: Dict[str, Dict[str, Any]], command: str
     comp = parts.get("compare", {})
     if comp.get("rows"):
         mem = "CUDA alloc / reserved (MiB)" if env["card"] else "peak RSS (MiB)"
-        lines += ["", "## pipelines.compare", "",
+        lines += ["", "## robe_torchrec.pipelines.compare", "",
                   f"`{' '.join(comp['overrides'])}`; full report `{comp['report']}`.", "",
                   f"| pipeline | P50 (ms) | P90 (ms) | P90 vs sparse_dist | TorchRec's PR | "
                   f"samples/s | {mem} | parity |", "|---|---:|---:|---:|---:|---:|---:|---|"]

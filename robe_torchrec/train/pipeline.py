@@ -1,4 +1,4 @@
-"""The train-pipeline factory of the ``pipeline`` config group: ``pipelines.make_pipeline``
+"""The train-pipeline factory of the ``pipeline`` config group: ``robe_torchrec.pipelines.make_pipeline``
 (plain, sparse_dist, fused_sparse_dist, semi_sync), with the config's errors.
 
 Example::
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from pipelines import make_pipeline as factory
+from robe_torchrec.pipelines import make_pipeline as factory
 from robe_torchrec.train.config import ConfigError
 
 

@@ -33,7 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipelines import SemiSyncPipeline, run_to_end
+from robe_torchrec.pipelines import SemiSyncPipeline, run_to_end
 from robe_torchrec import quiet
 from robe_torchrec.export import export_model
 from robe_torchrec.threads import choose_threads

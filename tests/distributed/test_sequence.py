@@ -192,7 +192,7 @@ def checkpoint_moves(rank: int, world: int, path: str) -> float:
 def pipelines_match(rank: int, world: int) -> Dict[str, object]:
     """Final weights of SparseDist and FusedSparseDist vs the plain loop (largest
     difference), and SemiSync's losses."""
-    from pipelines import make_pipeline, run_to_end
+    from robe_torchrec.pipelines import make_pipeline, run_to_end
 
     robe = RobeConfig(memory_size=4000, block_size=4, shared=False)
     types = {"t0": "table_wise", "t1": "data_parallel", "t2": "table_wise",

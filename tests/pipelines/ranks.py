@@ -7,8 +7,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from pipelines import make_pipeline, run_to_end
-from pipelines.model import build_sharded_dlrm, gather_state
+from robe_torchrec.pipelines import make_pipeline, run_to_end
+from robe_torchrec.pipelines.model import build_sharded_dlrm, gather_state
 from robe_torchrec import RobeConfig
 from robe_torchrec.data.synthetic import SyntheticCriteo
 from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
@@ -86,7 +86,7 @@ def _dp_dense_trained_model():
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from pipelines.model import EBC_FQN
+    from robe_torchrec.pipelines.model import EBC_FQN
     from robe_torchrec.data.synthetic import NUM_DENSE
 
     d = data()
@@ -111,9 +111,9 @@ def guards_on_dp_dense_tables(rank: int, world: int):
     """What each pipeline says about a model with data-parallel tables trained by the dense
     optimizer; and what FusedSparseDist/SemiSync would do to it without the guard
     ("identical" to SparseDist, "differs", or "fails: <error>")."""
-    from pipelines import PipelineModelError
-    import pipelines.fused_sparse_dist as fsd_mod
-    import pipelines.semi_sync as ss_mod
+    from robe_torchrec.pipelines import PipelineModelError
+    import robe_torchrec.pipelines.fused_sparse_dist as fsd_mod
+    import robe_torchrec.pipelines.semi_sync as ss_mod
 
     verdicts = {}
     for name in ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync"):
@@ -185,7 +185,7 @@ def guards_on_sharded_fp_ebc(rank: int, world: int) -> Dict[str, str]:
     from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from torchrec.optim import apply_optimizer_in_backward
-    from pipelines import PipelineModelError
+    from robe_torchrec.pipelines import PipelineModelError
 
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100,
                                  feature_names=["f0"])]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.compare import _parity, kept, nearest_rank, report_stem
+from robe_torchrec.pipelines.compare import _parity, kept, nearest_rank, report_stem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_report_stem_refuses_an_existing_report_unless_overwrite(tmp_path):
 
 
 def _compare(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pipelines.compare", "steps=4", "rounds=1", "batch_size=16",
+    cmd = [sys.executable, "-m", "robe_torchrec.pipelines.compare", "steps=4", "rounds=1", "batch_size=16",
            "cardinality_scale=0.001", "num_sparse=4", "model.robe.compression=100", "tag=t",
            "~pipelines.plain", "~pipelines.fused_sparse_dist_after_opt", "~pipelines.semi_sync",
            *overrides]

@@ -12,7 +12,7 @@ from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim import apply_optimizer_in_backward
 
-from pipelines import PipelineModelError, make_pipeline
+from robe_torchrec.pipelines import PipelineModelError, make_pipeline
 from robe_torchrec import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from tests.distributed.multiprocess import run_ranks

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from pipelines.model import travel_diff
+from robe_torchrec.pipelines.model import travel_diff
 from robe_torchrec.dlrm import OptimizerSpec
 from tests.distributed import common
 from tests.distributed.multiprocess import run_ranks
