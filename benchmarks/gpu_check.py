@@ -5,7 +5,7 @@ ROBE-Z, all written to one results file.
 Needs torch and Triton only (and numpy, which :mod:`robe_torchrec.hashing` uses): no torchrec,
 fbgemm, hydra or pytest, so it runs on a bare GPU image. Two parts:
 
-1. **checks**: every check of :func:`tests.ops.checks.triton_checks` (forward, dense
+1. **checks**: every check of :func:`robe_torchrec.testing.op_checks.triton_checks` (forward, dense
    gradient, both kernels of each, per-sample-weight gradient, each fused optimizer,
    int32/int64 ids, empty and long bags, mixed dims, bad input refused at the call and by a
    deferred check before a fused update, the registered op with autograd,
@@ -109,11 +109,11 @@ class CheckResult:
 
 def run_checks(device: str, quick: bool, only: Optional[str],
                matrix: int) -> List[CheckResult]:
-    from tests.ops.checks import triton_checks
+    from robe_torchrec.testing.op_checks import triton_checks
 
     checks = triton_checks(device, quick=quick)
     if device == "cuda":
-        from tests.ops.gpu_checks import gpu_checks, torchrec_gpu_checks
+        from robe_torchrec.testing.gpu_checks import gpu_checks, torchrec_gpu_checks
 
         checks += gpu_checks(matrix=matrix) + torchrec_gpu_checks()
     results = []

@@ -1,4 +1,4 @@
-"""The CUDA shim of FBGEMM's sparse ops (``benchmarks/gpu_torchrec/fbgemm_cuda_shim.py``),
+"""The CUDA shim of FBGEMM's sparse ops (``robe_torchrec/testing/fbgemm_cuda_shim.py``),
 checked on CPU tensors against fbgemm-gpu-cpu's own kernels: random inputs, several shapes,
 empty ones included, bit for bit (every op only moves or adds integers, or copies floats)."""
 
@@ -11,7 +11,7 @@ import torch
 
 fbgemm_gpu = pytest.importorskip("fbgemm_gpu")
 
-from benchmarks.gpu_torchrec import fbgemm_cuda_shim as shim  # noqa: E402
+from robe_torchrec.testing import fbgemm_cuda_shim as shim  # noqa: E402
 
 SEEDS = range(4)
 

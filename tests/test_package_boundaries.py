@@ -91,3 +91,9 @@ def test_the_check_sees_every_kind_of_import():
     assert "robe_torchrec.train.trainer" in found and "robe_torchrec.data.model" in found
     assert [m for m in imported("import benchmarks.cpu_ops", "pipelines")
             if _is(m, "benchmarks")] == ["benchmarks.cpu_ops"]
+
+
+def test_benchmarks_import_no_tests():
+    """Checks shared by both live in the library (``robe_torchrec.testing``)."""
+    assert offenders("benchmarks", "tests") == []
+    assert offenders("robe_torchrec", "tests") + offenders("pipelines", "tests") == []

@@ -11,7 +11,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 import robe_torchrec.ops  # noqa: F401  (registers torch.ops.robe.*)
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.ops import cpu, reference
-from tests.ops.cases import random_case
+from robe_torchrec.testing.op_cases import random_case
 
 HINT = 'RobeConfig(bounds_check="unbounded", hash="mix")'
 

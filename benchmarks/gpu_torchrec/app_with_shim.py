@@ -13,7 +13,7 @@ import json
 import os
 import runpy
 
-from benchmarks.gpu_torchrec import fbgemm_cuda_shim
+from robe_torchrec.testing import fbgemm_cuda_shim
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Which ``fbgemm::`` ops a piece of code calls: :class:`FbgemmOpRecorder`, a
 ``TorchDispatchMode`` that notes every op of that namespace reaching the dispatcher.
 
-How the shim's op list (:data:`benchmarks.gpu_torchrec.fbgemm_cuda_shim.SHIMMED_OPS`) was
+How the shim's op list (:data:`robe_torchrec.testing.fbgemm_cuda_shim.SHIMMED_OPS`) was
 found: KJT handling, DMP (data-parallel and table-wise), the pipelines and the app run on CPU
 under it. ``run --cpu`` records again and reports any op the shim lacks, so a torchrec upgrade
 that calls a new op shows up in CI.

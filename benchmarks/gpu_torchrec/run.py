@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from benchmarks.gpu_torchrec import fbgemm_cuda_shim
+from robe_torchrec.testing import fbgemm_cuda_shim
 
 # robe_torchrec.pipelines.compare spawns its ranks, and a spawned process re-imports this main module (as
 # __mp_main__): installing here gives those ranks the shim too. Errors wait for the report.

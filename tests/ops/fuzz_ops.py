@@ -5,7 +5,7 @@ crash (a signal) fails a test instead of killing pytest. The child prints one JS
 call: the case, the op, and how the call ended (``ok``, ``ValueError`` or another exception's
 type). Before each call it writes the case's name to stderr, so a crash names its case.
 
-Two kinds of case, both built from the small valid cases of :mod:`tests.ops.cases`:
+Two kinds of case, both built from the small valid cases of :mod:`robe_torchrec.testing.op_cases`:
 
 * **targeted** (``bad=True``): one named defect (an offset that makes ``OUT_OFFSET + DIM`` or
   ``W_OFFSET + W_SIZE`` wrap past 2**63, a negative size, an unknown enum, mismatched
@@ -33,7 +33,7 @@ import torch
 from robe_torchrec.ops import cpu_backend
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.meta import Optimizer
-from tests.ops.cases import OpCase, case_matrix, random_case
+from robe_torchrec.testing.op_cases import OpCase, case_matrix, random_case
 
 I64_MAX, I64_MIN = 2**63 - 1, -(2**63)
 OPS = ("forward", "backward_dense", "per_sample_weights_grad", "backward_fused_")

@@ -31,7 +31,7 @@ from triton.runtime import jit
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import triton_kernels as tk
-from tests.ops.cases import random_case
+from robe_torchrec.testing.op_cases import random_case
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BACKEND = make_backend(TARGET)

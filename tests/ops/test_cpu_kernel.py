@@ -14,7 +14,7 @@ from robe_torchrec.hashing import HashMode, block_starts, reference_key_limit
 from robe_torchrec.ops import cpu, cpu_backend, reference
 from robe_torchrec.ops.meta import (BoundsCheck, Optimizer, Pooling,
                                    rowwise_state_size)
-from tests.ops.cases import (ROWWISE_CASES, OpCase, case_matrix, fused_steps, random_case,
+from robe_torchrec.testing.op_cases import (ROWWISE_CASES, OpCase, case_matrix, fused_steps, random_case,
                              rowwise_adagrad_brute_force)
 
 if cpu._find_compiler() is None:  # pragma: no cover - machines without g++

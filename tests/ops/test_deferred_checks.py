@@ -22,8 +22,8 @@ from robe_torchrec.ops import meta as m  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.deferred_checks import DeferredCheckError  # noqa: E402
 
-from .cases import OpCase, case_matrix, random_case  # noqa: E402
-from .checks import OPTIMIZERS, check_deferred_bad_input, fused_states  # noqa: E402
+from robe_torchrec.testing.op_cases import OpCase, case_matrix, random_case  # noqa: E402
+from robe_torchrec.testing.op_checks import OPTIMIZERS, check_deferred_bad_input, fused_states  # noqa: E402
 
 if not tk._is_interpreted(tk):
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file in its "

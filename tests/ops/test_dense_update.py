@@ -9,7 +9,7 @@ import torch
 from robe_torchrec.ops import cpu, reference
 from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
-from tests.ops.cases import random_case
+from robe_torchrec.testing.op_cases import random_case
 
 
 def _states(code: Optimizer, weights: torch.Tensor, block_size: int):

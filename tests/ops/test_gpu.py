@@ -1,12 +1,12 @@
 """The Triton kernels against the reference on CUDA tensors: every check of
-:func:`tests.ops.checks.triton_checks` (collected everywhere, skipped without a GPU).
+:func:`robe_torchrec.testing.op_checks.triton_checks` (collected everywhere, skipped without a GPU).
 ``python -m benchmarks.gpu_check`` runs the same checks without pytest."""
 
 import pytest
 import torch
 
-from .checks import triton_checks
-from .gpu_checks import gpu_checks, torchrec_gpu_checks
+from robe_torchrec.testing.op_checks import triton_checks
+from robe_torchrec.testing.gpu_checks import gpu_checks, torchrec_gpu_checks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,7 +9,7 @@ import torch
 import robe_torchrec.ops  # registers torch.ops.robe.*
 from robe_torchrec.ops import reference
 from robe_torchrec.ops.meta import Optimizer
-from tests.ops.cases import random_case
+from robe_torchrec.testing.op_cases import random_case
 
 
 @pytest.mark.parametrize("weighted", [False, True])

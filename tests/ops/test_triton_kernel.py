@@ -26,8 +26,8 @@ from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
 from robe_torchrec.ops.validation import check_inputs, check_layout  # noqa: E402
 
-from .cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
-from .checks import (  # noqa: E402
+from robe_torchrec.testing.op_cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
+from robe_torchrec.testing.op_checks import (  # noqa: E402
     assert_close, check_backward_dense, check_forward, check_per_sample_weights_grad)
 
 if not (tk._is_interpreted(tk)
@@ -645,7 +645,7 @@ def test_forward_kernel_counts_the_problems_the_summary_counts(bounds, short_bag
 def test_matrix_cases_in_the_interpreter():
     """The GPU matrix's drawing and checking code, on the few of its cases small enough for
     the interpreter (the GPU runs all of them: tests/ops/test_gpu.py)."""
-    from .gpu_checks import check_matrix_case, matrix_case
+    from robe_torchrec.testing.gpu_checks import check_matrix_case, matrix_case
 
     small = [seed for seed in range(60)
              if matrix_case(seed)[1].values.numel() * max(

@@ -10,7 +10,7 @@ import torch
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import reference, validation
 
-from .cases import random_case
+from robe_torchrec.testing.op_cases import random_case
 
 
 def test_an_in_place_change_to_table_meta_is_checked_again():

@@ -25,8 +25,8 @@ from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
 
-from .cases import OpCase, random_case
-from .checks import (OPTIMIZERS, check_backward_dense, check_forward, check_fused,
+from robe_torchrec.testing.op_cases import OpCase, random_case
+from robe_torchrec.testing.op_checks import (OPTIMIZERS, check_backward_dense, check_forward, check_fused,
                      check_per_sample_weights_grad, fused_states)
 
 DIMS = (1, 2, 3, 7, 16, 33, 64, 100, 128, 255, 256, 512)
@@ -270,7 +270,7 @@ def _dlrm_losses(compiled: bool, steps: int) -> List[float]:
     from robe_torchrec.data.synthetic import SyntheticCriteo
     from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_dlrm, dense_optimizer
 
-    from benchmarks.gpu_torchrec import fbgemm_cuda_shim
+    from robe_torchrec.testing import fbgemm_cuda_shim
 
     fbgemm_cuda_shim.install()  # CUDA kernels of fbgemm's sparse ops where there are none
     data = SyntheticCriteo(batch_size=256, num_sparse=8, cardinality_scale=1e-2)

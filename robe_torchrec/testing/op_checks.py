@@ -2,7 +2,7 @@
 tests (Triton's interpreter), the GPU tests (``tests/ops/test_gpu.py``) and the one-call GPU
 proof ``benchmarks/gpu_check.py``, which runs them without pytest.
 
-Every check builds fresh random inputs (:mod:`tests.ops.cases`), moves them to the device,
+Every check builds fresh random inputs (:mod:`robe_torchrec.testing.op_cases`), moves them to the device,
 runs the Triton implementation and the pure-PyTorch reference on the same tensors and raises
 ``AssertionError`` on a mismatch. :func:`triton_checks` lists them by name.
 
@@ -29,7 +29,7 @@ from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.meta import Optimizer, rowwise_state_size
 from robe_torchrec.ops.tuning import tuned
 
-from .cases import OpCase, case_matrix, fused_steps, random_case
+from robe_torchrec.testing.op_cases import OpCase, case_matrix, fused_steps, random_case
 
 #: the fused optimizers, with the op's hparams (lr, eps, beta1, beta2, weight_decay)
 OPTIMIZERS = {

@@ -19,7 +19,7 @@ streams are not serialised by the shim.
 
 Example::
 
-    >>> from benchmarks.gpu_torchrec import fbgemm_cuda_shim
+    >>> from robe_torchrec.testing import fbgemm_cuda_shim
     >>> fbgemm_cuda_shim.install()
     {'asynchronous_complete_cumsum': 'registered', ...}
     >>> kjt.to("cuda").offsets()      # fbgemm::asynchronous_complete_cumsum on CUDA
