@@ -60,23 +60,14 @@ def kept(step_times: Sequence[float]) -> List[float]:
 
 # ---------------------------------------------------------------- one rank
 
-def _time_segment(pipeline, device: torch.device) -> Optional[List[float]]:
+def _time_segment(pipeline) -> Optional[List[float]]:
     """FusedSparseDist only: time its "dense optimizer step + next batch's lookup" segment,
     the one its options reorder or overlap (the list fills as training runs)."""
-    inner = getattr(pipeline, "_optimizer_and_next_lookup", None)
-    if inner is None:
+    from robe_torchrec.pipelines import FusedSparseDistPipeline
+
+    if not isinstance(pipeline, FusedSparseDistPipeline):
         return None
-    seconds: List[float] = []
-
-    def timed() -> None:
-        start = time.perf_counter()
-        inner()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-
-    pipeline._optimizer_and_next_lookup = timed  # instance attribute: this run only
-    return seconds
+    return pipeline.time_segments()
 
 
 def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
@@ -99,7 +90,7 @@ def _rank_run(rank: int, world: int, cfg: Dict[str, Any], name: str,
                                     device, seed=int(cfg["seed"]))
     init = gather_state(dmp) if want_init else None
     pipeline = make_pipeline(name, dmp, dense, device, **options)
-    segment = _time_segment(pipeline, device)
+    segment = _time_segment(pipeline)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)

@@ -68,6 +68,8 @@ class CpuSafeEmbeddingPipelinedForward(_DeviceFromStreamOrCpu, EmbeddingPipeline
             return
         # CPU and a KeyedTensor: the same bookkeeping without record_stream. The pipeline's
         # embedding_backward later feeds the detached tensor's grad into the original one.
+        # KeyedTensor has no public setter for its values: TorchRec's own detach_embeddings
+        # swaps them the same way, and this must stay in step with it.
         original = embeddings.values()
         leaf = original.detach().requires_grad_()
         leaf.retain_grad()

@@ -28,7 +28,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -74,6 +75,15 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
             # TorchRec keeps torch.cpu.current_stream() for "current"; CPU has no streams
             self._emb_lookup_stream = None
         self._lookup_after_opt = embedding_lookup_after_opt
+        self._segment_seconds: Optional[List[float]] = None
+
+    def time_segments(self) -> List[float]:
+        """Time, from now on, the segment this pipeline's options reorder or overlap: the
+        dense optimizer step and the start of the next batch's lookup. Returns the list
+        that fills with one duration in seconds per training step (on CUDA the device is
+        synchronised after the segment, so only call it to measure)."""
+        self._segment_seconds = []
+        return self._segment_seconds
 
     def start_embedding_lookup(self, batch, context: EmbeddingTrainPipelineContext) -> None:
         """Start the lookup and output dist of ``batch`` (its input dist has completed)."""
@@ -134,6 +144,11 @@ class FusedSparseDistPipeline(TrainPipelineFusedSparseDist):
         if self._model.training:
             self._backward(losses)
             # the fused optimizer has updated every embedding inside backward
+            start = time.perf_counter()
             self._optimizer_and_next_lookup()
+            if self._segment_seconds is not None:
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+                self._segment_seconds.append(time.perf_counter() - start)
         self.dequeue_batch()
         return output
