@@ -40,8 +40,8 @@ def test_report_stem_refuses_an_existing_report_unless_overwrite(tmp_path):
 
 
 def _compare(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "robe_torchrec.pipelines.compare", "steps=4", "rounds=1", "batch_size=16",
-           "cardinality_scale=0.001", "num_sparse=4", "model.robe.compression=100", "tag=t",
+    cmd = [sys.executable, "-m", "robe_torchrec.pipelines.compare", "steps=4", "rounds=1",
+           "batch_size=16", "cardinality_scale=0.001", "num_sparse=4", "model.robe.compression=100", "tag=t",
            "~pipelines.plain", "~pipelines.fused_sparse_dist_after_opt", "~pipelines.semi_sync",
            *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -62,6 +62,9 @@ def test_runner_end_to_end(tmp_path):
     assert set(rows) == {"sparse_dist", "fused_sparse_dist"}
     assert rows["fused_sparse_dist"]["parity"] == "bit-identical"
     assert rows["sparse_dist"]["kept_steps"] == 2 and rows["sparse_dist"]["p90_vs_ref"] == 1.0
+    # FusedSparseDist times its optimizer + next-lookup segment; SparseDist has none
+    assert rows["fused_sparse_dist"]["opt_and_lookup_p50_ms"] > 0
+    assert rows["sparse_dist"]["opt_and_lookup_p50_ms"] is None
     assert (run_dir / "compare_t.png").stat().st_size > 0
     assert "| fused_sparse_dist |" in (run_dir / "compare_t.md").read_text()
 
