@@ -1,332 +1,716 @@
-"""CPU benchmark of one training step: full table, FBGEMM TBE, pure-PyTorch ROBE-Z, our C++ ops.
+"""How fast is one CPU training step of our C++ kernel, against its peers and its floors?
 
-The setup of the seed benchmarks (seeds 000/001): batch 32768, a *pair model* (two lookups of
-one id per sample into one table / ROBE array, SUM pooling, dim 64; every row does them as one
-call over 2B bags, so all rows compute the same loss on the same [2B, D] layout), ids uniform in
-``[0, 1_562_500)``, loss ``sum(e1 * e2)`` over the two pooled embeddings. Rows, for each of
-SGD, Adagrad and Adam:
+A pair model (the seed benchmarks' setup): batch B = 32768, two lookups of one id per sample
+into one table or ROBE array (every row does them as one call over 2B bags, SUM, dim 64, so
+all rows compute the same loss on the same [2B, D] layout), ids uniform in ``[0, 1_562_500)``.
+Rows, for each optimizer (SGD, Adagrad, Adam) and loss (``pair``: sum(e1*e2); ``sum``:
+sum(outputs), whose backward is little more than the embedding's own):
 
-* ``full table``: ``nn.EmbeddingBag(1_562_500, 64)`` (100M floats, 381.5 MB), sparse gradients
-  (``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam``) and dense gradients (``SGD`` / ``Adagrad``
-  / ``Adam``);
-* ``fbgemm TBE``: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU (``HOST`` / ``CPU``)
-  with its fused optimizer (whatever FBGEMM supports on CPU; the others are ``n/a`` with
-  FBGEMM's own error message);
-* ``pytorch ROBE-Z``: :mod:`robe_torchrec.ops.reference` (the vectorised pure-PyTorch ROBE-Z),
-  dense gradient + ``torch.optim``, arrays of 262,144 and 2,621,440 floats, Z = 32;
-* ``ours``: the C++ ops (``cpu_backend("cpp")``), dense gradient + ``torch.optim`` and fused
-  (the package's :func:`robe_torchrec.fused_lookup.fused_lookup`, whose
-  ``robe::backward_fused_`` applies the optimizer inside backward), same arrays, Z = 32, plus
-  Z = 8 rows at 2,621,440 floats;
-* ``floor``: the step floor of each array size: the same loss and ``torch.optim`` optimizer
-  around an embedding whose forward only writes its output from a cache-resident source
-  (the forward floor) and whose backward only reads its gradient once.
+* ``floor``: the same loss and ``torch.optim`` optimizer around an embedding that only
+  writes its output from a cache-resident source (the forward floor) and reads its gradient
+  once (its ``read`` split: one ``sum`` over a [2B, D] gradient), per array size;
+* ``full table``: ``nn.EmbeddingBag`` of 100M floats, sparse and dense gradients;
+* ``fbgemm TBE``: FBGEMM's CPU TBE with its fused optimizer (``n/a`` with FBGEMM's reason
+  where it has none on CPU);
+* ``pytorch ROBE-Z``: the reference ops (pure PyTorch), arrays of 262,144 and 2,621,440
+  floats, Z = 32;
+* ``ours``: the C++ ops, dense gradient + ``torch.optim`` and fused (the package's
+  ``fused_lookup``), the same arrays at Z = 32, and Z = 8 at the larger one.
 
-Every row runs with each loss of ``--losses``: ``sum(e1*e2)`` (the seed benchmarks') and
-``sum(outputs)`` (whose backward is little more than the embedding's own). Each row reports
-its forward and total over the floor's; a separate section times our forward alone against
-the forward floor for both hashes, Z = 8 and 32 and both arrays, interleaved; another sets
-our backward against one read of its gradient. The targets against the floors (forward <=
-1.5x its floor at 1 thread, 2 threads <= 0.6x our 1-thread forward, step <= 1.5x the step
-floor with ``sum(outputs)``) are reported met or missed with margins; the 2-thread target
-beside the machine's own 2-thread scaling (a compute-bound matmul, same loop).
-
-The forward section also profiles each case at 1 thread, in the same interleaved loop: the
-C++ kernel's hashing alone (``cpu.forward_hash_only``), its hashing + gathers without the
+The rows of one loss and optimizer whose arrays hold at most 10M floats are timed
+interleaved, one step of each in turn; full tables run alone. The forward section times our
+forward alone against the forward floor (both hashes, Z = 8 and 32, both arrays) with its
+profile: the kernel's hash pass alone (``cpu.forward_hash_only``), the forward without its
 output stores (``cpu.forward_gather_only``), a read of every cache line its gathers touch
-(:func:`read_lines`), its dense-gradient backward and one read of that gradient. From them
-the report splits the forward into hash / gather / store, sets it against the floor of the
-algorithm (store + hash + lines) and says what stands between the kernel and the floor.
-
-Columns (milliseconds, median over ``--iters`` iterations after ``--warmup``):
-
-* ``forward``: the embedding call alone (one call covers both features);
-* ``hashing`` / ``lookup`` / ``other``: the split of the forward. Pure-PyTorch ROBE-Z: timed
-  exactly, hashing = ``reference.element_indices`` of both features, lookup = the reference's
-  gather + pool with those indices, other = forward - hashing - lookup (input validation,
-  slicing). Ours with the C++ kernel: hashing = ``cpu.forward_hash_only`` (the kernel's own
-  hash pass, without prefetches, gathers and output writes), lookup = forward - hashing
-  (marked ``~``). Ours with another backend (testing only; marked ``~``): lookup = the same
-  pooled lookup from precomputed block starts (``F.embedding`` over a stride-1 ``as_strided``
-  view of the array, which copies whole Z-float blocks: exact for one id per bag), hashing =
-  forward - lookup (clipped at 0);
-* ``backward``: loss + ``loss.backward()`` (gradient computation; includes the update for fused
-  rows);
-* ``optimizer``: ``optimizer.step()`` + ``zero_grad(set_to_none=True)`` (0 when fused);
-* ``total``: the median of the per-iteration sum forward + backward + optimizer;
-* ``model MB``: the learned weights (optimizer state not counted).
-
-Every row uses the same pre-generated batches. The rows of one loss and optimizer whose
-arrays hold at most 10M floats (floors, pytorch ROBE-Z, ours) are built together and timed
-interleaved, one train step of each in turn (in alternating order), so the load of other
-processes hits a row and its floor alike; full tables (hundreds of MB each) run alone. All
-thread counts run in one process, so every ratio in the "targets" sections comes from one run.
-
-The code, by question: :mod:`benchmarks.cpu_ops_step` (the rows: one training step of each
-implementation, its timing loop, tables and targets), :mod:`benchmarks.cpu_ops_forward` (our
-forward against its floors, its profile, the step floors), :mod:`benchmarks.cpu_ops_common`
-(what both use: sizes, batches, the runner interface, the floors, the machine); this module
-runs them and writes the report.
+(:func:`read_lines`), the dense-gradient backward op and one read of its gradient. At one
+thread the targets are judged on the calling thread's CPU time (on a busy machine wall time
+inflates a call longer than a scheduler slice more than a short one). Every number is in
+the JSON beside the report; the targets (:data:`TARGETS`) too, each met or not.
 
 Run::
 
-    python -m benchmarks.cpu_ops                      # threads 1 and 2
-    python -m benchmarks.cpu_ops --quick              # tiny sizes (smoke test)
+    python -m benchmarks.cpu_ops --quick                                  # tiny sizes
     python -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
-    python -m benchmarks.cpu_ops --rows floor ours    # only what the floor targets need
+    python -m benchmarks.cpu_ops --rows floor ours --out benchmarks/results/cpu_ops_floors.md
 """
-
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import datetime
-import json
-import os
-import shlex
-import sys
-import time
+import gc
+import itertools
+import math
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from benchmarks.cpu_ops_common import (
-    FLOOR_SOURCE_ROWS, FULL_SIZES, HASH_SEED, INTERLEAVE_MAX_FLOATS, LOSSES, LOSS_TEXT, LR,
-    OPTIMIZERS, QUICK_SIZES, contention_warning, keep_freed_memory, loadavg, machine_lines,
-    make_batches)
-from benchmarks.cpu_ops_step import Result, results_tables, row_specs, run_specs, targets_section
-from benchmarks.cpu_ops_forward import (
-    ForwardProfile, backward_profile_section, backward_read_section, floor_targets_section,
-    forward_floor_section, forward_profile_section, forward_profiles, machine_scaling_summary,
-    stands_between_section, step_floors, step_floors_section, time_forwards)
-# what the tests and other benchmarks reach through this module
-from benchmarks.cpu_ops_common import (  # noqa: F401
-    COMPUTE_REFERENCE, Floor, Runner, Unavailable, _FloorLookup, floor_forward)
-from benchmarks.cpu_ops_forward import (  # noqa: F401
-    ForwardCase, StepFloors, expected_lines, forward_cases)
-from benchmarks.cpu_ops_step import Robe, RowSpec  # noqa: F401
-from robe_torchrec.hashing import HashMode
+from benchmarks.common import (Split, command_line, fmt, header, interleaved, keep_freed_memory,
+                               medians_ms, publish, ratio, table)
+from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.hashing import HashMode, block_starts, hash_params
+from robe_torchrec.ops import LayoutArgs, LookupArgs, cpu, cpu_backend
+from robe_torchrec.ops import meta as m
+from robe_torchrec.optim import RobeFusedOptimizer
 
-# ---------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+LOSSES = {"pair": "sum(e1*e2)", "sum": "sum(outputs)"}
+GROUPS = ("floor", "full", "fbgemm", "pytorch", "ours")
+LR, ADAGRAD_EPS, ADAM_BETAS, ADAM_EPS, HASH_SEED = 1e-3, 1e-10, (0.9, 0.999), 1e-8, 1024
+FLOOR_SOURCE_ROWS = 256  # 64 KB at dim 64: the floor's source stays in L1/L2
+LINE_FLOATS = 16  # floats per 64-byte cache line
+LINES_PER_BAG = 64  # the line-read floor pools this many lines per output row
+INTERLEAVE_MAX_FLOATS = 10_000_000  # rows of arrays up to this size are timed interleaved
+#: the machine's own 2-thread scaling, timed in the forward section's loop: a compute-bound
+#: 512x512 matmul (a reference, not a bound: a kernel waiting on memory may gain more)
+COMPUTE_REFERENCE = "compute reference"
+#: target -> (goal, higher is better)
+TARGETS = {"forward / forward floor (CPU time)": (1.5, False),
+           "forward / 1-thread forward": (0.6, False),
+           "step / step floor, sum(outputs)": (1.5, False),
+           "forward speedup vs pytorch ROBE-Z": (40.0, True),
+           "step speedup vs pytorch ROBE-Z": (20.0, True),
+           "forward / full table (sparse)": (0.5, False),
+           "step / full table (sparse)": (0.2, False)}
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_ops",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="torch.set_num_threads values (default: 1 2; --quick: 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10; quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup iterations (default 3; quick 1)")
-    p.add_argument("--forward-iters", type=int, default=None,
-                   help="timed iterations of the forward-floor section (default 3 x --iters)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, a few seconds)")
-    p.add_argument("--hash", default="reference", choices=["reference", "mix"],
-                   help="ROBE hash for the ROBE rows (default: the paper's)")
+
+@dataclass(frozen=True)
+class Sizes:
+    batch: int
+    num_embeddings: int
+    dim: int
+    robe_sizes: Tuple[int, ...]
+    block_size: int
+    small_block_size: int
+    small_block_array: int
+
+
+FULL_SIZES = Sizes(32768, 1_562_500, 64, (262_144, 2_621_440), 32, 8, 2_621_440)
+QUICK_SIZES = Sizes(256, 20_000, 64, (4_096, 16_384), 32, 8, 16_384)
+
+
+class Unavailable(Exception):
+    """A row that cannot run here (the reason goes to the table)."""
+
+
+@dataclass
+class Batch:
+    values: Tensor   # [2B] int64: feature 0's ids, then feature 1's
+    offsets: Tensor  # [2B + 1] int64: one id per bag
+
+
+def make_batches(sizes: Sizes, count: int, seed: int = 0) -> List[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    return [Batch(torch.randint(0, sizes.num_embeddings, (2 * sizes.batch,), generator=gen),
+                  torch.arange(2 * sizes.batch + 1)) for _ in range(count)]
+
+
+def optimizer_spec(name: str):
+    """The ``torch.optim`` class and kwargs of ``name`` (the fused rows get the same)."""
+    return {"sgd": (torch.optim.SGD, {"lr": LR}),
+            "adagrad": (torch.optim.Adagrad, {"lr": LR, "eps": ADAGRAD_EPS}),
+            "adam": (torch.optim.Adam, {"lr": LR, "betas": ADAM_BETAS, "eps": ADAM_EPS})}[name]
+
+
+def torch_optimizer(name: str, params, sparse: bool) -> torch.optim.Optimizer:
+    if name == "adam" and sparse:
+        return torch.optim.SparseAdam(params, lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+    cls, kwargs = optimizer_spec(name)
+    return cls(params, **kwargs)
+
+
+# --------------------------------------------------------------------------------- the rows
+
+class Runner:
+    """One model + optimizer; a train step is forward, backward (the loss's), step."""
+
+    size_floats: int = 0
+    loss: str = "pair"  # a key of LOSSES
+
+    def forward(self, batch: Batch) -> Tensor:
+        raise NotImplementedError
+
+    def halves(self, out: Tensor) -> Tuple[Tensor, Tensor]:
+        """The two lookups' pooled embeddings in ``out`` ([2B, D], feature-major)."""
+        return out[: out.shape[0] // 2], out[out.shape[0] // 2:]
+
+    def backward(self, out: Tensor) -> None:
+        first, second = self.halves(out)
+        ((first * second).sum() if self.loss == "pair" else out.sum()).backward()
+
+    def step(self) -> None:
+        pass
+
+    def extra(self) -> Dict[str, float]:
+        """Timings (seconds) taken beside the step, outside it."""
+        return {}
+
+    def finite(self) -> bool:
+        return True
+
+
+class FullTable(Runner):
+    def __init__(self, sizes: Sizes, optimizer: str, sparse: bool):
+        self.emb = nn.EmbeddingBag(sizes.num_embeddings, sizes.dim, mode="sum", sparse=sparse,
+                                   include_last_offset=True)
+        self.opt = torch_optimizer(optimizer, self.emb.parameters(), sparse)
+        self.size_floats = sizes.num_embeddings * sizes.dim
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.emb(batch.values, batch.offsets)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.emb.weight).all())
+
+
+def build_tbe(num_embeddings: int, dim: int, optim_name: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (EmbeddingLocation,
+                                                                      PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(num_embeddings, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        feature_table_map=[0, 0], optimizer=getattr(EmbOptimType, optim_name),
+        learning_rate=LR, eps=ADAGRAD_EPS if "ADAGRAD" in optim_name else ADAM_EPS,
+        beta1=ADAM_BETAS[0], beta2=ADAM_BETAS[1], pooling_mode=PoolingMode.SUM)
+
+
+class Fbgemm(Runner):
+    def __init__(self, sizes: Sizes, optim_name: str):
+        try:  # FBGEMM asserts on the optimizers it lacks on CPU: its reason goes to the table
+            build_tbe(16, 8, optim_name)(torch.arange(1, 5), torch.arange(5)).sum().backward()
+        except ImportError as exc:
+            raise Unavailable(f"fbgemm_gpu not importable: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from exc
+        self.tbe = build_tbe(sizes.num_embeddings, sizes.dim, optim_name)
+        self.dim, self.size_floats = sizes.dim, sizes.num_embeddings * sizes.dim
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.tbe(batch.values, batch.offsets)  # [B, 2D]; its backward updates
+
+    def halves(self, out: Tensor) -> Tuple[Tensor, Tensor]:
+        return out[:, : self.dim], out[:, self.dim:]
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(w).all()) for w in self.tbe.split_embedding_weights())
+
+
+class Robe(Runner):
+    """ROBE-Z through ``torch.ops.robe`` (the backend is the caller's ``cpu_backend``); dense
+    gradient + ``torch.optim``, or fused (``robe::backward_fused_`` updates in backward)."""
+
+    def __init__(self, sizes: Sizes, optimizer: str, memory: int, block_size: int, mode: str,
+                 hash_mode: HashMode):
+        self.sizes, self.memory, self.block_size, self.mode = sizes, memory, block_size, mode
+        self.hash_mode, self.params = hash_mode, hash_params(hash_mode, HASH_SEED)
+        # the two lookups read the same array with the same keys: one feature of 2B bags
+        self.meta = m.build_table_meta(dims=[sizes.dim], weight_offsets=[0], weight_sizes=[memory],
+                                       row_offsets=[0], num_rows=[sizes.num_embeddings],
+                                       poolings=[m.Pooling.SUM])
+        self.layout = LayoutArgs(self.meta, sizes.dim, block_size, int(hash_mode), self.params,
+                                 int(m.BoundsCheck.ERROR))
+        bound = math.sqrt(1.0 / sizes.num_embeddings)  # the reference DLRM's init
+        weights = torch.empty(memory).uniform_(-bound, bound)
+        self.size_floats = memory
+        if mode == "dense":
+            self.weights = nn.Parameter(weights)
+            self.opt = torch_optimizer(optimizer, [self.weights], sparse=False)
+        else:
+            self.weights = weights
+            self.fused_opt = RobeFusedOptimizer("weight", weights, *optimizer_spec(optimizer))
+
+    def args(self, batch: Batch) -> LookupArgs:
+        return LookupArgs(batch.values, batch.offsets, None, self.layout)
+
+    def lookup(self, batch: Batch) -> Tensor:
+        return self.args(batch).forward(self.weights)
+
+    def forward(self, batch: Batch) -> Tensor:
+        if self.mode == "dense":
+            return self.lookup(batch)
+        return fused_lookup(self.weights, self.fused_opt, self.args(batch))
+
+    def step(self) -> None:
+        if self.mode == "dense":
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.weights).all())
+
+    # the forward's profile (C++ kernel): its parts, each alone
+    def hash_only(self, batch: Batch) -> int:
+        return cpu.forward_hash_only(self.weights.detach(), *self.args(batch).flat())
+
+    def gather_only(self, batch: Batch) -> Tensor:
+        return cpu.forward_gather_only(self.weights.detach(), *self.args(batch).flat())
+
+    def backward_dense(self, batch: Batch, grad: Tensor) -> Tensor:
+        return self.args(batch).backward_dense(grad, self.weights.detach())
+
+    def touched_lines(self, batch: Batch) -> Tensor:
+        """Index of every 64-byte line of the array that each (id, block) gather of
+        ``batch`` reads, in gather order (a block of Z floats spans 1 to 3 lines)."""
+        blocks = math.ceil(self.sizes.dim / self.block_size)
+        starts = block_starts(batch.values, blocks, self.memory, self.block_size, self.hash_mode,
+                              self.params).reshape(-1)
+        first = starts // LINE_FLOATS
+        count = (starts + self.block_size - 1) // LINE_FLOATS - first + 1
+        begin = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+        return torch.repeat_interleave(first, count) + (torch.arange(int(count.sum())) - begin)
+
+
+def expected_lines(block_size: int) -> float:
+    """Mean number of 64-byte lines a block of Z floats at a random float offset spans."""
+    return 1 + (4 * block_size - 4) / (4 * LINE_FLOATS)
+
+
+def read_lines(lines: Tensor, weights: Tensor) -> Tensor:
+    """The gathers' memory floor: the array's 64-byte lines ``lines`` read by torch's
+    embedding_bag (FBGEMM's prefetching kernel), :data:`LINES_PER_BAG` pooled per row."""
+    rows = weights.numel() // LINE_FLOATS
+    table = weights.detach()[: rows * LINE_FLOATS].view(-1, LINE_FLOATS)
+    return F.embedding_bag(lines, table, torch.arange(0, lines.numel(), LINES_PER_BAG), mode="sum")
+
+
+def floor_forward(source: Tensor, rows: int) -> Tensor:
+    """The forward floor: a fresh [rows, D] output written from the cache-resident
+    ``source`` (what any lookup must at least do)."""
+    out = source.new_empty(rows, source.shape[1])
+    k = math.gcd(rows, source.shape[0])
+    out.view(rows // k, k, -1).copy_(source[:k].expand(rows // k, k, source.shape[1]))
+    return out
+
+
+class _FloorLookup(torch.autograd.Function):
+    """:func:`floor_forward`, whose backward reads its gradient once (one sum) and hands the
+    optimizer a gradient that is zero but for one entry."""
+
+    @staticmethod
+    def forward(ctx, weights: Tensor, source: Tensor, rows: int) -> Tensor:  # type: ignore[override]
+        ctx.numel = weights.numel()
+        return floor_forward(source, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        grad_weights = grad.new_zeros(ctx.numel)
+        grad_weights[0] = grad.sum()
+        return grad_weights, None, None
+
+
+class Floor(Runner):
+    """The step floor: the rows' loss and optimizer (on an array of ``memory`` floats)
+    around :class:`_FloorLookup`; its ``read`` is one read of a [2B, D] gradient."""
+
+    def __init__(self, sizes: Sizes, optimizer: str, memory: int):
+        self.rows, self.size_floats = 2 * sizes.batch, memory
+        self.source = torch.randn(FLOOR_SOURCE_ROWS, sizes.dim)
+        self.weights = nn.Parameter(torch.zeros(memory))
+        self.opt = torch_optimizer(optimizer, [self.weights], sparse=False)
+        self.grad = torch.randn(self.rows, sizes.dim)
+
+    def forward(self, batch: Batch) -> Tensor:
+        return _FloorLookup.apply(self.weights, self.source, self.rows)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def extra(self) -> Dict[str, float]:
+        split = Split()
+        float(self.grad.sum())
+        split.lap("read")
+        return split.parts
+
+
+@dataclass
+class RowSpec:
+    key: str           # unique within a (loss, optimizer), e.g. "ours-fused-2621440-z32"
+    model: str
+    optimizer: str
+    gradient: str      # sparse | dense | fused
+    floats: int
+    block_size: Optional[int]
+    build: Callable[[], Runner]
+    backend: Optional[str] = None  # the cpu_backend of ROBE rows
+    note: str = ""
+    loss: str = "pair"
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.gradient} M={self.floats:,} Z={self.block_size}"
+
+
+def row_specs(sizes: Sizes, optimizer: str, groups: Sequence[str],
+              hash_mode: HashMode) -> List[RowSpec]:
+    full = sizes.num_embeddings * sizes.dim
+    specs = []
+    if "floor" in groups:
+        specs += [RowSpec(f"floor-{mem}", "floor", optimizer, "dense", mem, None,
+                          lambda mem=mem: Floor(sizes, optimizer, mem)) for mem in sizes.robe_sizes]
+    if "full" in groups:
+        specs += [RowSpec(f"full-{g}", "full table", optimizer, g, full, None,
+                          lambda g=g: FullTable(sizes, optimizer, g == "sparse"))
+                  for g in ("sparse", "dense")]
+    if "fbgemm" in groups:
+        names = {"sgd": ["EXACT_SGD"], "adagrad": ["EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"],
+                 "adam": ["ADAM", "PARTIAL_ROWWISE_ADAM"]}[optimizer]
+        specs += [RowSpec("fbgemm" if i == 0 else f"fbgemm-{n.lower()}", "fbgemm TBE", optimizer,
+                          "fused", full, None, lambda n=n: Fbgemm(sizes, n), note=n)
+                  for i, n in enumerate(names)]
+    configs = [(mem, sizes.block_size) for mem in sizes.robe_sizes]
+    if "pytorch" in groups:
+        specs += [RowSpec(f"pytorch-{mem}-z{z}", "pytorch ROBE-Z", optimizer, "dense", mem, z,
+                          lambda mem=mem, z=z: Robe(sizes, optimizer, mem, z, "dense", hash_mode),
+                          backend="reference") for mem, z in configs]
+    if "ours" in groups:
+        specs += [RowSpec(f"ours-{mode}-{mem}-z{z}", "ours", optimizer, mode, mem, z,
+                          lambda mem=mem, z=z, mode=mode: Robe(sizes, optimizer, mem, z, mode,
+                                                               hash_mode), backend="cpp")
+                  for mem, z in configs + [(sizes.small_block_array, sizes.small_block_size)]
+                  for mode in ("dense", "fused")]
+    return specs
+
+
+@dataclass
+class Result:
+    spec: RowSpec
+    threads: int
+    phases: Dict[str, float] = field(default_factory=dict)  # ms, medians
+    notes: List[str] = field(default_factory=list)
+    unavailable: Optional[str] = None
+
+
+def _backend(spec: RowSpec):
+    return cpu_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+
+
+def train_step(runner: Runner, spec: RowSpec, batch: Batch) -> Dict[str, float]:
+    """One train step of ``runner``, seconds per phase; ``cpu total`` is the calling
+    thread's CPU time of the step (at 1 thread all of its work)."""
+    with _backend(spec):
+        split = Split()
+        out = runner.forward(batch)
+        split.lap("forward")
+        runner.backward(out)
+        split.lap("backward")
+        runner.step()
+        split.lap("optimizer")
+        return {**split.done(), **runner.extra()}
+
+
+def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optional[str]:
+    """A note when a ROBE row's forward differs from the reference ops' on a slice."""
+    if not isinstance(runner, Robe):
+        return None
+    n, b = min(sizes.batch, 1024), sizes.batch
+    part = Batch(torch.cat([batch.values[:n], batch.values[b: b + n]]), torch.arange(2 * n + 1))
+    with torch.no_grad():
+        got = runner.lookup(part)
+        with cpu_backend("reference"):
+            want = runner.lookup(part)
+    if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return None
+    return f"MISMATCH vs reference forward (max abs diff {float((got - want).abs().max()):.3g})"
+
+
+def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequence[Batch],
+              sizes: Sizes, warmup: int, iters: int) -> List[Result]:
+    """The rows of ``specs`` timed together, interleaved step by step, at each thread count;
+    a row that cannot be built or fails is reported and the others go on."""
+    results = [[Result(spec, k) for k in threads] for spec in specs]
+    live: List[Tuple[int, Runner]] = []
+    for i, spec in enumerate(specs):
+        try:
+            with _backend(spec):
+                runner = spec.build()
+                runner.loss = spec.loss
+                note = check_against_reference(runner, batches[0], sizes)
+        except Exception as exc:  # noqa: BLE001  a row failing must not lose the others
+            for r in results[i]:
+                r.unavailable = _error_text(exc)
+            continue
+        for r in results[i]:
+            r.notes += [note] if note else []
+        live.append((i, runner))
+    try:
+        for j, k in enumerate(threads):
+            torch.set_num_threads(k)
+            steps = {i: (lambda it, runner=runner, spec=specs[i]:
+                         train_step(runner, spec, batches[it % len(batches)]))
+                     for i, runner in live}
+            for i, phases in medians_ms(interleaved(steps, iters, warmup)).items():
+                results[i][j].phases = {p: v for p, v in phases.items() if p not in ("wall", "cpu")}
+        for i, runner in live:
+            for r in results[i] if not runner.finite() else []:
+                r.notes.append("non-finite weights after training")
+    except Exception as exc:  # noqa: BLE001  the group's timing failed: say so on each row
+        for i, _ in live:
+            for r in results[i]:
+                r.unavailable = _error_text(exc)
+    finally:
+        live.clear()
+        gc.collect()
+    return [r for rs in results for r in rs]
+
+
+def _error_text(exc: Exception) -> str:
+    if isinstance(exc, Unavailable):
+        return str(exc)
+    return f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+# ------------------------------------------------------------------- the forward section
+
+@dataclass(frozen=True)
+class ForwardCase:
+    hash_mode: HashMode
+    memory: int
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.hash_mode.name.lower()} hash, M={self.memory:,} Z={self.block_size}"
+
+
+def forward_cases(sizes: Sizes) -> List[ForwardCase]:
+    zs = sorted({sizes.small_block_size, sizes.block_size})
+    return [ForwardCase(h, mem, z) for h in (HashMode.REFERENCE, HashMode.MIX)
+            for mem in sizes.robe_sizes for z in zs]
+
+
+def forward_calls(sizes: Sizes, threads: Sequence[int],
+                  batches: Sequence[Batch]) -> Dict[str, Callable[[Batch], object]]:
+    """The forward floor, our forward of every case and its profile's parts (``hash``,
+    ``gather``, ``lines``, ``backward``), ``read`` (one read of the backward's gradient) and,
+    with several thread counts, the compute reference."""
+    source, grad = torch.randn(FLOOR_SOURCE_ROWS, sizes.dim), torch.randn(2 * sizes.batch, sizes.dim)
+    calls: Dict[str, Callable[[Batch], object]] = {
+        "floor": lambda batch: floor_forward(source, 2 * sizes.batch),
+        "read": lambda batch: float(grad.sum())}
+    if len(threads) > 1:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        calls[COMPUTE_REFERENCE] = lambda batch: torch.mm(a, b)
+    for case in forward_cases(sizes):
+        r = Robe(sizes, "sgd", case.memory, case.block_size, "dense", case.hash_mode)
+        # two batches' lines, in turn: real sets of lines, without holding them all
+        lines = itertools.cycle([r.touched_lines(b) for b in batches[:2]])
+        calls.update({case.name: r.lookup, f"hash {case.name}": r.hash_only,
+                      f"gather {case.name}": r.gather_only,
+                      f"lines {case.name}": lambda batch, r=r, lines=lines: read_lines(next(lines), r.weights),
+                      f"backward {case.name}": lambda batch, r=r: r.backward_dense(batch, grad)})
+    return calls
+
+
+def time_forwards(sizes: Sizes, threads: Sequence[int], batches: Sequence[Batch], warmup: int,
+                  iters: int) -> Dict[str, float]:
+    """Median ms of :func:`forward_calls` keyed ``"<k>t <name>"`` (wall time) and
+    ``"<k>t cpu <name>"`` (the calling thread's CPU time); the backward op at 1 thread only."""
+    calls = forward_calls(sizes, threads, batches)
+    keys = [(k, name) for k in threads for name in calls
+            if k == 1 or not name.startswith("backward ")]
+    fns = {key: (lambda it, fn=calls[key[1]]: fn(batches[it % len(batches)])) for key in keys}
+    with cpu_backend("cpp"), torch.no_grad():
+        ms = medians_ms(interleaved(fns, iters, warmup, lambda key: torch.set_num_threads(key[0])))
+    return {f"{k}t {clock}{name}": v[part] for (k, name), v in ms.items()
+            for clock, part in (("", "wall"), ("cpu ", "cpu"))}
+
+
+def profiles(fwd: Dict[str, float], sizes: Sizes) -> List[Dict[str, object]]:
+    """Each case's 1-thread CPU ms: the store floor, the forward and its parts, the
+    backward op and one read of its gradient; the work done (hashes, lines touched); the
+    serial floor (store + hash + line reads, one after the other)."""
+    out = []
+    for case in forward_cases(sizes):
+        get = {part: fwd.get(f"1t cpu {part}{case.name}")
+               for part in ("", "hash ", "gather ", "lines ", "backward ")}
+        if any(v is None for v in get.values()):
+            continue
+        hashes = 2 * sizes.batch * math.ceil(sizes.dim / case.block_size)
+        floor = fwd["1t cpu floor"]
+        out.append({"case": case.name, "floor": floor, "forward": get[""], "hash": get["hash "],
+                    "gather": get["gather "], "lines": get["lines "], "backward": get["backward "],
+                    "read": fwd["1t cpu read"], "hashes": hashes,
+                    "lines_touched": hashes * expected_lines(case.block_size),
+                    "serial_floor": floor + get["hash "] + get["lines "]})
+    return out
+
+
+# ------------------------------------------------------------------------------ targets
+
+def floor_of(r: Result, results: Sequence[Result], sizes: Sizes) -> Optional[Result]:
+    """The floor row of ``r``: same threads, optimizer, loss and array size (rows of no
+    ROBE size: the smallest array's)."""
+    mem = r.spec.floats if r.spec.floats in sizes.robe_sizes else min(sizes.robe_sizes)
+    return next((f for f in results if f.spec.model == "floor" and f.phases
+                 and (f.threads, f.spec.optimizer, f.spec.loss, f.spec.floats)
+                 == (r.threads, r.spec.optimizer, r.spec.loss, mem)), None)
+
+
+def targets(fwd: Dict[str, float], results: Sequence[Result], threads: Sequence[int],
+            sizes: Sizes) -> List[Dict[str, object]]:
+    """Every target of :data:`TARGETS` that this run's rows measure, met or not."""
+    out: List[Dict[str, object]] = []
+
+    def add(target: str, case: str, k: int, optimizer: str, value: Optional[float]) -> None:
+        goal, higher = TARGETS[target]
+        if value is not None:
+            out.append({"target": target, "case": case, "threads": k, "optimizer": optimizer,
+                        "value": value, "goal": goal, "met": value >= goal if higher else value <= goal})
+
+    for case in forward_cases(sizes) if 1 in threads else []:
+        add("forward / forward floor (CPU time)", case.name, 1, "-",
+            ratio(fwd.get(f"1t cpu {case.name}"), fwd.get("1t cpu floor")))
+        for k in threads[1:] if threads[0] == 1 else [k for k in threads if k != 1]:
+            add("forward / 1-thread forward", case.name, k, "-",
+                ratio(fwd.get(f"{k}t {case.name}"), fwd.get(f"1t {case.name}")))
+    for r in results:
+        floor = floor_of(r, results, sizes)
+        if r.spec.model == "ours" and r.spec.loss == "sum" and r.phases and floor:
+            phase = "cpu total" if r.threads == 1 else "total"  # CPU time at 1 thread
+            add("step / step floor, sum(outputs)", r.spec.name, r.threads, r.spec.optimizer,
+                ratio(r.phases[phase], floor.phases[phase]))
+    index = {(r.threads, r.spec.optimizer, r.spec.key): r.phases for r in results
+             if r.phases and r.spec.loss == "pair"}
+    for (k, opt, key), ours in index.items():
+        if not key.startswith("ours-"):
+            continue
+        mem_z = key.split("-", 2)[2]
+        peer, full = index.get((k, opt, f"pytorch-{mem_z}")), index.get((k, opt, "full-sparse"))
+        name = key.replace("-", " ")
+        if peer and key.startswith("ours-dense"):
+            add("forward speedup vs pytorch ROBE-Z", name, k, opt, ratio(peer["forward"], ours["forward"]))
+        if peer:
+            add("step speedup vs pytorch ROBE-Z", name, k, opt, ratio(peer["total"], ours["total"]))
+        if full and key.startswith("ours-dense"):
+            add("forward / full table (sparse)", name, k, opt, ratio(ours["forward"], full["forward"]))
+        if full:
+            add("step / full table (sparse)", name, k, opt, ratio(ours["total"], full["total"]))
+    return out
+
+
+# ------------------------------------------------------------------------------- report
+
+def step_tables(results: Sequence[Result], threads: Sequence[int], sizes: Sizes) -> List[str]:
+    head = ["model", "loss", "optimizer", "gradient", "floats", "Z", "forward", "backward",
+            "optimizer step", "total", "forward / floor", "total / floor", "CPU total",
+            "CPU total / floor", "notes"]
+    lines = []
+    for k in threads:
+        rows = []
+        for r in (r for r in results if r.threads == k):
+            s, p = r.spec, r.phases
+            fp = (floor_of(r, results, sizes) or Result(s, k)).phases
+            cells = [fmt(p.get(x)) for x in ("forward", "backward", "optimizer", "total")]
+            cells += [fmt(ratio(p.get(a), fp.get(a)), 2) + "x" for a in ("forward", "total")]
+            cells += [fmt(p.get("cpu total")), fmt(ratio(p.get("cpu total"), fp.get("cpu total"))) + "x"]
+            notes = [n for n in [s.note, *r.notes, r.unavailable or ""] if n]
+            rows.append([s.model, LOSSES[s.loss], s.optimizer, s.gradient, f"{s.floats:,}",
+                         s.block_size or "-", *cells, "; ".join(notes)])
+        lines += [f"### {k} thread{'s' if k > 1 else ''}", "", *table(head, rows), ""]
+    return lines
+
+
+def forward_tables(fwd: Dict[str, float], threads: Sequence[int], sizes: Sizes) -> List[str]:
+    rows = [[case.name] + [fmt(x) for k in threads for x in (
+                fwd.get(f"{k}t {case.name}"), ratio(fwd.get(f"{k}t {case.name}"), fwd.get(f"{k}t floor")))]
+            for case in forward_cases(sizes)]
+    rows.insert(0, ["forward floor"] + [x for k in threads for x in (fmt(fwd.get(f"{k}t floor")), "1.00")])
+    if f"1t {COMPUTE_REFERENCE}" in fwd:
+        rows.append([COMPUTE_REFERENCE + " (512x512 matmul)"]
+                    + [x for k in threads for x in (fmt(fwd.get(f"{k}t {COMPUTE_REFERENCE}")), "")])
+    head = ["case"] + [f"{c} ({k}t)" for k in threads for c in ("ms", "/ floor")]
+    prof = [[p["case"], fmt(p["forward"]), fmt(p["floor"]), fmt(p["hash"]), fmt(p["gather"]),
+             fmt(p["lines"]), fmt(p["serial_floor"]), fmt(p["forward"] / p["serial_floor"]),
+             fmt(p["backward"]), fmt(p["backward"] / p["read"])] for p in profiles(fwd, sizes)]
+    return [*table(head, rows), "",
+            "Profile, 1 thread, CPU ms: hash = the kernel's hash pass alone; gather = the "
+            "forward without its output stores; lines = a read of every cache line the gathers "
+            "touch; serial floor = store floor + hash + lines; backward = the dense-gradient op, "
+            "beside one read of its gradient.", "",
+            *table(["case", "forward", "store floor", "hash", "gather", "lines", "serial floor",
+                    "forward / serial", "backward", "backward / read"], prof), ""]
+
+
+def targets_table(found: Sequence[Dict[str, object]]) -> List[str]:
+    met = sum(bool(t["met"]) for t in found)
+    rows = [[t["target"], t["case"], t["threads"], t["optimizer"], f"{t['value']:.2f}",
+             f"{'>=' if TARGETS[t['target']][1] else '<='} {t['goal']:g}",
+             "met" if t["met"] else "missed"] for t in found]
+    return [f"{met} of {len(found)} met.", "",
+            *table(["target", "case", "threads", "optimizer", "value", "goal", "verdict"], rows)]
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_ops", description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, nargs="+", default=None, help="default 1 2 (--quick: 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 10; quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="default 3; quick 1")
+    p.add_argument("--forward-iters", type=int, default=None, help="default 3 x --iters")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--hash", default="reference", choices=["reference", "mix"])
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    p.add_argument("--rows", nargs="+", default=["floor", "full", "fbgemm", "pytorch", "ours"],
-                   choices=["floor", "full", "fbgemm", "pytorch", "ours"],
-                   help="row groups to run (the forward-floor section runs with 'ours')")
-    p.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES,
-                   help="pair: sum(e1*e2); sum: sum(outputs) (default: both)")
-    p.add_argument("--ours-backend", default="cpp", choices=["cpp", "triton", "reference"],
-                   help="implementation behind the 'ours' rows (default cpp; others for testing)")
-    p.add_argument("--out", default=None, help="also write a markdown report to this file (and its numbers to the .json beside it)")
+    p.add_argument("--rows", nargs="+", default=list(GROUPS), choices=GROUPS,
+                   help="row groups (the forward section runs with 'ours')")
+    p.add_argument("--losses", nargs="+", default=list(LOSSES), choices=list(LOSSES))
+    p.add_argument("--out", default=None, help="the report (.md; its numbers in the .json beside it)")
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> str:
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     threads = args.threads or ([1] if args.quick else [1, 2])
     iters = args.iters if args.iters is not None else (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    hash_mode = HashMode.parse(args.hash)
     allocator = keep_freed_memory()
     torch.manual_seed(0)
-    start = datetime.datetime.now(datetime.timezone.utc)
-    load_start = loadavg()
     batches = make_batches(sizes, count=max(1, min(warmup + iters, 8)))
-
-    fwd: Dict[Tuple[int, str], float] = {}
-    profiles: List[ForwardProfile] = []  # at 1 thread
-    profiles_by_threads: Dict[int, List[ForwardProfile]] = {}
-    if "ours" in args.rows:
-        t0 = time.perf_counter()
-        fwd = time_forwards(sizes, threads, batches, warmup, args.forward_iters or 3 * iters,
-                            args.ours_backend)
-        profiles_by_threads = {k: forward_profiles(fwd, sizes, k) for k in threads}
-        profiles = profiles_by_threads.get(1, [])
-        print(f"[{time.perf_counter() - t0:6.1f}s] forward floor section", file=sys.stderr, flush=True)
+    fwd = time_forwards(sizes, threads, batches, warmup, args.forward_iters or 3 * iters) \
+        if "ours" in args.rows else {}
     results: List[Result] = []
-    for opt, loss in [(o, x) for x in args.losses for o in args.optimizers]:
-        specs = [dataclasses.replace(spec, loss=loss)
-                 for spec in row_specs(sizes, opt, args.rows, hash_mode, args.ours_backend)]
-        # rows of ROBE-sized arrays run interleaved; full tables (hundreds of MB each) alone
-        small = [spec for spec in specs if spec.floats <= INTERLEAVE_MAX_FLOATS]
-        groups = [small] + [[spec] for spec in specs if spec.floats > INTERLEAVE_MAX_FLOATS]
-        for group in filter(None, groups):
-            t0 = time.perf_counter()
-            rs = run_specs(group, threads, batches, sizes, warmup, iters)
-            results.extend(rs)
-            for r in rs:
-                status = r.unavailable or f"total {r.phases.get('total', float('nan')):.1f} ms"
-                print(f"[{time.perf_counter() - t0:6.1f}s] {r.spec.key} {opt} {loss} "
-                      f"{r.threads}t: {status}", file=sys.stderr, flush=True)
-    # the tables list rows in row_specs' order within each (loss, optimizer)
-    order = {(loss, opt): i for i, (opt, loss) in enumerate(
-        [(o, x) for x in args.losses for o in args.optimizers])}
-    results.sort(key=lambda r: order[(r.spec.loss, r.spec.optimizer)])
-
-    load_end = loadavg()
-    command = "python -m benchmarks.cpu_ops " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    setup = (f"batch {sizes.batch}, pair model (two lookups of one id per sample into one table or array, done as one call over 2B bags for every row, SUM), "
-             f"dim {sizes.dim}, ids uniform in [0, {sizes.num_embeddings:,}), losses "
-             f"{', '.join(LOSS_TEXT[x] for x in args.losses)}, "
-             f"lr {LR}; ROBE hash {hash_mode.name.lower()} (seed {HASH_SEED}); "
-             f"{warmup} warmup + {iters} timed iterations, medians, {len(batches)} distinct batches")
-    report = "\n".join([
-        "# CPU op benchmark: one training step of the pair model",
-        "",
-        f"- date: {start.strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- command: `{command}`",
-        *machine_lines(),
-        f"- load average (1/5/15 min) at start: {load_start}, at end: {load_end}",
-        *contention_warning(load_start),
-        f"- allocator: {allocator}",
-        f"- setup: {setup}",
-        "",
-        "Columns in ms. forward = the embedding call; hashing/lookup/other = its split "
-        "(pytorch ROBE-Z: hashing and gather + pool timed apart, other = the rest; ours: "
-        "hashing = the C++ kernel's forward_hash_only (its hash pass: loops, id checks, hashes "
-        "and tile buffers, without prefetches, gathers and output writes), `~` lookup = "
-        "forward - hashing); backward = loss + autograd backward "
-        "(includes the update for fused rows); optimizer step = step + zero_grad; "
-        "total = forward + backward + optimizer step (median of per-iteration sums); CPU "
-        "total = the calling thread's CPU time for the step (at 1 thread all of its work, and "
-        "not inflated by time spent descheduled: on a busy machine wall time inflates a call "
-        "longer than a scheduler slice more than a short one, which biases wall-time ratios "
-        "against the slower row; at 2 threads it misses the worker thread's share). "
-        "forward / floor and total / floor: the row's forward over the forward floor's, its "
-        "total over the step floor's (the `floor` row of the same loss, optimizer, threads and "
-        "array; rows of another size: the smallest array's floor).",
-        "",
-        "## Forward against its floor",
-        "",
-        "The forward floor writes a fresh [2B, D] float output from a cache-resident "
-        f"[{FLOOR_SOURCE_ROWS}, D] source (`floor_forward`). Our forward (C++ kernel, dense, "
-        "no autograd) in each case; every iteration runs the floor and all cases at every "
-        "thread count back to back, medians in ms.",
-        "",
-        forward_floor_section(fwd, threads, sizes) if fwd else "(not run: needs the 'ours' rows)",
-        "",
-        f"Bytes per forward: the output is {2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB, "
-        "written once (the floor's whole work); the gathers read "
-        f"{2 * sizes.batch * sizes.dim * 4 / 2**20:.1f} MiB of weights in "
-        f"{2 * sizes.batch:,} x dim/Z random blocks of Z floats (each block spans 1-3 cache "
-        "lines, anywhere in the array). hashing = `forward_hash_only` (the kernel's hash pass: "
-        "loops, id checks, hashes and tile buffers, without prefetches, gathers and output "
-        "writes); the rest of CPU ms is the gathers, "
-        "the pooling and the stores.",
-        "",
-        "## Where the forward's time goes (profile, 1 thread)",
-        "",
-        "CPU ms at 1 thread, medians, timed in the loop of the section above (each iteration "
-        "runs every entry back to back, so the array is as cold for each as for the forward). "
-        "store floor = the forward floor; hash only = `forward_hash_only`; hash + gather = "
-        "`forward_gather_only` (the forward without its output stores: hashes, gathers and "
-        "pools every row, then adds it to a cache-resident sum). hash = hash only; gather = "
-        "hash + gather - hash only; store = forward - (hash + gather) (shares of the forward in "
-        "brackets); overlap = store floor + (hash + gather) - forward: how much of the store "
-        "floor's time the forward hides (negative: its stores cost more than the floor's).",
-        "",
-        forward_profile_section(profiles) if profiles else "(not run: needs the C++ kernel)",
-        "",
-        "### What stands between the kernel and the floor",
-        "",
-        stands_between_section(profiles),
-        "",
-        "## Backward profile (1 thread)",
-        "",
-        "CPU ms at 1 thread, same loop: the dense-gradient op (`robe::backward_dense`, no "
-        "autograd, no loss) for a fixed [2B, D] output gradient, one read of that gradient "
-        "(`sum`), and the forward's hashing alone (the backward hashes the same (id, block) "
-        "pairs). rest = backward - hash only - read once: zeroing the array's gradient and "
-        "scattering into it; line reads = the forward's (the scatter reads and writes the "
-        "same lines).",
-        "",
-        backward_profile_section(fwd, sizes),
-        "",
-        "## Step rows",
-        "",
-        results_tables(results, threads, sizes),
-        "",
-        "## Backward against one read of its gradient",
-        "",
-        "own backward = our backward - the floor's backward (same loss, optimizer, threads, "
-        "array: it holds the loss's own backward and one read of the gradient) + read once "
-        "(one `sum` over a materialised [2B, D] float gradient, timed in the floor row).",
-        "",
-        backward_read_section(results, sizes),
-        "",
-        "## Targets against the floors (same run)",
-        "",
-        floor_targets_section(fwd, results, threads, sizes),
-        "",
-        *([scaling, ""] if (scaling := machine_scaling_summary(fwd, threads, sizes)) else []),
-        "### What stands between the step and its floor",
-        "",
-        "ms: CPU time at 1 thread, wall time at 2 (as the targets). serial floor = the step "
-        "floor + hash only + 2 x line reads (the profile's, same array, Z and hash, timed at "
-        "the row's threads in the forward section's loop): the hashing, the gathers' line "
-        "reads and the scatter's read-modify-write of the same lines, none of which the step "
-        "floor does. overlapped floor = the step floor with the forward at the largest of its "
-        "store floor, hashing and line reads, and the scatter's lines hidden under the "
-        "gradient's one read. At 2 threads these parts are timed on 2 threads, so the floor "
-        "takes whatever the two cores and their shared memory give them.",
-        "",
-        step_floors_section(step_floors(profiles_by_threads, fwd, results, sizes, hash_mode)),
-        "",
-        *([] if not {"full", "pytorch"} & set(args.rows) else [
-            "## Targets against the other rows (same run, loss sum(e1*e2))",
-            "",
-            targets_section(results, threads, sizes),
-            "",
-        ]),
-    ])
-    print(report, flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
-        data = json_report(command, start, (load_start, load_end), fwd, profiles, results)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(data, f, indent=1)
-        print(f"wrote {args.out} and its .json", file=sys.stderr)
-    return report
-
-
-def json_report(command: str, start: datetime.datetime, load: Tuple[str, str],
-                fwd: Dict[Tuple[int, str], float], profiles: Sequence[ForwardProfile],
-                results: Sequence[Result]) -> Dict[str, object]:
-    """The report's numbers (ms) for scripts: the forward section's medians keyed
-    "<threads>t <name>" (``cpu ...``: CPU time), the profile per case, and every step row."""
-    return {
-        "command": command, "date": start.isoformat(), "load_average": {"start": load[0], "end": load[1]},
-        "machine": machine_lines(),
-        "forward": {f"{k}t {name}": ms for (k, name), ms in fwd.items()},
-        "profile": [dict(case=p.case.name, **{f.name: getattr(p, f.name) for f in
-                                              dataclasses.fields(p) if f.name != "case"})
-                    for p in profiles],
-        "rows": [dict(key=r.spec.key, model=r.spec.model, loss=r.spec.loss, optimizer=r.spec.optimizer,
-                      gradient=r.spec.gradient, floats=r.spec.floats, block_size=r.spec.block_size,
-                      threads=r.threads, phases=r.phases, split=r.split, notes=r.notes,
-                      unavailable=r.unavailable) for r in results],
-    }
+    for loss, opt in itertools.product(args.losses, args.optimizers):
+        specs = [dataclasses.replace(s, loss=loss)
+                 for s in row_specs(sizes, opt, args.rows, HashMode.parse(args.hash))]
+        small = [s for s in specs if s.floats <= INTERLEAVE_MAX_FLOATS]
+        for group in [small] + [[s] for s in specs if s.floats > INTERLEAVE_MAX_FLOATS]:
+            results += run_specs(group, threads, batches, sizes, warmup, iters) if group else []
+    found = targets(fwd, results, threads, sizes)
+    lines = header("CPU op benchmark: one training step of the pair model",
+                   command_line("cpu_ops", argv), f"allocator: {allocator}",
+                   f"setup: batch {sizes.batch}, pair model, dim {sizes.dim}, ids uniform in "
+                   f"[0, {sizes.num_embeddings:,}), losses {', '.join(LOSSES[x] for x in args.losses)}, "
+                   f"lr {LR}; {args.hash} hash (seed {HASH_SEED}); {warmup} warm-up + {iters} "
+                   f"timed steps, medians, {len(batches)} distinct batches")
+    lines += ["Milliseconds. `/ floor`: the row over the floor row of its loss, optimizer, "
+              "threads and array (other sizes: the smallest array's). CPU total: the calling "
+              "thread's CPU time of the step (at 2 threads it misses the worker's share).", ""]
+    if fwd:
+        lines += ["## Forward against its floor", "", *forward_tables(fwd, threads, sizes)]
+    lines += ["## Step rows", "", *step_tables(results, threads, sizes),
+              "## Targets (same run)", "", *targets_table(found)]
+    result = {"command": command_line("cpu_ops", argv), "sizes": dataclasses.asdict(sizes),
+              "forward": fwd, "profile": profiles(fwd, sizes), "targets": found,
+              "rows": [dict(key=r.spec.key, model=r.spec.model, loss=r.spec.loss,
+                            optimizer=r.spec.optimizer, gradient=r.spec.gradient,
+                            floats=r.spec.floats, block_size=r.spec.block_size,
+                            threads=r.threads, phases=r.phases, notes=r.notes,
+                            unavailable=r.unavailable) for r in results]}
+    publish(args.out, "cpu_ops", lines, result)
+    return result
 
 
 if __name__ == "__main__":
