@@ -31,9 +31,10 @@ from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.rowwise_install import ArrayOwner
+from robe_torchrec.torchscript import NotScriptable
 
 
-class RobeArrayModule(ArrayOwner):
+class RobeArrayModule(NotScriptable, ArrayOwner):
     """The ROBE array of a module and what goes with it (see the module docstring).
 
     Attributes:

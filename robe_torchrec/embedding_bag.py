@@ -1,6 +1,8 @@
 """``RobeEmbeddingBagCollection``: a drop-in ``EmbeddingBagCollection`` backed by ROBE-Z."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torchrec.fx copies forward's annotations into its
+# graph, and TorchScript, given that graph, reads a string annotation as an unknown type
+# before it reaches robe_torchrec.torchscript's refusal.
 
 from typing import Dict, List, Optional, Tuple
 
@@ -16,6 +18,7 @@ from robe_torchrec import stock_state_dict
 from robe_torchrec.array_module import RobeArrayModule, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.torchscript import not_scriptable
 from robe_torchrec.variable_batch import expand_variable_strides, pad_variable_strides
 
 # a leaf of torchrec.fx graphs: it branches on the KJT's strides, which a Proxy lacks
@@ -123,6 +126,7 @@ class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterfac
 # --- input handling ------------------------------------------------------------------------
 
 @torch.fx.wrap  # a leaf of torchrec.fx graphs: it reads keys and dtypes, which a Proxy lacks
+@not_scriptable  # the first call of such a graph: TorchScript stops here, with our error
 def _lookup_inputs(
     features: KeyedJaggedTensor, feature_names: List[str], is_weighted: bool
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
