@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec.config import RobeConfig
@@ -86,6 +87,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
             >>> ebc = RobeEmbeddingBagCollection(tables, robe, device="meta")
             >>> ebc.to_empty(device="cpu")
             >>> torch.manual_seed(0); ebc.reset_parameters()   # == built on CPU after manual_seed(0)
+
+        An optimizer applied in backward on the meta device stays applied, to the new array
+        (see :meth:`_apply`): the module then trains as one built on CPU.
         """
         self._restore_layout_buffers()
         if self.weight.device.type != "meta":
@@ -153,6 +157,56 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                                                  block_size=self._layout.block_size)
         return True
 
+    # --- moves and casts: the in-backward optimizer stays with the array ------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "RobeArrayModule":
+        """``nn.Module._apply`` (``to_empty``, ``to``, ``cuda``, ``half``...), keeping the
+        in-backward optimizer on the array.
+
+        ``to_empty`` from the meta device (and any move under torch's
+        ``overwrite_module_params_on_conversion``) puts a new tensor in place of
+        :attr:`weight`: what ``apply_optimizer_in_backward`` recorded on the old one would be
+        lost, and the module would then train on dense gradients that no optimizer applies,
+        silently. It is recorded again on the new array, as on an array built on its device,
+        and the fused optimizer follows it.
+        """
+        applied = self._recorded_in_backward()
+        fused = self._fused
+        module = super()._apply(fn, recurse)
+        self._follow_new_array(applied, fused)
+        return module
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
+        # load_state_dict(assign=True) puts the saved tensor in place of the array, as
+        # _apply may: keep the in-backward optimizer the same way
+        applied, fused = self._recorded_in_backward(), self._fused
+        self._load_checked(state_dict, prefix, *args, **kwargs)
+        self._follow_new_array(applied, fused)
+
+    def _recorded_in_backward(self) -> List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]]:
+        """Every ``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` recorded on
+        :attr:`weight`, the very kwargs dicts (a sharder may edit a shared one later)."""
+        return list(zip(getattr(self.weight, "_optimizer_classes", []),
+                        getattr(self.weight, "_optimizer_kwargs", [])))
+
+    def _follow_new_array(self, applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]],
+                          fused: Optional[RobeFusedOptimizer]) -> None:
+        """After :attr:`weight` may have been replaced: record ``applied`` on it again if it
+        lost them, and rebuild the fused optimizer ``fused`` on it if it was the old array's."""
+        if applied and not getattr(self.weight, "_optimizer_classes", None):
+            # it reaches the array's gradient accumulator through autograd, which a caller's
+            # no_grad (torchrec's init_parameters) would turn off
+            with torch.enable_grad():
+                for optimizer_class, kwargs in applied:
+                    # what torchrec.optim.apply_optimizer_in_backward runs (deprecated for it)
+                    _apply_optimizer_in_backward(optimizer_class, [self.weight], kwargs)
+        if fused is None or fused.param is self.weight:
+            return
+        self._fused = None
+        self._sync_fused_optimizer()
+        if self._fused is not None:
+            _carry_fused_state(fused, self._fused)
+
     # --- size and layout -----------------------------------------------------------------
 
     @property
@@ -176,7 +230,8 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                 f"block_size={layout.block_size}, hash={layout.hash_mode.name.lower()}, "
                 f"shared={layout.shared}")
 
-    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
+    def _load_checked(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
+        """``nn.Module._load_from_state_dict`` after the ``robe_layout`` check."""
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
             self._layout.check_saved(saved)
@@ -211,6 +266,19 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
             message = re.sub(r"offsets\[-1\] = (\d+) but values has (\d+) entries \(.*?\)",
                              r"lengths sum to \1 but values has \2 entries", message)
         return type(err)(message)
+
+
+def _carry_fused_state(old: RobeFusedOptimizer, new: RobeFusedOptimizer) -> None:
+    """Give ``new`` (just built on the new array) the hyper-parameters and state of ``old``
+    (the old array's), except state on the meta device: a module built there never trained,
+    so ``new``'s fresh state is the right one, as for a module built on its device."""
+    for key, value in old.param_groups[0].items():
+        if key != "params":
+            new.param_groups[0][key] = value
+    state = new.param_state
+    for key, value in old.param_state.items():
+        if key in state and not value.is_meta:
+            state[key] = value  # converted to the array's device and dtype at the next step
 
 
 # --- input handling ------------------------------------------------------------------------
