@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from robe_torchrec import stock_state_dict
 from robe_torchrec.array_module import RobeArrayModule, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
+from robe_torchrec.least_squares import copy_table, fit_into, table_weights
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.torchscript import not_scriptable
 from robe_torchrec.variable_batch import expand_variable_strides, pad_variable_strides
@@ -89,15 +90,16 @@ class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterfac
         """A ROBE module with the tables of a trained TorchRec ``EmbeddingBagCollection``,
         its array the least-squares fit of the trained tables under the hash: each slot the
         mean of the table entries landing on it, weighted by ``id_counts`` (table name ->
-        look-ups per row; uniform when None). See :mod:`robe_torchrec.compress` and
-        docs/compress.md (also for a sharded DCP checkpoint).
+        look-ups per row; uniform when None). See :mod:`robe_torchrec.least_squares`, and
+        :mod:`robe_torchrec.compress` and docs/compress.md for a sharded DCP checkpoint.
 
             >>> robe_ebc = RobeEmbeddingBagCollection.from_embedding_bag_collection(
             ...     trained_ebc, RobeConfig(compression=100, block_size=8))
         """
-        from robe_torchrec.compress import compress_embedding_bag_collection
-
-        return compress_embedding_bag_collection(ebc, robe, id_counts)
+        tables = [copy_table(t) for t in ebc.embedding_bag_configs()]
+        robe_ebc = cls(tables, robe, is_weighted=ebc.is_weighted())
+        fit_into(robe_ebc, table_weights(ebc), id_counts)
+        return robe_ebc
 
     # --- EmbeddingBagCollection interface ------------------------------------------------
 
