@@ -22,12 +22,12 @@ from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
-from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
+from robe_torchrec.data.synthetic import SyntheticCriteo
 
 
 def train_and_score(embeddings: torch.nn.Module, data: SyntheticCriteo, args) -> dict:
     """Train a DLRM over ``embeddings`` for ``args.steps`` steps; held-out AUC and speed."""
-    model = DLRM(embedding_bag_collection=embeddings, dense_in_features=NUM_DENSE,
+    model = DLRM(embedding_bag_collection=embeddings, dense_in_features=data.num_dense,
                  dense_arch_layer_sizes=[64, args.embedding_dim],
                  over_arch_layer_sizes=[64, 32, 1])
     apply_optimizer_in_backward(torch.optim.Adagrad, embeddings.parameters(), {"lr": args.lr})

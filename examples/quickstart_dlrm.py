@@ -23,7 +23,7 @@ from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
-from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
+from robe_torchrec.data.synthetic import SyntheticCriteo
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         tables, RobeConfig(compression=args.compression, block_size=args.block_size, hash=args.hash))
     model = DLRM(
         embedding_bag_collection=embeddings,
-        dense_in_features=NUM_DENSE,
+        dense_in_features=data.num_dense,
         dense_arch_layer_sizes=[64, args.embedding_dim],
         over_arch_layer_sizes=[64, 32, 1],
     )

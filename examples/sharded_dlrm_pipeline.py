@@ -31,7 +31,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from robe_torchrec.pipelines import make_pipeline, run_to_end
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
-from robe_torchrec.data.synthetic import NUM_DENSE, SyntheticCriteo
+from robe_torchrec.data.synthetic import SyntheticCriteo
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
 from robe_torchrec.distributed.process_group import (before_init_process_group,
                                                      destroy_process_group)
@@ -63,7 +63,7 @@ def main() -> None:
     # built on the meta device: DMP materialises only what each rank holds
     embeddings = RobeEmbeddingBagCollection(tables, RobeConfig(compression=args.compression),
                                             device=torch.device("meta"))
-    model = DLRMTrain(DLRM(embedding_bag_collection=embeddings, dense_in_features=NUM_DENSE,
+    model = DLRMTrain(DLRM(embedding_bag_collection=embeddings, dense_in_features=data.num_dense,
                            dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 32, 1]))
     # the ROBE array's optimizer runs inside backward (what FusedSparseDist and SemiSync need)
     apply_optimizer_in_backward(torch.optim.Adagrad, embeddings.parameters(), {"lr": 0.05})

@@ -33,7 +33,6 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from robe_torchrec.config import RobeConfig
-from robe_torchrec.data.synthetic import NUM_DENSE
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.interaction import use_fast_interaction
 
@@ -42,6 +41,10 @@ OPTIMIZERS: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 #: the interaction of :class:`DLRMSpec.model`: TorchRec's dot product, or DCN-v2
 MODELS = ("dlrm", "dcn")
+#: the default of :attr:`DLRMSpec.dense_in_features`: Criteo's 13 integer features. The model
+#: owns its input width; the data modules keep the format's own constant
+#: (``robe_torchrec.data.criteo.NUM_DENSE``), and a test checks the two agree.
+CRITEO_DENSE_IN_FEATURES = 13
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class DLRMSpec:
             :class:`robe_torchrec.interaction.FastInteractionArch` (same output, faster on CPU).
         embedding_optimizer: fused into backward (ROBE's kernel, or FBGEMM's TBE once sharded).
         dense_optimizer: for every other parameter; see :func:`dense_optimizer`.
+        dense_in_features: how many dense features the model takes (TorchRec's ``DLRM``
+            argument of that name); Criteo's 13 by default, as every data source here has.
     """
 
     robe: Optional[RobeConfig] = RobeConfig(compression=1000, block_size=8)
@@ -106,6 +111,7 @@ class DLRMSpec:
     fast_interaction: bool = False
     embedding_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     dense_optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    dense_in_features: int = CRITEO_DENSE_IN_FEATURES
 
     def __post_init__(self) -> None:
         # tuples, so a spec built from a YAML list compares and hashes like any other
@@ -118,6 +124,9 @@ class DLRMSpec:
                              f"({self.embedding_dim}), got {self.dense_arch}")
         if not self.over_arch or self.over_arch[-1] != 1:
             raise ValueError(f"DLRMSpec.over_arch must end at 1, got {self.over_arch}")
+        if self.dense_in_features < 1:
+            raise ValueError(f"DLRMSpec.dense_in_features must be >= 1 (the width of the "
+                             f"batches' dense_features), got {self.dense_in_features}")
         if self.fast_interaction and self.model != "dlrm":
             raise ValueError("DLRMSpec.fast_interaction needs model='dlrm'")
 
@@ -206,7 +215,7 @@ def build_predict_model(spec: DLRMSpec, keys: Sequence[str], cardinalities: Sequ
         torch.Size([512, 1])
     """
     ebc, summary = build_embeddings(spec, keys, cardinalities)
-    common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+    common = dict(embedding_bag_collection=ebc, dense_in_features=spec.dense_in_features,
                   dense_arch_layer_sizes=list(spec.dense_arch),
                   over_arch_layer_sizes=list(spec.over_arch), dense_device=dense_device)
     if spec.model == "dcn":

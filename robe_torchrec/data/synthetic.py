@@ -43,9 +43,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
+from robe_torchrec.data.criteo import NUM_DENSE  # the Criteo format's, defined once there
 from robe_torchrec.hashing import HashMode, block_starts, hash_params
 
-NUM_DENSE = 13
 _EFFECT_RESOLUTION = 1 << 20
 MODES = ("realistic", "hard")
 
@@ -130,6 +130,12 @@ class SyntheticCriteo:
         # a fixed sample, whatever the batch size, so the stream does not depend on it
         calibration = self._sample(-1, _CALIBRATION_SAMPLES, labels=False)
         self.bias = _intercept_for(self.hidden_logit(calibration), self.click_rate)
+
+    @property
+    def num_dense(self) -> int:
+        """The width of every batch's ``dense_features`` (Criteo's 13): what a model built
+        for this data takes as ``dense_in_features``."""
+        return NUM_DENSE
 
     def id_effects(self, feature: "int | torch.Tensor", ids: torch.Tensor) -> torch.Tensor:
         """The hidden model's effect of each id of ``feature`` (or of a feature index tensor
