@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
+import math
 import os
+import platform
 import shlex
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, TypeVar
 
 import torch
-
-from robe_torchrec.pipelines.report import (  # noqa: F401  (re-exported: one module to import)
-    machine, machine_line, nearest_rank, write_report)
 
 K = TypeVar("K", bound=Hashable)
 Samples = Dict[str, List[float]]
@@ -105,6 +105,59 @@ class DeviceTimer:
         return start.elapsed_time(end) / inner
 
 
+def nearest_rank(values: Sequence[float], pct: float) -> float:
+    """The nearest-rank percentile (as TorchRec's pipeline benchmark): the smallest value with
+    at least ``pct``% of the values at or below it."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(pct / 100.0 * len(ordered))) - 1]
+
+
+def _first_field(path: str, prefix: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
+    except OSError:
+        return None
+
+
+def _version(module: str) -> str:
+    """A module's version, without importing it when it is not there already (a bare GPU
+    image has no torchrec, and a GPU check must not import it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    name = {"fbgemm_gpu": "fbgemm-gpu-cpu"}.get(module, module)
+    try:
+        return getattr(sys.modules[module], "__version__", None) or version(name)
+    except (KeyError, PackageNotFoundError):
+        try:
+            return version(module)
+        except PackageNotFoundError:
+            return "not installed"
+
+
+def machine() -> Dict[str, Any]:
+    """The machine and software stack a benchmark ran on (the fields of
+    ``robe_torchrec.pipelines.report.machine``, which this module cannot import: the GPU
+    check runs where torchrec is not installed)."""
+    mem_kib = _first_field("/proc/meminfo", "MemTotal")
+    return {"host": platform.node(), "platform": platform.platform(),
+            "cpu": _first_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+            "logical_cpus": os.cpu_count(),
+            "memory_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torchrec": _version("torchrec"), "fbgemm_gpu": _version("fbgemm_gpu")}
+
+
+def machine_line(m: Optional[Dict[str, Any]] = None) -> str:
+    """One line for a report: the GPU and CPU, core count, and the versions."""
+    m = m or machine()
+    return (f"{m['gpu'] + ' GPU, ' if m['gpu'] else ''}{m['cpu']}, {m['logical_cpus']} CPUs "
+            f"({m['host']}), Python {m['python']}, torch {m['torch']}, torchrec {m['torchrec']}")
+
+
 def keep_freed_memory() -> str:
     """Ask glibc's malloc to keep freed blocks of up to 32 MiB in the process; says what it
     did, for the report. A fresh 16 MiB output otherwise costs thousands of page faults or
@@ -168,10 +221,11 @@ def publish(out: Optional[str], stem: str, lines: Sequence[str],
     if not out:
         return None
     folder, stem = (os.path.split(out[:-3])) if out.endswith(".md") else (out, stem)
-    if result is None:
-        os.makedirs(folder or ".", exist_ok=True)
-        with open(os.path.join(folder, f"{stem}.md"), "w") as f:
-            f.write(text)
-    else:
-        write_report(folder or ".", stem, {"machine": machine(), **result}, text)
-    return os.path.join(folder, f"{stem}.md")
+    path = os.path.join(folder or ".", stem)
+    os.makedirs(folder or ".", exist_ok=True)
+    with open(f"{path}.md", "w") as f:
+        f.write(text)
+    if result is not None:
+        with open(f"{path}.json", "w") as f:
+            json.dump({"machine": machine(), **result}, f, indent=1, default=str)
+    return f"{path}.md"

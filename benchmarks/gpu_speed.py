@@ -1,40 +1,44 @@
-"""The GPU lookups timed against the full-table lookup TorchRec users have, and against the
-floors that bound any lookup: the speed half of ``benchmarks.gpu_check``.
+"""The speed half of ``benchmarks.gpu_check``: the GPU lookups against the full-table lookup
+TorchRec users have, and against the floors that bound any lookup.
 
-Peers and floors, all at the paper's setting (batch 10240, dim 128, the 26 Criteo Kaggle
-tables, ids uniform in each table, SUM pooling, float32, int64 ids):
+All at the paper's setting (batch 10240, dim 128, the 26 Criteo Kaggle tables, ids uniform
+in each table, SUM, float32, int64 ids), with one id a bag and several:
 
 * **full table, one lookup**: the 26 tables as one ``[33.8 M, 128]`` table (17.3 GB) looked
-  up by one ``F.embedding_bag`` call, as FBGEMM's TBE looks all tables up in one kernel;
-  its training row adds the in-place SGD row update (``index_add_`` of the rows' gradients);
-* **26 x nn.EmbeddingBag**: one call a table, sparse gradients (the second peer);
-* **floor: output write**: writing the ``[B, 26 * 128]`` output once;
-* **floor: L2 block reads** (bags of several ids): reading every block the lookup touches
-  from the (L2-resident) ROBE array, from starts computed beforehand, and pooling them:
-  the ROBE-Z forward without its hash, its index loads and its checks.
+  up by one ``F.embedding_bag`` (as FBGEMM's TBE looks all tables up in one kernel); its
+  training row adds the in-place SGD row update (``index_add_``);
+* **26 x nn.EmbeddingBag**: one call a table, sparse gradients;
+* **floor: output write**, and (several ids a bag) **floor: L2 block reads**: the forward's
+  pooling pass from block starts stored beforehand (``triton_kernels.forward_from_starts``);
+* **ROBE-Z**: ``torch.ops.robe.forward`` (its checks included, deferred as on CUDA);
+  training = forward + ``robe::backward_fused_`` (SGD, Adagrad); with several ids a bag also
+  launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared.
 
-ROBE-Z rows: ``torch.ops.robe.forward`` (its input checks included, deferred as on CUDA by
-default); training = forward + ``robe::backward_fused_`` with SGD or Adagrad (what the module
-runs under ``apply_optimizer_in_backward``). With several ids a bag, rows also time launch
-variants through :mod:`robe_torchrec.ops.tuning`, their outputs compared with the default's.
-
-Each row: CUDA events around ``inner`` calls, samples interleaved round-robin (each round
-starting one row later), medians; the host's time to issue the calls beside them.
+Each row: :class:`benchmarks.common.DeviceTimer` around ``inner`` calls, samples taken
+round-robin (each round starting one row later), medians, the host's time beside them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
+import io
+import pstats
 import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import DeviceTimer, fmt, table
+from robe_torchrec.hashing import HashMode, hash_params
+from robe_torchrec.ops import cpu_backend, raise_pending_checks, reference, triton_kernels
+from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
+from robe_torchrec.ops.tuning import tuned
+
 #: lr, eps, beta1, beta2, weight decay of the fused rows
-_HPARAMS = [0.01, 1e-8, 0.9, 0.999, 0.0]
-_LR = _HPARAMS[0]
+HPARAMS = [0.01, 1e-8, 0.9, 0.999, 0.0]
 
 
 @dataclasses.dataclass
@@ -64,56 +68,66 @@ class Row:
         samples = getattr(self, f"{which}_ms")
         return statistics.median(samples) if samples else float("nan")
 
+    def json(self) -> Dict[str, object]:
+        return {"name": self.name, "forward_ms": self.median("forward"),
+                "train_ms": self.median("train"), "host_us": self.median("host") * 1e3,
+                "first_ms": self.first_ms, "note": self.note}
+
 
 class Lookup:
-    """The ids of a scenario and the tensors every row shares."""
+    """A scenario's ids, laid out for every row, and an upstream gradient."""
 
     def __init__(self, s: Scenario, device: torch.device, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.s, self.device = s, device
         bags = s.batch * len(s.cardinalities)
-        self.lengths = torch.full((bags,), s.ids_per_bag, dtype=torch.int64)
-        ids = [torch.randint(0, c, (s.batch * s.ids_per_bag,), generator=g)
-               for c in s.cardinalities]
+        ids = [torch.randint(0, c, (s.batch * s.ids_per_bag,), generator=g) for c in s.cardinalities]
+        self.row_offsets = torch.tensor([0] + list(s.cardinalities[:-1])).cumsum(0).tolist()
         self.ids = torch.cat(ids).to(device)
-        row_offsets = torch.tensor([0] + list(s.cardinalities[:-1])).cumsum(0)
-        self.global_ids = torch.cat([i + o for i, o in zip(ids, row_offsets.tolist())]).to(device)
-        self.offsets = torch.zeros(bags + 1, dtype=torch.int64)
-        self.offsets[1:] = self.lengths.cumsum(0)
-        self.offsets = self.offsets.to(device)
-        self.bag_of_id = torch.arange(bags, device=device).repeat_interleave(
-            self.lengths.to(device))
+        self.global_ids = torch.cat([i + o for i, o in zip(ids, self.row_offsets)]).to(device)
+        self.offsets = (torch.arange(bags + 1) * s.ids_per_bag).to(device)
+        self.bag_of_id = torch.arange(bags, device=device).repeat_interleave(s.ids_per_bag)
         self.output_dim = s.dim * len(s.cardinalities)
         self.grad = torch.randn(s.batch, self.output_dim, generator=g).to(device)
+
+    def robe(self, block_size: int, compression: Optional[float] = None):
+        """``(weights, args)``: a ROBE array and the arguments of ``robe::forward`` after it."""
+        s, n = self.s, len(self.s.cardinalities)
+        memory = max(int(sum(s.cardinalities) * s.dim / (compression or s.compression)), block_size)
+        meta = build_table_meta([s.dim] * n, [0] * n, [memory] * n, self.row_offsets,
+                                list(s.cardinalities), [int(Pooling.SUM)] * n, device=self.device)
+        weights = torch.empty(memory, device=self.device).uniform_(-0.01, 0.01)
+        return weights, (self.ids, self.offsets, None, meta, self.output_dim, block_size,
+                         int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=1024),
+                         int(BoundsCheck.ERROR))
+
+
+def triton_path(device: torch.device):
+    """CUDA tensors always reach the Triton kernels; CPU tensors (Triton's interpreter) ask."""
+    return contextlib.nullcontext() if device.type == "cuda" else cpu_backend("triton")
 
 
 def full_table_rows(lk: Lookup) -> List[Row]:
     s = lk.s
-    rows_total = sum(s.cardinalities)
-    table = torch.empty(rows_total, s.dim, device=lk.device).uniform_(-0.01, 0.01)
+    table_ = torch.empty(sum(s.cardinalities), s.dim, device=lk.device).uniform_(-0.01, 0.01)
     # the gradient of bag (t, b) is columns [t*D, (t+1)*D) of sample b's output gradient
-    bag_grad = lk.grad.view(s.batch, len(s.cardinalities), s.dim).transpose(0, 1).reshape(
-        -1, s.dim).contiguous()
-    id_grad = bag_grad if s.ids_per_bag == 1 else None
+    bag_grad = lk.grad.view(s.batch, -1, s.dim).transpose(0, 1).reshape(-1, s.dim).contiguous()
 
     def forward():
-        return F.embedding_bag(lk.global_ids, table, lk.offsets[:-1], mode="sum")
+        return F.embedding_bag(lk.global_ids, table_, lk.offsets[:-1], mode="sum")
 
     def train():
         forward()
-        rows = id_grad if id_grad is not None else bag_grad.index_select(0, lk.bag_of_id)
-        table.index_add_(0, lk.global_ids, rows, alpha=-_LR)
+        rows = bag_grad if s.ids_per_bag == 1 else bag_grad.index_select(0, lk.bag_of_id)
+        table_.index_add_(0, lk.global_ids, rows, alpha=-HPARAMS[0])
 
-    starts = torch.tensor([0] + list(s.cardinalities)).cumsum(0).tolist()
-    bags = [torch.nn.EmbeddingBag.from_pretrained(table[a:b], freeze=False, mode="sum",
-                                                  sparse=True)
-            for a, b in zip(starts[:-1], starts[1:])]
-    per_table = lk.ids.view(len(bags), -1)
-    per_offsets = lk.offsets[:s.batch]
-    grads = list(bag_grad.view(len(bags), s.batch, s.dim))
+    ends = lk.row_offsets[1:] + [sum(s.cardinalities)]
+    bags = [torch.nn.EmbeddingBag.from_pretrained(table_[a:b], freeze=False, mode="sum", sparse=True)
+            for a, b in zip(lk.row_offsets, ends)]
+    per_table, grads = lk.ids.view(len(bags), -1), list(bag_grad.view(len(bags), s.batch, s.dim))
 
     def forward_26():
-        return [bag(x, per_offsets) for bag, x in zip(bags, per_table)]
+        return [bag(x, lk.offsets[:s.batch]) for bag, x in zip(bags, per_table)]
 
     def train_26():
         for bag in bags:
@@ -124,115 +138,56 @@ def full_table_rows(lk: Lookup) -> List[Row]:
             Row("26 x nn.EmbeddingBag (+ sparse backward)", forward_26, train_26)]
 
 
-def _triton(device: torch.device):
-    """The Triton kernels for ``device``'s tensors: CUDA always reaches them; CPU tensors
-    (the CI smoke run, Triton's interpreter) only when asked."""
-    from robe_torchrec.ops import cpu_backend
-
-    return contextlib.nullcontext() if device.type == "cuda" else cpu_backend("triton")
-
-
-def robe_arrays(lk: Lookup, block_size: int):
-    from robe_torchrec.hashing import HashMode, hash_params
-    from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
-
-    s, n = lk.s, len(lk.s.cardinalities)
-    memory_size = max(int(sum(s.cardinalities) * s.dim / s.compression), block_size)
-    meta = build_table_meta([s.dim] * n, [0] * n, [memory_size] * n,
-                            torch.tensor([0] + list(s.cardinalities[:-1])).cumsum(0).tolist(),
-                            list(s.cardinalities), [int(Pooling.SUM)] * n, device=lk.device)
-    weights = torch.empty(memory_size, device=lk.device).uniform_(-0.01, 0.01)
-    flat = (lk.ids, lk.offsets, None, meta, lk.output_dim, block_size,
-            int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=1024),
-            int(BoundsCheck.ERROR))
-    return weights, flat
-
-
-def robe_rows(lk: Lookup, block_size: int, variants: Dict[str, dict]) -> List[Row]:
-    from robe_torchrec.ops.meta import Optimizer
-    from robe_torchrec.ops.tuning import tuned
-
-    weights, flat = robe_arrays(lk, block_size)
-    values, offsets, _, meta, _, _, hash_mode, params, _ = flat
+def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
+    weights, args = lk.robe(z)
+    values, offsets, _, meta, _, _, hash_mode, params, _ = args
     rows = []
     for label, tuning in variants.items():
-        fused = weights.clone()
-        state = torch.zeros_like(fused)
-
+        w, state = weights.clone(), torch.zeros_like(weights)
         # the default row enters no tuning block: its host time is the op's alone
         launch = (lambda t=tuning: tuned(**t)) if tuning else contextlib.nullcontext
 
-        def forward(launch=launch, w=weights):
-            with torch.no_grad(), launch(), _triton(lk.device):
-                return torch.ops.robe.forward(w, *flat)
+        def forward(launch=launch):
+            with torch.no_grad(), launch(), triton_path(lk.device):
+                return torch.ops.robe.forward(weights, *args)
 
-        def train(launch=launch, optimizer=Optimizer.SGD, w=fused, state=state):
-            with torch.no_grad(), launch(), _triton(lk.device):
-                torch.ops.robe.forward(w, *flat)
-                torch.ops.robe.backward_fused_(
-                    lk.grad, w, state, state.new_empty(0), values, offsets, None, meta,
-                    block_size, hash_mode, params, int(optimizer), _HPARAMS, 1)
+        def train(launch=launch, optimizer=Optimizer.SGD, w=w, state=state):
+            with torch.no_grad(), launch(), triton_path(lk.device):
+                torch.ops.robe.forward(w, *args)
+                torch.ops.robe.backward_fused_(lk.grad, w, state, state.new_empty(0), values,
+                                               offsets, None, meta, z, hash_mode, params,
+                                               int(optimizer), HPARAMS, 1)
 
-        suffix = f", {label}" if label else ""
-        rows.append(Row(f"ROBE-Z Z={block_size}{suffix} (+ fused SGD)", forward, train))
+        rows.append(Row(f"ROBE-Z Z={z}{f', {label}' if label else ''} (+ fused SGD)", forward, train))
         if not label:
-            from robe_torchrec.ops import triton_kernels
+            def direct():
+                with torch.no_grad(), triton_path(lk.device):
+                    return triton_kernels.forward(weights, *args)
 
-            def direct(w=weights):
-                with torch.no_grad(), _triton(lk.device):
-                    return triton_kernels.forward(w, *flat)
-
-            rows.append(Row(f"ROBE-Z Z={block_size} forward, Triton wrapper called directly "
-                            "(host split)", direct))
-            adagrad_w, adagrad_state = weights.clone(), torch.zeros_like(weights)
-            rows.append(Row(f"ROBE-Z Z={block_size} (+ fused Adagrad)", forward,
-                            lambda: train(optimizer=Optimizer.ADAGRAD, w=adagrad_w,
-                                          state=adagrad_state)))
+            adagrad = (weights.clone(), torch.zeros_like(weights))
+            rows += [Row(f"ROBE-Z Z={z} forward, Triton wrapper called directly (host split)", direct),
+                     Row(f"ROBE-Z Z={z} (+ fused Adagrad)", forward,
+                         lambda: train(optimizer=Optimizer.ADAGRAD, w=adagrad[0], state=adagrad[1]))]
     return rows
 
 
-def reference_row(lk: Lookup, block_size: int, reps: int) -> Row:
-    from robe_torchrec.ops import reference
-
-    weights, flat = robe_arrays(lk, block_size)
-
-    def forward():
-        with torch.no_grad():
-            return reference.forward(weights, *flat)
-
-    return Row(f"pure-PyTorch ROBE-Z Z={block_size}", forward, None, reps=reps)
-
-
-def floor_rows(lk: Lookup, block_size: int) -> List[Row]:
-    out = torch.empty(lk.s.batch, lk.output_dim, device=lk.device)
-    rows = [Row("floor: output write", out.zero_)]
-    if lk.s.ids_per_bag > 1:
-        rows.append(l2_read_row(lk, block_size))
+def floor_rows(lk: Lookup, z: int, output: bool) -> List[Row]:
+    rows = []
+    if output:
+        out = torch.empty(lk.s.batch, lk.output_dim, device=lk.device)
+        rows.append(Row("floor: output write", out.zero_))
+    if lk.s.ids_per_bag > 1:  # the pooling pass alone, from starts hashed beforehand
+        weights, (values, offsets, _, meta, output_dim, _, hash_mode, params, _) = lk.robe(z)
+        starts = triton_kernels.hash_starts(weights, values, offsets, meta, lk.s.dim, z,
+                                            hash_mode, params)
+        rows.append(Row(f"floor: L2 block reads + pooling, Z={z}", lambda: triton_kernels.forward_from_starts(
+            weights, values, offsets, meta, output_dim, lk.s.dim, z, starts)))
     return rows
 
 
-def l2_read_row(lk: Lookup, block_size: int) -> Row:
-    """The forward's pooling pass from block starts stored beforehand, without the hash and
-    the input checks: what reading the touched blocks from L2 and pooling them costs,
-    whatever computes their addresses."""
-    from robe_torchrec.ops import triton_kernels as tk
-
-    weights, flat = robe_arrays(lk, block_size)
-    values, offsets, _, meta, output_dim, _, hash_mode, params, _ = flat
-    starts = tk.hash_starts(weights, values, offsets, meta, lk.s.dim, block_size, hash_mode,
-                            params)
-
-    def forward():
-        return tk.forward_from_starts(weights, values, offsets, meta, output_dim, lk.s.dim,
-                                      block_size, starts)
-
-    return Row(f"floor: L2 block reads + pooling, Z={block_size}", forward)
-
-
-def time_rows(rows: Sequence[Row], timer, reps: int, inner: int, warmup: int) -> None:
+def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, warmup: int) -> None:
     for row in rows:
-        fn = row.train or row.forward
-        row.first_ms = timer(fn, 1)
+        row.first_ms = timer(row.train or row.forward, 1)
         for _ in range(warmup):
             row.forward()
             if row.train:
@@ -246,174 +201,124 @@ def time_rows(rows: Sequence[Row], timer, reps: int, inner: int, warmup: int) ->
             row.host_ms.append(timer.host_ms)
             if row.train:
                 row.train_ms.append(timer(row.train, n))
-    from robe_torchrec.ops import raise_pending_checks
-
     raise_pending_checks()
 
 
-def check_variants_agree(rows: Sequence[Row]) -> List[str]:
-    """Each variant's forward against its Z's default row: relative max difference."""
-    notes = []
-    defaults = {r.name.split(",")[0].split(" (")[0]: r for r in rows
-                if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)")
-                and "," not in r.name}
+def compare_variants(rows: Sequence[Row]) -> None:
+    """Each launch variant's forward against its Z's default row (relative max difference)."""
+    defaults = {r.name.split(" (")[0]: r for r in rows
+                if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)") and "," not in r.name}
     for r in rows:
-        if r.name.startswith("ROBE-Z") and "," in r.name:
-            base = defaults.get(r.name.split(",")[0])
-            if base is None:
-                continue
+        base = defaults.get(r.name.split(",")[0]) if r.name.startswith("ROBE-Z") and "," in r.name else None
+        if base is not None:
             a, b = base.forward(), r.forward()
-            diff = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-            r.note = f"max rel. diff to default {diff:.1e}"
-            notes.append(f"{r.name}: {r.note}")
-    return notes
+            r.note = f"max rel. diff to default {float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)):.1e}"
 
 
-def scenario_table(rows: Sequence[Row], peer: Row) -> List[str]:
-    def fmt(x: float, d: int = 3) -> str:
-        return "n/a" if x != x else f"{x:.{d}f}"
-
-    out = ["| row | forward ms | / peer | host us a call | train ms | / peer | first ms | note |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(
-            f"| {r.name} | {fmt(r.median('forward'))} | "
-            f"{fmt(r.median('forward') / peer.median('forward'), 2)} | "
-            f"{fmt(r.median('host') * 1e3, 0)} | {fmt(r.median('train'))} | "
-            f"{fmt(r.median('train') / peer.median('train'), 2)} | {fmt(r.first_ms, 1)} | "
-            f"{r.note} |")
-    return out
-
-
-def targets(rows: Sequence[Row], s: Scenario) -> List[str]:
-    peer = rows[0]
-    by_name = {r.name: r for r in rows}
-    out_floor = by_name["floor: output write"].median("forward")
-    lines = ["| target | value | goal | verdict |", "|---|---|---|---|"]
+def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
+    peer, by_name = rows[0], {r.name: r for r in rows}
+    out = []
 
     def add(what: str, value: float, goal: float, unit: str = "x") -> None:
-        verdict = "met" if value <= goal else "missed"
-        lines.append(f"| {what} | {value:.2f}{unit} | <= {goal:g}{unit} | {verdict} |")
+        out.append({"target": what, "value": value, "goal": goal, "unit": unit, "met": value <= goal})
 
     for z in s.block_sizes:
-        fwd = by_name[f"ROBE-Z Z={z} (+ fused SGD)"]
-        adagrad = by_name[f"ROBE-Z Z={z} (+ fused Adagrad)"]
+        fwd, adagrad = by_name[f"ROBE-Z Z={z} (+ fused SGD)"], by_name[f"ROBE-Z Z={z} (+ fused Adagrad)"]
         add(f"Z={z} forward / full-table forward", fwd.median("forward") / peer.median("forward"), 0.5)
-        add(f"Z={z} forward + fused SGD / full table + SGD rows",
-            fwd.median("train") / peer.median("train"), 0.5)
+        add(f"Z={z} forward + fused SGD / full table + SGD rows", fwd.median("train") / peer.median("train"), 0.5)
         add(f"Z={z} forward + fused Adagrad / full table + SGD rows",
             adagrad.median("train") / peer.median("train"), 0.5)
         if s.ids_per_bag == 1:
-            add(f"Z={z} forward / output-write floor", fwd.median("forward") / out_floor, 2.0)
+            add(f"Z={z} forward / output-write floor",
+                fwd.median("forward") / by_name["floor: output write"].median("forward"), 2.0)
             add(f"Z={z} host time a forward call", fwd.median("host") * 1e3, 40, " us")
-        else:
-            l2 = by_name.get(f"floor: L2 block reads + pooling, Z={z}")
-            if l2 is not None:
-                add(f"Z={z} forward / L2 block-read floor",
-                    fwd.median("forward") / l2.median("forward"), 3.0)
-    return lines
+        elif f"floor: L2 block reads + pooling, Z={z}" in by_name:
+            l2 = by_name[f"floor: L2 block reads + pooling, Z={z}"]
+            add(f"Z={z} forward / L2 block-read floor", fwd.median("forward") / l2.median("forward"), 3.0)
+    return out
 
 
-def run_scenario(s: Scenario, device: torch.device, timer, reps: int, inner: int,
-                 warmup: int, variants: Dict[str, dict], reference_reps: int) -> List[str]:
+def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: int, inner: int,
+                 warmup: int, variants: Dict[str, dict], reference_reps: int):
+    """``(lines, result)``: one scenario's table, targets and (one id a bag) host profile."""
     lk = Lookup(s, device)
     rows = full_table_rows(lk)
-    for z in s.block_sizes:
-        rows += robe_rows(lk, z, variants if z == s.block_sizes[0] else {"": {}})
+    for i, z in enumerate(s.block_sizes):
+        rows += robe_rows(lk, z, variants if i == 0 else {"": {}})
     if s.ids_per_bag == 1 and reference_reps:
-        rows.append(reference_row(lk, s.block_sizes[0], reference_reps))
-    for z in s.block_sizes if s.ids_per_bag > 1 else s.block_sizes[:1]:
-        rows += [r for r in floor_rows(lk, z) if z == s.block_sizes[0] or "L2" in r.name]
+        weights, args = lk.robe(s.block_sizes[0])
+        rows.append(Row(f"pure-PyTorch ROBE-Z Z={s.block_sizes[0]}",
+                        lambda: reference.forward(weights.detach(), *args), reps=reference_reps))
+    for i, z in enumerate(s.block_sizes):
+        rows += floor_rows(lk, z, output=i == 0)
     time_rows(rows, timer, reps, inner, warmup)
-    notes = check_variants_agree(rows)
-    # the interpreter runs every program in Python: a couple of calls say enough there
-    calls = 300 if device.type == "cuda" else 2
-    profile = host_profile(lk, s.block_sizes[0], calls) if s.ids_per_bag == 1 else []
-    cards = s.cardinalities
+    compare_variants(rows)
+    found = targets(rows, s)
+    cells = [[r.name, fmt(r.median("forward"), 3), fmt(r.median("forward") / rows[0].median("forward")),
+              fmt(r.median("host") * 1e3, 0), fmt(r.median("train"), 3),
+              fmt(r.median("train") / rows[0].median("train")), fmt(r.first_ms, 1), r.note] for r in rows]
     lines = [f"### {s.name}", "",
-             f"Batch {s.batch}, dim {s.dim}, {len(cards)} features ({sum(cards):,} rows), "
-             f"{s.ids_per_bag} id(s) a bag ({lk.ids.numel():,} ids), ROBE array "
-             f"{s.compression:g}x smaller than the tables (reference hash). Peer: the first "
-             f"row. Medians of {reps} samples of {inner} calls.", ""]
-    lines += scenario_table(rows, rows[0]) + [""] + targets(rows, s)
-    if notes:
-        lines += [""] + [f"- {n}" for n in notes]
-    lines += [""] + profile
-    del lk, rows
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return lines + [""]
+             f"Batch {s.batch}, dim {s.dim}, {len(s.cardinalities)} features "
+             f"({sum(s.cardinalities):,} rows), {s.ids_per_bag} id(s) a bag ({lk.ids.numel():,} ids), "
+             f"ROBE array {s.compression:g}x smaller than the tables (reference hash). Peer: the "
+             f"first row. Medians of {reps} samples of {inner} calls.", "",
+             *table(["row", "forward ms", "/ peer", "host us a call", "train ms", "/ peer",
+                     "first ms", "note"], cells), "",
+             *table(["target", "value", "goal", "verdict"],
+                    [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
+                      "met" if t["met"] else "missed"] for t in found]), ""]
+    if s.ids_per_bag == 1:
+        lines += host_profile(lk, s.block_sizes[0], calls=300 if device.type == "cuda" else 2)
+    return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
 
 
-def profile_calls(fn: Callable[[], object], calls: int, top: int) -> List[str]:
-    """``cProfile`` of ``calls`` calls of ``fn`` (after one to warm up): the ``top`` entries
-    with the most time of their own, as lines of text."""
-    import cProfile
-    import io
-    import pstats
-
-    fn()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(calls):
-        fn()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
-    return [line for line in text.getvalue().splitlines() if line.strip()]
-
-
-def host_profile(lk: Lookup, block_size: int, calls: int = 300, top: int = 14) -> List[str]:
-    """Where the host's time of a forward call goes: ``cProfile`` over ``calls`` calls of
-    the registered op (no grad), the entries with the most time of their own."""
-    from robe_torchrec.ops import raise_pending_checks
-
-    weights, flat = robe_arrays(lk, block_size)
-    with torch.no_grad(), _triton(lk.device):
-        body = profile_calls(lambda: torch.ops.robe.forward(weights, *flat), calls, top)
+def host_profile(lk: Lookup, block_size: int, calls: int, top: int = 14) -> List[str]:
+    """Where the host's time of a forward call goes: ``cProfile`` of ``calls`` calls of the
+    registered op (no grad), the entries with the most time of their own."""
+    weights, args = lk.robe(block_size)
+    profile, text = cProfile.Profile(), io.StringIO()
+    with torch.no_grad(), triton_path(lk.device):
+        torch.ops.robe.forward(weights, *args)
+        profile.enable()
+        for _ in range(calls):
+            torch.ops.robe.forward(weights, *args)
+        profile.disable()
     raise_pending_checks()
-    return ([f"### Host time of a forward call, Z={block_size}, {lk.s.ids_per_bag} id(s) a bag",
-             "", f"cProfile over {calls} calls of `torch.ops.robe.forward` (no grad; the "
-             "profiler itself slows every Python call):", "", "```"] + body[:top + 8]
-            + ["```", ""])
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    body = [line for line in text.getvalue().splitlines() if line.strip()]
+    return [f"### Host time of a forward call, Z={block_size}, {lk.s.ids_per_bag} id(s) a bag", "",
+            f"cProfile over {calls} calls of `torch.ops.robe.forward` (no grad; the profiler "
+            "itself slows every Python call):", "", "```", *body[:top + 8], "```", ""]
 
 
-def single_table_sweep(device: torch.device, timer, reps: int, inner: int,
-                       sizes: Sequence[int], compressions: Sequence[float],
-                       batch: int = 10240, dim: int = 128, block_size: int = 32) -> List[str]:
-    """The paper's single-table setting: one table, one id a bag, plain lookup beside ROBE-Z
-    at each compression."""
+def single_table_sweep(device: torch.device, timer: DeviceTimer, reps: int, inner: int,
+                       sizes: Sequence[int], compressions: Sequence[float], batch: int,
+                       dim: int, block_size: int):
+    """``(lines, result)``: the paper's single-table setting, one table, one id a bag, the
+    plain lookup beside ROBE-Z at each compression."""
     lines = ["### One table (the paper's appendix setting)", "",
-             f"Batch {batch}, dim {dim}, one id a bag, Z = {block_size}; forward ms (median "
-             f"of {reps} x {inner} calls), host us a call in brackets. The paper: plain "
-             "lookup 0.12 ms, ROBE-Z 0.27 ms on its GPU.", "",
-             "| rows n | plain lookup | " + " | ".join(f"ROBE-Z {c:g}x" for c in compressions)
-             + " |", "|---|---|" + "---|" * len(compressions)]
+             f"Batch {batch}, dim {dim}, one id a bag, Z = {block_size}; forward ms (median of "
+             f"{reps} x {inner} calls), host us a call in brackets. The paper: plain lookup 0.12 "
+             "ms, ROBE-Z 0.27 ms on its GPU.", ""]
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**34
+    cells, found = [], []
     for n in sizes:
-        s = Scenario(f"one table {n}", batch, dim, [n], 1, [block_size], 1.0)
-        lk = Lookup(s, device)
+        lk = Lookup(Scenario(f"one table {n}", batch, dim, [n], 1, [block_size], 1.0), device)
         rows = []
         if n * dim * 4 < 0.6 * free:
-            table = torch.empty(n, dim, device=device)
-            rows.append(Row("plain", lambda t=table, lk=lk: F.embedding_bag(
-                lk.global_ids, t, lk.offsets[:-1], mode="sum")))
+            plain = torch.empty(n, dim, device=device)
+            rows.append(Row("plain", lambda ids=lk.global_ids, o=lk.offsets[:-1]: F.embedding_bag(
+                ids, plain, o, mode="sum")))
         for c in compressions:
-            weights, flat = robe_arrays(_with_compression(lk, c), block_size)
-            rows.append(Row(f"{c:g}", lambda w=weights, f=flat: torch.ops.robe.forward(w, *f)))
-        with torch.no_grad(), _triton(device):
+            weights, args = lk.robe(block_size, c)
+            rows.append(Row(f"{c:g}", lambda w=weights, a=args: torch.ops.robe.forward(w, *a)))
+        with torch.no_grad(), triton_path(device):
             time_rows(rows, timer, reps, inner, warmup=2)
-        cells = [] if rows[0].name == "plain" else ["n/a (table > GPU memory)"]
-        cells += [f"{r.median('forward'):.3f} ({r.median('host') * 1e3:.0f})" for r in rows]
-        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+        found += [{"rows": n, "name": r.name, "forward_ms": r.median("forward")} for r in rows]
+        cells.append([f"{n:,}"] + ([] if rows[0].name == "plain" else ["n/a (table > GPU memory)"])
+                     + [f"{r.median('forward'):.3f} ({r.median('host') * 1e3:.0f})" for r in rows])
         del lk, rows
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return lines + [""]
-
-
-def _with_compression(lk: Lookup, compression: float) -> Lookup:
-    copy = Lookup.__new__(Lookup)
-    copy.__dict__.update(lk.__dict__)
-    copy.s = dataclasses.replace(lk.s, compression=compression)
-    return copy
+    return lines + table(["rows n", "plain lookup", *(f"ROBE-Z {c:g}x" for c in compressions)],
+                         cells) + [""], {"scenario": "one table", "rows": found}

@@ -1,45 +1,33 @@
-"""Host time of a ROBE-Z op call on the Triton path, layer by layer, measured on a CPU.
+"""What does the host spend on one ROBE-Z op call on the Triton path, layer by layer?
 
-At the GPU benchmark's setting the forward is host-bound: on an H200 the host spends longer
-issuing a call than the GPU spends running it (``benchmarks/results/triton_tiles_h200.md``).
-That host time is Python and torch work, so it can be measured without a GPU: this benchmark
-makes the same calls on CPU tensors through the Triton implementation
-(``cpu_backend("triton")``, checks deferred as on CUDA) with every Triton launch replaced by
-a no-op. What it times is what the GPU's host runs too (the wrapper's checks and bookkeeping,
-``torch.library``'s dispatch layers, autograd), less Triton's launcher, the CUDA driver
-calls and the pinned copy of the deferred checks' answer.
+At the GPU check's setting a forward with one id a bag is bound by its host, and the host's
+work is Python and torch, so it is measured on any machine: the calls run with every Triton
+launch stubbed (:func:`robe_torchrec.ops.triton_kernels.stubbed_launches`), on CPU tensors
+(``cpu_backend("triton")``, checks deferred as on CUDA) or on the GPU. What is timed is what
+a GPU's host runs too, less Triton's launcher and the driver (on a GPU the ``launched`` rows
+add them back). Rows, microseconds per call:
 
-Rows, microseconds per call (median of ``--reps`` samples of ``--calls`` calls each):
+* ``wrapper``: ``triton_kernels.forward`` called directly; ``wrapper, summary kernel``: the
+  same with the input checks counted by the summary kernel (``tuned(count_in_forward=False)``),
+  as before the forward kernel counted them;
+* ``op, no grad`` / ``op, with grad``: ``torch.ops.robe.forward`` (weights requiring grad)
+  without and with the autograd graph; ``op + backward``: with ``backward`` of a fixed
+  gradient; ``fused step``: the forward and ``robe::backward_fused_`` (Adagrad);
+* ``through the dispatcher twice``: the op's backend kernel reached by redispatching below
+  autograd, as ``robe::forward`` did before calling its implementation directly;
+* ``custom_op ...`` / ``register_autograd ...``: the same kernel behind a
+  ``torch.library.custom_op``, and defined as ``robe::forward`` is with its autograd from
+  ``torch.library.register_autograd``: the registrations robe's was chosen against;
+* references of the host's speed: an op of the same schema returning its input, ``torch.add``
+  of 4-element tensors, 1000 additions in Python.
 
-* ``wrapper``: ``triton_kernels.forward`` called directly;
-* ``op, no grad``: ``torch.ops.robe.forward`` under ``torch.no_grad`` (weights requiring
-  grad, as a module's parameter);
-* ``op, with grad``: the same call recording the autograd graph;
-* ``op + backward``: that forward and ``backward`` of a fixed output gradient;
-* ``fused step``: the no-grad forward and ``torch.ops.robe.backward_fused_`` (Adagrad): the
-  training path with the optimizer in the backward;
-* ``custom_op, no grad`` / ``custom_op, with grad``: the same kernel behind a
-  ``torch.library.custom_op`` registration (a namespace of this benchmark's own), against
-  which ``robe::forward``'s ``torch.library.define`` + ``torch.library.impl`` registration is
-  measured: the two registrations side by side in one process;
-* ``register_autograd, no grad`` / ``register_autograd, with grad``: the same kernel defined
-  as ``robe::forward`` is, its autograd registered with ``torch.library.register_autograd``
-  (as ``robe::forward``'s was before it got an autograd kernel of its own);
-* ``op, ... dispatched twice``: ``robe::forward`` with its autograd kernel going through the
-  dispatcher again to reach the implementation, as it does for fake or meta tensors, instead
-  of calling it directly as it does for plain ones;
-* ``wrapper, summary kernel``: the wrapper with its input checks in the summary kernel, as
-  before the forward kernel counted them (on a GPU that is also one more Triton launch).
+Setting: 26 features of dim 128, one id a bag, Z = 32 (the GPU check's), batch ``--batch``
+and an array of 65,536 floats (the host's work depends on neither). Median and lower
+quartile of ``--reps`` samples of ``--calls`` calls, rows interleaved, 1 thread, Python's
+garbage collector off while timing::
 
-Setting: 26 features of dim 128, one id per bag, Z = 32 (the GPU benchmark's), batch 2048
-(the host's work does not depend on it; a larger output would be allocated afresh by the CPU
-allocator every call) and an array of 65,536 floats (nor on that; a large one adds the CPU's
-own zeroing of the gradient). Samples of every row are interleaved, with Python's garbage
-collector off while timing.
-
-Example::
-
-    python -m benchmarks.host_overhead --out benchmarks/results
+    python -m benchmarks.host_overhead --out benchmarks/results      # CPU
+    python -m benchmarks.host_overhead --cuda --out benchmarks/results/host_overhead_h100.md
 """
 
 from __future__ import annotations
@@ -47,92 +35,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import statistics
-import sys
-import time
-import types
-import unittest.mock
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-BATCH, FEATURES, DIM, BLOCK_SIZE, MEMORY = 2048, 26, 128, 32, 65536
-ROWS = ("wrapper", "op, no grad", "op, with grad", "op + backward", "fused step",
-        "custom_op, no grad", "custom_op, with grad", "register_autograd, no grad",
-        "register_autograd, with grad", "op, no grad, dispatched twice",
-        "op, with grad, dispatched twice", "wrapper, summary kernel")
+from benchmarks.common import (command_line, header, interleaved, keep_freed_memory, publish,
+                               table)
+from robe_torchrec.hashing import HashMode, hash_params
+from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, triton_kernels
+from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
+from robe_torchrec.ops.tuning import tuned
 
-
-class _NoLaunch:
-    """A Triton kernel whose launches do nothing: ``kernel[grid](*args)``."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-@contextlib.contextmanager
-def stubbed_launches() -> Iterator[None]:
-    """Inside the block every Triton launch of the ops does nothing (on any device)."""
-    from robe_torchrec.ops import triton_kernels
-
-    stub = types.SimpleNamespace(**{name: _NoLaunch() for name in dir(triton_kernels)
-                                    if name.endswith("_kernel")})
-    # the one place the Triton ops fetch their kernels
-    with unittest.mock.patch.object(triton_kernels, "_kernels_for", lambda device: stub):
-        yield
-
-
-def _custom_op_forward():
-    """``robe::forward``'s kernel behind a ``torch.library.custom_op`` (namespace
-    ``robe_host_ab``), with an autograd registration that saves what robe's saves."""
-    from robe_torchrec.ops import triton_kernels
-
-    if hasattr(torch.ops.robe_host_ab, "forward"):
-        return torch.ops.robe_host_ab.forward
-
-    @torch.library.custom_op("robe_host_ab::forward", mutates_args=())
-    def forward(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                output_dim: int, block_size: int, hash_mode: int, hash_params: List[int],
-                bounds_check: int) -> torch.Tensor:
-        return triton_kernels.forward(weights, values, offsets, per_sample_weights,
-                                      table_meta, output_dim, block_size, hash_mode,
-                                      hash_params, bounds_check)
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:5])
-        ctx.layout = inputs[5:]
-
-    def backward(ctx, grad):
-        raise NotImplementedError("timing only")
-
-    forward.register_autograd(backward, setup_context=setup_context)
-    return torch.ops.robe_host_ab.forward
-
-
-def _register_autograd_forward():
-    """``robe::forward``'s schema and kernel (namespace ``robe_host_ra``), its autograd
-    registered with ``torch.library.register_autograd``: torch's generic autograd kernel."""
-    from robe_torchrec.ops import triton_kernels
-
-    if hasattr(torch.ops.robe_host_ra, "forward"):
-        return torch.ops.robe_host_ra.forward
-    lib = defining_library("robe_host_ra", forward_schema())
-    lib.impl("forward", triton_kernels.forward, "CPU")
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:5])
-        ctx.layout = inputs[5:]
-
-    def backward(ctx, grad):
-        raise NotImplementedError("timing only")
-
-    torch.library.register_autograd("robe_host_ra::forward", backward,
-                                    setup_context=setup_context, lib=lib)
-    return torch.ops.robe_host_ra.forward
-
-
+FEATURES, DIM, BLOCK_SIZE, MEMORY = 26, 128, 32, 65536
+#: kept alive here: a library's registrations last as long as the object
 _LIBRARIES: List[torch.library.Library] = []
 
 
@@ -141,199 +57,195 @@ def forward_schema() -> str:
     return str(torch.ops.robe.forward.default._schema).split("::", 1)[1]
 
 
-def defining_library(namespace: str, schema: str) -> torch.library.Library:
-    """A library of this process that defines ``schema`` in ``namespace`` (kept alive here:
-    a library's registrations last as long as the object)."""
+def _library(namespace: str) -> torch.library.Library:
     lib = torch.library.Library(namespace, "DEF")
     _LIBRARIES.append(lib)
-    lib.define(schema)
+    lib.define(forward_schema())
     return lib
 
 
-def calls() -> Dict[str, Callable[[], object]]:
-    """One call of each row, on CPU tensors (run them under :func:`stubbed_launches`)."""
-    from robe_torchrec.hashing import HashMode, hash_params
-    from robe_torchrec.ops import cpu_backend, defer_checks, triton_kernels
-    from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
+def _save(ctx, inputs, output) -> None:  # what robe::forward's autograd saves
+    ctx.save_for_backward(*inputs[:5])
+    ctx.layout = inputs[5:]
 
+
+def _no_backward(ctx, grad):
+    raise NotImplementedError("timing only")
+
+
+def peer_ops() -> Dict[str, Callable]:
+    """The forward kernel behind a ``custom_op`` (``robe_host_ab``), defined as robe's with
+    ``register_autograd`` (``robe_host_ra``), and a same-schema op returning its input."""
+    if not hasattr(torch.ops.robe_host_ab, "forward"):
+        @torch.library.custom_op("robe_host_ab::forward", mutates_args=())
+        def forward(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                    per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                    output_dim: int, block_size: int, hash_mode: int, hash_params: List[int],
+                    bounds_check: int) -> torch.Tensor:
+            return triton_kernels.forward(weights, values, offsets, per_sample_weights, table_meta,
+                                          output_dim, block_size, hash_mode, hash_params,
+                                          bounds_check)
+
+        forward.register_autograd(_no_backward, setup_context=_save)
+        generic, identity = _library("robe_host_ra"), _library("robe_host_id")
+        for key in ("CPU", "CUDA"):
+            generic.impl("forward", triton_kernels.forward, key)
+            identity.impl("forward", lambda first, *rest: first, key)
+        torch.library.register_autograd("robe_host_ra::forward", _no_backward,
+                                        setup_context=_save, lib=generic)
+    return {"custom_op": torch.ops.robe_host_ab.forward, "register_autograd":
+            torch.ops.robe_host_ra.forward, "identity": torch.ops.robe_host_id.forward}
+
+
+def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
+    """One call of each row (the launched rows are :func:`launched_calls`)."""
     g = torch.Generator().manual_seed(0)
     cards = [100_000] * FEATURES
-    ids = torch.randint(0, cards[0], (FEATURES * BATCH,), generator=g)
-    offsets = torch.arange(ids.numel() + 1)
+    ids = torch.randint(0, cards[0], (FEATURES * batch,), generator=g).to(device)
+    offsets = torch.arange(ids.numel() + 1, device=device)
     meta = build_table_meta([DIM] * FEATURES, [0] * FEATURES, [MEMORY] * FEATURES,
                             [sum(cards[:t]) for t in range(FEATURES)], cards,
-                            [int(Pooling.SUM)] * FEATURES)
+                            [int(Pooling.SUM)] * FEATURES, device=device)
     params = hash_params(HashMode.REFERENCE, seed=1024)
     flat = (ids, offsets, None, meta, DIM * FEATURES, BLOCK_SIZE, int(HashMode.REFERENCE),
             params, int(BoundsCheck.ERROR))
-    weights = torch.empty(MEMORY).uniform_(-0.01, 0.01, generator=g).requires_grad_(True)
-    fused_weights, state = weights.detach().clone(), torch.zeros(MEMORY)
-    grad = torch.randn(BATCH, DIM * FEATURES, generator=g)
-    custom_op = _custom_op_forward()
-    register_autograd = _register_autograd_forward()
+    weights = torch.empty(MEMORY, device=device).uniform_(-0.01, 0.01).requires_grad_(True)
+    plain, state = weights.detach().clone(), torch.zeros(MEMORY, device=device)
+    grad = torch.randn(batch, DIM * FEATURES, device=device)
+    small = torch.ones(4, device=device)
+    peers = peer_ops()
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA if device.type == "cuda"
+                                   else torch._C.DispatchKey.CPU)
 
-    @contextlib.contextmanager
-    def triton_path(grad_mode: bool = True):
-        with cpu_backend("triton"), defer_checks(True), torch.set_grad_enabled(grad_mode):
-            yield
+    def path(grad_mode: bool):
+        stack = contextlib.ExitStack()
+        if device.type == "cpu":
+            stack.enter_context(cpu_backend("triton"))
+        stack.enter_context(defer_checks(True))
+        stack.enter_context(torch.set_grad_enabled(grad_mode))
+        return stack
 
-    def wrapper():
-        with triton_path(False):
-            return triton_kernels.forward(fused_weights, *flat)
-
-    counts_in_kernel = triton_kernels._counts_in_kernel
-
-    def wrapper_with_summary():
-        # the forward's checks by the summary kernel, as before the forward kernel counted
-        # them (set and restored by hand: a mock.patch context would cost more than it saves)
-        triton_kernels._counts_in_kernel = lambda *args: False
-        try:
-            return wrapper()
-        finally:
-            triton_kernels._counts_in_kernel = counts_in_kernel
-
-    def dispatched_twice(call):
-        # without the plain key sets, the autograd kernel finds no direct implementation
-        # (set and restored by hand, as below)
-        import robe_torchrec.ops as ops
-
-        def run():
-            plain = dict(ops._PLAIN_KEYS)
-            ops._PLAIN_KEYS.clear()
-            try:
-                return call()
-            finally:
-                ops._PLAIN_KEYS.update(plain)
-        return run
-
-    def op(fn, grad_mode):
+    def on_path(fn: Callable[[], object], grad_mode: bool = False) -> Callable[[], object]:
         def call():
-            with triton_path(grad_mode):
-                return fn(weights, *flat)
+            with path(grad_mode):
+                return fn()
         return call
 
-    def op_backward():
+    def summary():
+        with tuned(count_in_forward=False):
+            return triton_kernels.forward(plain, *flat)
+
+    def backward():
         weights.grad = None
-        with triton_path():
-            torch.ops.robe.forward(weights, *flat).backward(grad)
+        torch.ops.robe.forward(weights, *flat).backward(grad)
 
     def fused_step():
-        with triton_path(False):
-            torch.ops.robe.forward(fused_weights, *flat)
-            torch.ops.robe.backward_fused_(grad, fused_weights, state, state.new_empty(0),
-                                           ids, offsets, None, meta, BLOCK_SIZE,
-                                           int(HashMode.REFERENCE), params,
-                                           int(Optimizer.ADAGRAD), [0.01, 1e-8, 0.9, 0.999, 0.0],
-                                           1)
+        torch.ops.robe.forward(plain, *flat)
+        torch.ops.robe.backward_fused_(grad, plain, state, state.new_empty(0), ids, offsets,
+                                       None, meta, BLOCK_SIZE, int(HashMode.REFERENCE), params,
+                                       int(Optimizer.ADAGRAD), [0.01, 1e-8, 0.9, 0.999, 0.0], 1)
 
-    return dict(zip(ROWS, (wrapper, op(torch.ops.robe.forward, False),
-                           op(torch.ops.robe.forward, True), op_backward, fused_step,
-                           op(custom_op, False), op(custom_op, True),
-                           op(register_autograd, False), op(register_autograd, True),
-                           dispatched_twice(op(torch.ops.robe.forward, False)),
-                           dispatched_twice(op(torch.ops.robe.forward, True)),
-                           wrapper_with_summary)))
+    def twice():
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.robe.forward.default.redispatch(keys, plain, *flat)
+
+    rows = {"wrapper": on_path(lambda: triton_kernels.forward(plain, *flat)),
+            "wrapper, summary kernel": on_path(summary),
+            "op, no grad": on_path(lambda: torch.ops.robe.forward(weights, *flat)),
+            "op, with grad": on_path(lambda: torch.ops.robe.forward(weights, *flat), True),
+            "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
+            "through the dispatcher twice": on_path(twice)}
+    for name in ("custom_op", "register_autograd"):
+        for grad_mode in (False, True):
+            rows[f"{name}, {'with' if grad_mode else 'no'} grad"] = on_path(
+                lambda op=peers[name]: op(weights, *flat), grad_mode)
+    rows.update({"op of the same schema returning its input": lambda: peers["identity"](plain, *flat),
+                 "torch.add of 4-element tensors": lambda: torch.add(small, small),
+                 "pure Python: 1000 additions": lambda: sum(range(1000))})
+    return rows
 
 
-def measure(reps: int, per_sample: int) -> Dict[str, List[float]]:
+def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
+            sync: Callable[[], None]) -> Dict[str, List[float]]:
     """``reps`` samples of each row (microseconds per call), rows interleaved."""
-    from benchmarks.cpu_ops import keep_freed_memory
+    for fn in rows.values():  # warm-up: caches of checked metadata, first-call work
+        for _ in range(3):
+            fn()
 
-    from robe_torchrec.ops import raise_pending_checks
-
-    keep_freed_memory()  # the outputs reuse freed blocks, as a GPU's caching allocator does
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    fns = calls()
-    samples: Dict[str, List[float]] = {name: [] for name in fns}
-    with stubbed_launches():
-        for fn in fns.values():  # warm-up: caches of checked metadata, first-call work
-            for _ in range(3):
+    def sample(fn: Callable[[], object]) -> Callable[[int], object]:
+        def run(it: int) -> None:
+            for _ in range(per_sample):
                 fn()
-        gc.collect()
-        gc.disable()  # as timeit: a collection would land on whichever call triggers it
-        try:
-            for _ in range(reps):
-                for name, fn in fns.items():
-                    start = time.perf_counter()
-                    for _ in range(per_sample):
-                        fn()
-                    samples[name].append((time.perf_counter() - start) / per_sample * 1e6)
-        finally:
-            gc.enable()
-            torch.set_num_threads(threads)
-        raise_pending_checks()
-    return samples
+        return run
+
+    gc.collect()
+    gc.disable()  # as timeit: a collection would land on whichever call triggers it
+    try:
+        samples = interleaved({name: sample(fn) for name, fn in rows.items()}, reps,
+                              before=lambda name: sync())
+    finally:
+        gc.enable()
+    sync()
+    raise_pending_checks()
+    return {name: [s / per_sample * 1e6 for s in v["wall"]] for name, v in samples.items()}
 
 
-def render(result: Dict[str, object]) -> str:
-    med: Dict[str, float] = result["medians"]  # type: ignore[assignment]
-    low: Dict[str, float] = result["lower_quartiles"]  # type: ignore[assignment]
-    lines = [
-        "# Host time of a ROBE-Z op call on the Triton path (launches stubbed, CPU)",
-        "",
-        f"- command: `{result['command']}`",
-        f"- machine: {result['machine']}",
-        f"- date: {result['date']}; load average at start {result['load'][0]:.2f}, "
-        f"at end {result['load'][1]:.2f}",
-        f"- setting: batch {BATCH}, {FEATURES} features of dim {DIM}, one id per bag, "
-        f"Z = {BLOCK_SIZE}, array {MEMORY:,} floats; checks deferred; 1 thread; "
-        f"{result['reps']} samples of {result['calls']} calls per row, interleaved",
-        "",
-        "Microseconds per call. What the host of a GPU also runs, less Triton's launcher, the "
-        "CUDA driver calls and the deferred checks' pinned copy.",
-        "",
-        "| row | median | lower quartile |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {row} | {med[row]:.1f} | {low[row]:.1f} |" for row in ROWS]
-    lines += [
-        "",
-        f"- torch.library's layers around the wrapper, no grad (op - wrapper): "
-        f"{med['op, no grad'] - med['wrapper']:.1f} us a call with robe's "
-        f"`define` + `impl` registration, {med['custom_op, no grad'] - med['wrapper']:.1f} us "
-        f"behind `custom_op` (same kernel, same run)",
-        f"- recording the autograd graph (with grad - no grad): "
-        f"{med['op, with grad'] - med['op, no grad']:.1f} us a call with robe's registration, "
-        f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`, "
-        f"{med['register_autograd, with grad'] - med['register_autograd, no grad']:.1f} us "
-        f"with torch.library.register_autograd's generic autograd kernel",
-        f"- the autograd kernel calling the implementation directly: the op takes "
-        f"{med['op, no grad']:.1f} us a call without grad and {med['op, with grad']:.1f} us "
-        f"with, against {med['op, no grad, dispatched twice']:.1f} and "
-        f"{med['op, with grad, dispatched twice']:.1f} us through the dispatcher again "
-        f"(the dict copy and restore those rows add is under 1 us)",
-        f"- the forward's checks counted by its own kernel: the wrapper takes "
-        f"{med['wrapper']:.1f} us a call, {med['wrapper, summary kernel']:.1f} us with the "
-        f"summary kernel's host work (its launch not counted)",
-    ]
-    return "\n".join(lines) + "\n"
+def notes(med: Dict[str, float]) -> List[str]:
+    lines = [f"- torch.library's layers around the wrapper, no grad (op - wrapper): "
+             f"{med['op, no grad'] - med['wrapper']:.1f} us with robe's `define` + `impl`, "
+             f"{med['custom_op, no grad'] - med['wrapper']:.1f} us behind `custom_op`",
+             f"- recording the graph (with grad - no grad): "
+             f"{med['op, with grad'] - med['op, no grad']:.1f} us with robe's autograd kernel, "
+             f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`, "
+             f"{med['register_autograd, with grad'] - med['register_autograd, no grad']:.1f} us "
+             "with `register_autograd`'s generic kernel",
+             f"- the summary kernel's host work: the wrapper takes {med['wrapper']:.1f} us, "
+             f"{med['wrapper, summary kernel']:.1f} us with it (its launch not counted)"]
+    if "wrapper, launched" in med:
+        lines.append(f"- Triton's launcher and the driver (launched - stubbed): "
+                     f"{med['wrapper, launched'] - med['wrapper']:.1f} us a wrapper call")
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=40, help="samples per row")
-    parser.add_argument("--calls", type=int, default=20, help="calls per sample")
-    parser.add_argument("--out", help="folder for host_overhead.{md,json}; printed if not given")
-    args = parser.parse_args(argv)
-
-    from robe_torchrec.pipelines.report import machine_line, write_report
-
-    load_start = os.getloadavg()[0]
-    samples = measure(args.reps, args.calls)
-    result: Dict[str, object] = {
-        "command": "python -m benchmarks.host_overhead "
-                   + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine_line(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load": [load_start, os.getloadavg()[0]], "reps": args.reps, "calls": args.calls,
-        "medians": {row: statistics.median(v) for row, v in samples.items()},
-        "lower_quartiles": {row: statistics.quantiles(v, n=4)[0] for row, v in samples.items()},
-        "samples_us": samples,
-    }
-    markdown = render(result)
-    if args.out:
-        write_report(args.out, "host_overhead", result, markdown)
-    print(markdown)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--cuda", action="store_true", help="CUDA tensors (default: CPU tensors)")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=40, help="samples per row")
+    p.add_argument("--calls", type=int, default=20, help="calls per sample")
+    p.add_argument("--out", help="a folder (host_overhead.md) or a .md file; .json beside it")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if args.cuda else "cpu")
+    sync = torch.cuda.synchronize if args.cuda else (lambda: None)
+    keep_freed_memory()  # outputs reuse freed blocks, as a GPU's caching allocator does
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = calls(device, args.batch)
+        with triton_kernels.stubbed_launches():
+            samples = measure(rows, args.reps, args.calls, sync)
+        if args.cuda:  # the same calls with their kernels launched
+            samples.update({f"{name}, launched": v for name, v in measure(
+                {n: rows[n] for n in ("wrapper", "op, no grad")}, args.reps, args.calls,
+                sync).items()})
+    finally:
+        torch.set_num_threads(threads)
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    low = {name: statistics.quantiles(v, n=4)[0] if len(v) > 1 else v[0] for name, v in samples.items()}
+    lines = header("Host time of a ROBE-Z op call on the Triton path, launches stubbed",
+                   command_line("host_overhead", argv),
+                   f"setting: {device.type} tensors, batch {args.batch}, {FEATURES} features of "
+                   f"dim {DIM}, one id a bag, Z = {BLOCK_SIZE}, array {MEMORY:,} floats; checks "
+                   f"deferred; 1 thread; {args.reps} samples of {args.calls} calls, interleaved")
+    lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launcher "
+              "and the driver (but in the `launched` rows).", ""]
+    lines += table(["row", "median", "lower quartile"],
+                   [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples]) + [""] + notes(med)
+    result = {"command": command_line("host_overhead", argv), "device": device.type,
+              "batch": args.batch, "reps": args.reps, "calls": args.calls,
+              "medians": med, "lower_quartiles": low, "samples_us": samples}
+    publish(args.out, "host_overhead", lines, result)
     return result
 
 

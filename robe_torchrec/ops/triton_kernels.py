@@ -7,12 +7,15 @@ when ``TRITON_INTERPRET=1`` was set before triton was imported; see :func:`_kern
 The kernels themselves are in :mod:`robe_torchrec.ops.triton` (one module per phase, its
 docstring lays out the work); this module is their host side: tile sizes, input checks,
 launches. It imports every kernel as an attribute of its own (:func:`_kernels_for` returns
-it), so a test or benchmark reaches them, and patches the host's helpers, here.
+it), so a test reaches them here. Benchmarks of the host's time per call use the public
+seams: :func:`stubbed_launches`, and :mod:`robe_torchrec.ops.tuning` for launch parameters.
 """
 
+import contextlib
 import math
 import os
 import sys
+import types
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -45,6 +48,40 @@ def _is_interpreted(module) -> bool:
     return type(module._forward_kernel).__name__ == "InterpretedFunction"
 
 
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set
+    before triton was first imported), which CPU tensors need."""
+    return _is_interpreted(sys.modules[__name__])
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing: ``kernel[grid](*args)``."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+#: what :func:`_kernels_for` returns while :func:`stubbed_launches` is active
+_launch_stub = None
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """Inside the block every kernel launch of these ops does nothing, on any device (CPU
+    tensors then need no interpreter): a call does all of its host work (checks, launch
+    plan, allocations, dispatch) and none on the device, so its outputs hold garbage. For
+    benchmarks of the host's time per call; Triton's launcher is what is left out."""
+    global _launch_stub
+    previous = _launch_stub
+    module = sys.modules[__name__]
+    _launch_stub = types.SimpleNamespace(**{name: _NoLaunch() for name in dir(module)
+                                            if name.endswith("_kernel")})
+    try:
+        yield
+    finally:
+        _launch_stub = previous
+
+
 def _kernels_for(device: torch.device):
     """This module, once checked that its kernels can run on ``device``.
 
@@ -53,6 +90,8 @@ def _kernels_for(device: torch.device):
     the other; a process cannot mix the two reliably. So CPU tensors need the whole process
     in interpreter mode: ``TRITON_INTERPRET=1`` set before triton is first imported.
     """
+    if _launch_stub is not None:
+        return _launch_stub
     if _TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(
             "robe: the Triton kernels need the `triton` package, which failed to import "
@@ -84,7 +123,7 @@ class _Tiles:
 
     One warp a program for the short-bags kernels unless the tuning says otherwise: their
     programs are many and short (the best in the H200 sweeps of
-    ``benchmarks/results/triton_tiles_h200.md``). Several bags a program for bags of at most
+    ``benchmarks/results/history/triton_tiles_h200.md``). Several bags a program for bags of at most
     ``short_bag_mean`` ids: one bag at Z = 32, four at Z = 128 with dim 128 (the same
     sweeps). Bags of at least ``two_pass_mean_bag`` ids are pooled from block starts hashed
     in a pass of their own."""
@@ -224,8 +263,9 @@ def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
 
 def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
     """Whether the forward kernel counts the input checks' problems (one launch less): when
-    it reads every id, that is when it runs at all and every feature has a column."""
-    return batch > 0 and output_dim > 0 and facts.min_dim > 0
+    it reads every id, that is when it runs at all and every feature has a column (and the
+    tuning does not ask for the summary kernel)."""
+    return current_tuning().count_in_forward and batch > 0 and output_dim > 0 and facts.min_dim > 0
 
 
 def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Launch parameters of the Triton kernels, in one typed place: what benchmarks vary.
+"""Launch parameters of the Triton kernels, in one typed place: what benchmarks vary (the
+public seam for them; none patches the kernels' module).
 
 The kernels' host wrappers read :func:`current` at every launch; :func:`tuned` changes it
 for a block. Every value only changes how the work is cut into programs (tile sizes, warps,
@@ -51,6 +52,10 @@ class TritonTuning:
     #: warps of the two-pass kernels (``num_warps`` overrides it): 2 took 0.82x the time
     #: of 4 on the two-pass forward at 20 ids a bag, Z = 32, 8 took 1.94x (same run)
     two_pass_warps: int = 2
+    #: the forward kernel counts the input checks' problems itself when it reads every id
+    #: (one launch less); False: the summary kernel counts them first, as it once did
+    #: (what a benchmark of the host's time per call sets this against)
+    count_in_forward: bool = True
 
 
 _current = TritonTuning()
