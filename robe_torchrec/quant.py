@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import RobeLayout
+from robe_torchrec.torchscript import NotScriptable
 
 #: storage dtypes of the array
 DTYPES = (torch.int8, torch.float16)
@@ -87,7 +88,7 @@ def weight_dtype_of(module: RobeEmbeddingBagCollection, default: torch.dtype,
     return next(iter(stored.values()))
 
 
-class QuantRobeEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class QuantRobeEmbeddingBagCollection(NotScriptable, EmbeddingBagCollectionInterface):
     """A :class:`~robe_torchrec.RobeEmbeddingBagCollection` for inference, its array stored
     as int8 (per-block scale and bias) or float16; same input, output and layout.
 

@@ -61,3 +61,12 @@ def test_stock_modules_still_script():
     """What the refusal must not touch: TorchRec's own module, traced or not."""
     stock = EmbeddingBagCollection(make_tables())
     torch.jit.script(torchrec.fx.symbolic_trace(stock))
+
+
+def test_scripting_a_quantized_module():
+    """The int8/int4 inference module is served through torch.export too."""
+    from robe_torchrec.quant import QuantRobeEmbeddingBagCollection
+    from tests.test_quant import trained_ebc
+
+    quant = QuantRobeEmbeddingBagCollection.from_float(trained_ebc())
+    assert _refused(quant).startswith("QuantRobeEmbeddingBagCollection cannot be scripted")
