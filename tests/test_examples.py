@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,55 +131,6 @@ def test_interaction_benchmark_runs(tmp_path):
                 f"{r['fast_ms']:.2f} | {r['speedup']:.2f}x |") in text
 
 
-@pytest.mark.slow
-def test_kernel_ab_benchmark_reports_changed_outputs(tmp_path):
-    """The A/B benchmark builds a baseline kernel and says whether its outputs differ: here a
-    baseline that doubles every block added by a fixed-length loop, the forward's and the
-    backward's (a second C++ build, about 30 s)."""
-    with open(os.path.join(ROOT, "robe_torchrec", "ops", "csrc", "loops.h")) as f:
-        source = f.read()
-    fixed_add = "for (int64_t j = 0; j < kN; ++j) dst[j] += static_cast<acc_t>(src[j]) * scale;"
-    assert source.count(fixed_add) == 1
-    mutated = tmp_path / "loops.h"  # replaces its namesake in the baseline's build
-    mutated.write_text(source.replace(fixed_add, fixed_add.replace("* scale;", "* (scale + scale);")))
-    run_example("-m", "benchmarks.kernel_ab", "--baseline-source", str(mutated),
-                "--small", "--iters", "2", "--clock", "cpu", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "kernel_ab.json").read_text())["rows"]
-    assert len(rows) == 2
-    for row in rows:
-        assert set(row["ops"]) == set(row["outputs"]) == {"forward", "fused Adagrad", "dense gradient"}
-        assert all(v.startswith("max abs difference") for v in row["outputs"].values())
-        assert all(t["baseline_ms"] > 0 and t["current_ms"] > 0 for t in row["ops"].values())
-    text = (tmp_path / "kernel_ab.md").read_text()
-    assert text.count("| max abs difference") == 6  # each op's row states it
-    assert "calling thread's CPU time" in text
-
-
-def test_kernel_ab_cpu_clock_needs_one_thread(capsys):
-    from benchmarks.kernel_ab import main
-
-    with pytest.raises(SystemExit):
-        main(["--clock", "cpu", "--threads", "2", "--small"])
-    assert "use it with --threads 1" in capsys.readouterr().err
-
-
-def test_kernel_ab_names_a_bad_baseline(tmp_path):
-    from benchmarks.kernel_ab import baseline_source
-
-    with pytest.raises(SystemExit, match="revision 'no-such-revision'"):
-        baseline_source("no-such-revision", None)
-    with pytest.raises(SystemExit, match="cannot read the baseline source"):
-        baseline_source(None, str(tmp_path / "missing.cpp"))
-
-
-def test_kernel_ab_difference():
-    from benchmarks.kernel_ab import _difference
-
-    a = torch.arange(4.0)
-    assert _difference(a, a.clone()) == "bitwise equal"
-    assert _difference(a, a + torch.tensor([0.0, 0.0, 0.5, 0.0])) == "max abs difference 0.5"
-
-
 def test_sequence_two_tower_example_trains():
     out = run_example("examples/sequence_two_tower.py", "--steps", "120", "--log-every", "40",
                       "--batch-size", "128", "--num-items", "2000", "--pooling", "attention")
@@ -198,12 +148,3 @@ def test_unpooled_ops_benchmark_runs(tmp_path):
     floor = ms["forward floor"]
     t = ms["unpooled, 1 feature: forward"]
     assert f"| unpooled, 1 feature: forward | {t:.2f} | {t / floor:.1f}x |" in text
-
-
-def test_build_time_compiles_with_the_kernels_flags(tmp_path):
-    """benchmarks.build_time's compiler call (the whole benchmark compiles the kernel several
-    times, minutes): a small file including one torch header compiles and is timed."""
-    from benchmarks.build_time import compile_seconds
-
-    assert compile_seconds("#include <c10/macros/Macros.h>\nint probe;\n", str(tmp_path), "probe") > 0
-    assert (tmp_path / "probe.o").exists()

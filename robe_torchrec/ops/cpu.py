@@ -8,7 +8,7 @@ version and build, the flags and this CPU's flags>`` (:func:`cache_key`) or in
 CPU loads the cached build without compiling, from any checkout or virtual environment. The build registers its
 functions as operators of its own library, ``torch.ops.robe_torchrec_cpu``, which
 :func:`extension` returns (no pybind11: the build takes about half the time,
-``benchmarks/results/build_time.md``). The kernels run on ``torch.get_num_threads()``
+``benchmarks/results/probes/build_time.md``). The kernels run on ``torch.get_num_threads()``
 threads (``torch.set_num_threads``).
 
 The wrappers only run :func:`~robe_torchrec.ops.validation.check_static` (dtypes and shapes);
