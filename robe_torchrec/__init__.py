@@ -10,10 +10,15 @@ The ops (:mod:`robe_torchrec.ops`: the registered ``torch.ops.robe`` ops, their 
 reference implementations, the fused optimizers) need torch alone (Triton for CUDA tensors),
 so a machine without torchrec/fbgemm can still import them. The module, its layout, optimizer
 and sharder need torchrec: without it they raise an ``ImportError`` that says so when used.
+
+Importing this package with torchrec present calls :func:`install`, which makes every change
+robe_torchrec makes to TorchRec's (and torch's) behaviour, and returns their names
+(:mod:`robe_torchrec.installation` says what each does and why).
 """
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.hashing import HashMode
+from robe_torchrec.installation import install
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 
 try:
@@ -26,18 +31,11 @@ else:
     from robe_torchrec.embedding_collection import RobeEmbeddingCollection
     from robe_torchrec.layout import FeatureLayout, RobeLayout, TableLayout
     from robe_torchrec.optim import RobeFusedOptimizer
-    from robe_torchrec.rowwise_install import install_rowwise_adagrad
 
-    # torchrec.optim.RowWiseAdagrad then takes ROBE arrays (apply_optimizer_in_backward)
-    install_rowwise_adagrad()
-    from robe_torchrec.export import allow_kjt_in_saved_programs
-
-    # torch.export.load of a program exported on a KJT, without a traceback in the log
-    allow_kjt_in_saved_programs()
-
-    # Registers the ROBE sharder with DistributedModelParallel's default sharders, so that
-    # DistributedModelParallel(model) shards a ROBE module with nothing more to import.
-    from robe_torchrec import distributed  # noqa: F401  isort: skip
+    # the one place robe_torchrec changes TorchRec: the DMP default sharders, RowWiseAdagrad
+    # on ROBE arrays, the unsharded-module checks... (robe_torchrec.installation.CHANGES)
+    install()
+    from robe_torchrec import distributed  # noqa: F401  isort: skip  (loaded by install())
 
 #: the names that need torchrec, and the module each comes from
 _NEEDS_TORCHREC = {"RobeEmbeddingBagCollection": "embedding_bag",
@@ -58,5 +56,6 @@ def __getattr__(name: str):
 
 __all__ = ["FeatureLayout", "HashMode", "LayoutArgs", "LookupArgs", "RobeConfig",
            "RobeEmbeddingBagCollection",
-           "RobeEmbeddingCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout"]
+           "RobeEmbeddingCollection", "RobeFusedOptimizer", "RobeLayout", "TableLayout",
+           "install"]
 __version__ = "0.1.0"

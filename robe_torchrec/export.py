@@ -35,14 +35,17 @@ from torch.export import Dim, ExportedProgram
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-def allow_kjt_in_saved_programs() -> None:
+def allow_kjt_in_saved_programs() -> bool:
     """Let ``torch.export.load`` read a program exported on a ``KeyedJaggedTensor`` with
     ``weights_only`` loading: the program keeps its example inputs, and without this
     ``torch.load(weights_only=True)`` refuses the KJT class, after which torch falls back to
-    a full unpickle and prints a traceback from its own logging on every load. Called on
-    ``import robe_torchrec`` (which a serving process needs for the ops anyway); it allows
-    the KJT class, a container of tensors, and nothing else."""
-    torch.serialization.add_safe_globals([KeyedJaggedTensor])
+    a full unpickle and prints a traceback from its own logging on every load. Called by
+    :func:`robe_torchrec.install` only (so on ``import robe_torchrec``, which a serving
+    process needs for the ops anyway); it allows the KJT class, a container of tensors, and
+    nothing else. Idempotent; True once the class is allowed."""
+    if KeyedJaggedTensor not in torch.serialization.get_safe_globals():
+        torch.serialization.add_safe_globals([KeyedJaggedTensor])
+    return True
 
 
 def kjt_dynamic_shapes(kjt: KeyedJaggedTensor, batch: Any) -> List[Optional[dict]]:
@@ -192,9 +195,8 @@ def load_program(path: "str | os.PathLike") -> ExportedProgram:
     must be arithmetic on symbols (torch evaluates them), and it may call operators only.
     Raises :class:`UnsafeProgramError` naming the file and the entry otherwise.
 
-    Import ``robe_torchrec`` first in a serving process (its ops, and the KJT class that
-    weights-only loading must admit; see :func:`allow_kjt_in_saved_programs`)."""
-    allow_kjt_in_saved_programs()
+    Importing this module imported ``robe_torchrec``, which registered its ops and admitted
+    the KJT class to weights-only loading (:func:`allow_kjt_in_saved_programs`)."""
     with open(os.fspath(path), "rb") as f:
         data = f.read()  # checked and loaded from the same bytes
     try:

@@ -3,14 +3,17 @@ print for every data-parallel table on every rank, and a few once-per-run ones a
 own defaults, none of which a user can act on.
 
 :func:`install` adds filters for exactly these messages (nothing else TorchRec says is
-hidden); the app and the sharding helpers call it before they plan and shard. Set
-``ROBE_TORCHREC_ALL_WARNINGS=1`` (checked at each message, so it may be set at any time) to
-see them again.
+hidden); :func:`robe_torchrec.install` calls it, so ``import robe_torchrec`` filters them.
+Set ``ROBE_TORCHREC_ALL_WARNINGS=1`` to see them again: the log records check it at each
+message, so it may be set at any time; the ``FutureWarning`` filters are added only if it is
+unset when :func:`install` runs, so for those set it before importing robe_torchrec.
 
 Example::
 
+    >>> import robe_torchrec                         # robe_torchrec.install() ran quiet.install()
     >>> from robe_torchrec import quiet
-    >>> quiet.install()                              # idempotent
+    >>> quiet.installed()
+    True
     >>> dmp = DistributedModelParallel(model)        # no "Sharding spec not found" x 26
 """
 
@@ -60,11 +63,12 @@ class _KnownNoise(logging.Filter):
 _installed = False
 
 
-def install() -> None:
-    """Filter the known noise (see the module docstring); later calls do nothing."""
+def install() -> bool:
+    """Filter the known noise (see the module docstring); later calls do nothing. True once
+    the filters are in place. Called by :func:`robe_torchrec.install` only."""
     global _installed
     if _installed:
-        return
+        return True
     _installed = True
     for name in dict.fromkeys(name for name, _ in NOISE_RECORDS):
         logging.getLogger(None if name == "root" else name).addFilter(_KnownNoise(name))
@@ -72,9 +76,11 @@ def install() -> None:
         for message, module in NOISE_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning,
                                     module=module)
+    return True
 
 
 def installed() -> bool:
+    """Whether :func:`install` has run in this process."""
     return _installed
 
 

@@ -3,8 +3,8 @@
 ``apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, model.parameters(), {...})`` is
 how TorchRec users attach FBGEMM's EXACT_ROWWISE_ADAGRAD, and torchrec's constructor sizes
 its state as ``[rows, 1]`` from a 2-D table: on the 1-D ROBE array it raises ``IndexError``
-before any ROBE code runs. Importing :mod:`robe_torchrec` therefore calls
-:func:`install_rowwise_adagrad`, which wraps the class's ``__init__`` and ``step`` (the class
+before any ROBE code runs. :func:`robe_torchrec.install` (run by ``import robe_torchrec``)
+therefore calls :func:`install_rowwise_adagrad`, which wraps the class's ``__init__`` and ``step`` (the class
 object itself, so ``resolve_optimizer`` still maps it to the fused row-wise Adagrad):
 
 * a parameter that **is a ROBE array** (the current ``weight`` of a live
@@ -22,7 +22,7 @@ answer follows the module when it re-creates its weight (``to_empty``, ``.to(dty
 
 Example::
 
-    >>> import robe_torchrec        # installs the wrapper
+    >>> import robe_torchrec        # robe_torchrec.install() installs the wrapper
     >>> apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
     >>> ebc(kjt).values().sum().backward()          # fused row-wise Adagrad updated ebc.weight
     >>> ebc.fused_optimizer.param_state["sum"].shape  # one accumulator per block_size floats
@@ -146,13 +146,14 @@ def torchrec_init() -> Callable[..., None]:
     return getattr(init, "robe_wraps", init)
 
 
-def install_rowwise_adagrad() -> None:
-    """Make ``torchrec.optim.RowWiseAdagrad`` accept ROBE arrays (module docstring).
-    Idempotent; done on import of :mod:`robe_torchrec`.
+def install_rowwise_adagrad() -> bool:
+    """Make ``torchrec.optim.RowWiseAdagrad`` accept ROBE arrays (module docstring); True
+    once the wrapper is in place. Idempotent; called by :func:`robe_torchrec.install` only.
 
     Example::
 
         >>> install_rowwise_adagrad()
+        True
         >>> hasattr(torchrec.optim.RowWiseAdagrad.__init__, "robe_wraps")
         True
     """
@@ -161,3 +162,4 @@ def install_rowwise_adagrad() -> None:
         cls.__init__ = _wrap_init(cls.__init__)  # type: ignore[method-assign]
     if not hasattr(cls.step, "robe_wraps"):
         cls.step = _wrap_step(cls.step)  # type: ignore[method-assign]
+    return True

@@ -90,10 +90,17 @@ wait_for_events = _pipeline_utils._wait_for_events
 """Make ``stream`` wait for the events the pipeline recorded for a batch:
 ``(batch, context, stream)``."""
 
+#: torchrec.distributed.shard's public ``shard`` / ``shard_modules`` do their work in these
+#: module-private functions, looked up in that module at each call (whatever order things
+#: were imported in): robe_torchrec.distributed.unsharded wraps them there. Both releases have
+#: them (tests/distributed/test_shard_entry_points.py).
+SHARD_IMPLEMENTATIONS: Tuple[str, str] = ("_shard", "_shard_modules")
+
 
 __all__ = [
     "NEWEST_TESTED",
     "OLDEST_SUPPORTED",
+    "SHARD_IMPLEMENTATIONS",
     "TORCHREC_VERSION",
     "parse_version",
     "sharded_modules_wrap_data_parallel",

@@ -1,7 +1,10 @@
 """Sharding ``RobeEmbeddingBagCollection`` with TorchRec (``DistributedModelParallel``).
 
-Importing this package adds :class:`RobeEmbeddingBagCollectionSharder` to the sharders
-``DistributedModelParallel`` uses when given none (see :mod:`robe_torchrec.distributed.defaults`).
+:func:`robe_torchrec.install` (run by ``import robe_torchrec``) adds
+:class:`RobeEmbeddingBagCollectionSharder` to the sharders ``DistributedModelParallel`` uses
+when given none (:mod:`robe_torchrec.distributed.defaults`), and makes DMP and TorchRec's
+``shard`` / ``shard_modules`` refuse to leave a ROBE module unsharded
+(:mod:`robe_torchrec.distributed.unsharded`). Importing this package changes nothing more.
 
 Example::
 
@@ -25,10 +28,11 @@ from robe_torchrec.distributed.sharder import (
     planner_sharding_types,
 )
 
-from robe_torchrec.distributed.unsharded import UnshardedRobeModuleError, install_dmp_check
-
-install_default_sharder()
-install_dmp_check()
+from robe_torchrec.distributed.unsharded import (
+    UnshardedRobeModuleError,
+    install_dmp_check,
+    install_shard_check,
+)
 
 __all__ = [
     "RobeEmbeddingBagCollectionSharder",
@@ -40,6 +44,7 @@ __all__ = [
     "get_default_sharders",
     "install_default_sharder",
     "install_dmp_check",
+    "install_shard_check",
     "planner_sharding_types",
     "robe_sharding_constraints",
 ]

@@ -3,7 +3,7 @@
 
 ``DistributedModelParallel(model)`` without ``sharders=`` shards with TorchRec's
 ``get_default_sharders()``, which knows nothing of ROBE: the ROBE module would stay unsharded
-inside DDP. Importing :mod:`robe_torchrec.distributed` therefore calls
+inside DDP. :func:`robe_torchrec.install` (run on import) therefore calls
 :func:`install_default_sharder`, which makes DMP's default list (and that of
 ``torchrec.distributed.shard``) start with our sharder. It wraps the name those two modules
 call, not TorchRec's function itself (``torchrec.distributed.sharding_plan
@@ -12,7 +12,7 @@ has none for, so models without ROBE modules are planned and sharded as before.
 
 Example::
 
-    >>> import robe_torchrec.distributed   # installs the default
+    >>> import robe_torchrec.distributed   # robe_torchrec.install() installed the default
     >>> dmp = DistributedModelParallel(model)                     # shards the ROBE module
     >>> dmp = DistributedModelParallel(model, sharders=get_default_sharders())  # the same
 """
@@ -57,13 +57,15 @@ def _with_robe(torchrec_default: Callable[[], List[ModuleSharder[nn.Module]]]):
     return default_sharders
 
 
-def install_default_sharder() -> None:
+def install_default_sharder() -> bool:
     """Make ``DistributedModelParallel``'s (and ``torchrec.distributed.shard``'s) default
-    sharders include ours. Idempotent; done on import of :mod:`robe_torchrec.distributed`.
+    sharders include ours; True once they do. Idempotent; called by
+    :func:`robe_torchrec.install` only.
 
     Example::
 
         >>> install_default_sharder()
+        True
         >>> type(torchrec.distributed.model_parallel.get_default_sharders()[0]).__name__
         'RobeEmbeddingBagCollectionSharder'
     """
@@ -73,3 +75,4 @@ def install_default_sharder() -> None:
         if current is None or hasattr(current, "robe_wraps"):
             continue
         module.get_default_sharders = _with_robe(current)  # type: ignore[attr-defined]
+    return True

@@ -34,7 +34,6 @@ from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
 from robe_torchrec.distributed.lookup import RobeShardedLookup, Segment
-from robe_torchrec import quiet
 from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
@@ -682,8 +681,6 @@ class RobeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         self.row_wise = row_wise
         self._types_of_last_module: Optional[List[str]] = None
-        # whoever shards with us gets TorchRec's known per-table noise filtered (robe_torchrec.quiet)
-        quiet.install()
 
     def shard(self, module: RobeEmbeddingBagCollection, params: Dict[str, ParameterSharding],
               env: ShardingEnv, device: Optional[torch.device] = None,

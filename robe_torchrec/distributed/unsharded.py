@@ -1,4 +1,4 @@
-"""``DistributedModelParallel`` never leaves a ROBE module unsharded.
+"""No TorchRec sharding entry point leaves a ROBE module unsharded.
 
 A ROBE module that DMP does not shard stays a plain module inside DMP's DDP wrapper, where it
 cannot train: its fused optimizer (``apply_optimizer_in_backward``) updates each rank's copy
@@ -8,25 +8,37 @@ re-created and the optimizer recorded on it is lost. That happens whenever the s
 ours: TorchRec's ``get_default_sharders`` imported before :mod:`robe_torchrec` (the
 ``dlrm_main`` pattern), or a list built by hand, given to the planner or to DMP.
 
-Importing :mod:`robe_torchrec.distributed` (which ``import robe_torchrec`` does) therefore
-wraps ``DistributedModelParallel.__init__`` (the class's, so it holds whatever order things
-were imported in): before sharding, a ROBE module with no sharder in ``sharders=``, or no
-entry in ``plan=``, raises :class:`UnshardedRobeModuleError`, which names the module, the
-missing sharder and the one-line fix; after sharding, any ROBE module still unsharded raises
-it too. Models without ROBE modules are not looked at twice.
+:func:`robe_torchrec.install` (run by ``import robe_torchrec``) therefore calls
+:func:`install_dmp_check`, which wraps ``DistributedModelParallel.__init__`` (the class's, so
+it holds whatever order things were imported in): before sharding, a ROBE module with no
+sharder in ``sharders=``, or no entry in ``plan=``, raises :class:`UnshardedRobeModuleError`,
+which names the module, the missing sharder and the one-line fix; after sharding, any ROBE
+module still unsharded raises it too. Models without ROBE modules are not looked at twice.
+
+TorchRec's composable entry points, ``torchrec.distributed.shard.shard_modules`` and
+``shard``, cannot shard a ROBE module at all: after sharding they check that the model kept
+every parameter, buffer and submodule name, and a sharded ROBE module keeps its array in
+per-rank lookups, not in one ``weight`` (TorchRec's own sharded modules re-register dummy
+tables to pass). Given sharders without ours, ``shard_modules`` would instead leave the
+module unsharded, silently. :func:`install_shard_check` therefore makes both raise
+:class:`UnshardedRobeModuleError` up front for a model with a ROBE module, naming the missing
+sharder where it is missing, and the fix: ``DistributedModelParallel``.
 
 Example::
 
     >>> plan = planner.collective_plan(model, torchrec_default_sharders(), pg)
     >>> DistributedModelParallel(model, plan=plan)
     UnshardedRobeModuleError: ... plan with robe_torchrec.distributed.get_default_sharders() ...
+    >>> shard_modules(model)
+    UnshardedRobeModuleError: torchrec.distributed.shard.shard_modules cannot shard ...
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -34,6 +46,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.embedding_collection import RobeEmbeddingCollection
+from robe_torchrec.torchrec_compat import SHARD_IMPLEMENTATIONS
 
 FIX = ("use robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults plus ours) "
        "for the planner and DMP: planner.collective_plan(model, get_default_sharders(), pg), "
@@ -57,9 +70,9 @@ def sharder_name(module: nn.Module) -> str:
     return "RobeEmbeddingBagCollectionSharder"
 
 
-def _consequence(module: RobeArrayModule) -> str:
+def _consequence(module: RobeArrayModule, who: str = "DMP", where: str = " inside DDP") -> str:
     fused = bool(getattr(module.weight, "_optimizer_classes", None))
-    return ("DMP would leave it unsharded inside DDP, where it does not train"
+    return (f"{who} would leave it unsharded{where}, where it does not train"
             + (" (its fused optimizer would never step as a sharded one)" if fused else ""))
 
 
@@ -132,16 +145,107 @@ def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def install_dmp_check() -> None:
+def install_dmp_check() -> bool:
     """Make ``DistributedModelParallel`` refuse to leave a ROBE module unsharded (module
-    docstring). Idempotent; done on import of :mod:`robe_torchrec.distributed`.
+    docstring); True once it does. Idempotent; called by :func:`robe_torchrec.install` only.
 
     Example::
 
         >>> install_dmp_check()
+        True
         >>> hasattr(DistributedModelParallel.__init__, "robe_wraps")
         True
     """
     cls = DistributedModelParallel
     if not hasattr(cls.__init__, "robe_wraps"):
         cls.__init__ = _wrap_init(cls.__init__)  # type: ignore[method-assign]
+    return True
+
+
+# --- torchrec.distributed.shard: shard_modules and shard ---------------------------------
+
+#: the module whose public shard / shard_modules call the wrapped functions
+SHARD_MODULE = "torchrec.distributed.shard"
+
+#: wrapped function -> (the public function a user calls, its argument naming the sharders)
+_ENTRY_POINTS: Dict[str, Tuple[str, str]] = {
+    "_shard": (f"{SHARD_MODULE}.shard", "sharder"),
+    "_shard_modules": (f"{SHARD_MODULE}.shard_modules", "sharders"),
+}
+
+_NAMES_KEPT = ("after sharding it checks that the model kept every parameter, buffer and "
+               "submodule name, and a sharded ROBE module keeps its array in per-rank lookups "
+               "instead of one weight")
+
+
+def check_composable_sharding(api: str, model: nn.Module, argument: str,
+                              sharders: Optional[List[Any]]) -> None:
+    """Raise :class:`UnshardedRobeModuleError` if ``model`` has an unsharded ROBE module:
+    ``api`` (TorchRec's ``shard`` or ``shard_modules``) cannot shard it (module docstring).
+    ``sharders``: what the caller gave as ``argument`` (None: the defaults, which have ours).
+    """
+    found = robe_modules(model)
+    if not found:
+        return
+    path, module = found[0]
+    sharder = sharder_name(module)
+    described = _describe(path, module)
+    if sharders is not None and type(module) not in {getattr(s, "module_type", None)
+                                                      for s in sharders}:
+        if argument == "sharders":  # shard_modules skips a module it has no sharder for
+            missing = (f"sharders= has no {sharder} for {described}, so "
+                       + _consequence(module, api.rsplit(".", 1)[1], ""))
+        else:
+            missing = f"sharder= is {type(sharders[0]).__name__}, not {sharder}, for {described}"
+        why = f"{api}: {missing}; and even with {sharder} it cannot shard it: {_NAMES_KEPT}"
+    else:
+        why = f"{api} cannot shard {described}: {_NAMES_KEPT}"
+    raise UnshardedRobeModuleError(
+        f"{why}. Fix: DistributedModelParallel(model, sharders=robe_torchrec.distributed"
+        f".get_default_sharders()) in place of {api}; that list has {sharder}")
+
+
+def _wrap_composable(original: Callable[..., Any], api: str,
+                     argument: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # let TorchRec report its own argument errors
+            bound = {}
+        model = bound.get("module")
+        if isinstance(model, nn.Module):
+            given = bound.get(argument)
+            sharders = [given] if argument == "sharder" and given is not None else given
+            check_composable_sharding(api, model, argument, sharders)
+        return original(*args, **kwargs)
+
+    wrapper.robe_wraps = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install_shard_check() -> bool:
+    """Make ``torchrec.distributed.shard.shard_modules`` and ``shard`` refuse a model with a
+    ROBE module (module docstring); True once both do (False on a release without the
+    functions they call, :data:`~robe_torchrec.torchrec_compat.SHARD_IMPLEMENTATIONS`).
+    Wraps those functions in their module, where the public ones look them up at each call,
+    so it holds whatever order things were imported in. Idempotent; called by
+    :func:`robe_torchrec.install` only.
+
+    Example::
+
+        >>> install_shard_check()
+        True
+    """
+    module = importlib.import_module(SHARD_MODULE)
+    wrapped = 0
+    for name in SHARD_IMPLEMENTATIONS:
+        current = getattr(module, name, None)
+        if current is None:
+            continue
+        if not hasattr(current, "robe_wraps"):
+            setattr(module, name, _wrap_composable(current, *_ENTRY_POINTS[name]))
+        wrapped += 1
+    return wrapped == len(SHARD_IMPLEMENTATIONS)
