@@ -34,7 +34,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from robe_torchrec.pipelines import SemiSyncPipeline, run_to_end
-from robe_torchrec import quiet
 from robe_torchrec.export import export_model
 from robe_torchrec.threads import choose_threads
 from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException, Checkpointer,
@@ -173,9 +172,9 @@ class Trainer:
         """Data, model, sharding, optimizers and pipeline."""
         cfg, run = self.cfg, self.run
         # TorchRec logs several warnings per table while sharding; keep the run's log readable
-        # (ROBE_TORCHREC_ALL_WARNINGS=1 shows the per-table ones, robe_torchrec.quiet)
+        # (the known noise is already filtered by robe_torchrec.install(); this also drops
+        # the rest of TorchRec's warnings, which user scripts keep)
         logging.getLogger("torchrec").setLevel(logging.ERROR)
-        quiet.install()
         # one run per directory; taking the lock also shows the directory is writable
         on_rank0(self.lock.acquire)
         if self.world > 1:
