@@ -230,9 +230,9 @@ class Trainer:
             raise CheckpointError(
                 f"{self.ckpt.dir} holds only unusable checkpoints of an earlier run ("
                 + "; ".join(f"{p.name}: {_why(p)}" for p in history) + "): this run would "
-                f"start over from step 0. To start over on purpose, set run.resume=false "
-                f"run.existing_checkpoints=move (the checkpoints and metrics.csv are renamed "
-                f"aside), or use another run dir")
+                "start over from step 0. To start over on purpose, set run.resume=false "
+                "run.existing_checkpoints=move (the checkpoints and metrics.csv are renamed "
+                "aside), or use another run dir")
         else:
             self.ckpt.run_id = on_rank0(lambda: uuid.uuid4().hex[:12])
             self.say("new run %s", self.ckpt.run_id)
