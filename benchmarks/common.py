@@ -38,8 +38,8 @@ def interleaved(fns: Mapping[K, Callable[[int], object]], iters: int, warmup: in
     """Seconds per call of each of ``fns`` (called with the iteration number), all of them
     in every iteration, the order reversed on odd iterations, so that load from other
     processes hits every row alike. Per key: ``wall`` and ``cpu`` (the calling thread's CPU
-    time: not inflated by time spent descheduled), plus every value of a dict a call returns
-    (its own split, in seconds). ``before(key)`` runs untimed before each call."""
+    time: not inflated by time spent descheduled), plus the parts of a :class:`Timings` a
+    call returns (its own split, in seconds). ``before(key)`` runs untimed before each call."""
     samples: Dict[K, Samples] = {key: {} for key in fns}
     keys = list(fns)
     for it in range(warmup + iters):
@@ -50,11 +50,16 @@ def interleaved(fns: Mapping[K, Callable[[int], object]], iters: int, warmup: in
             out = fns[key](it)
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
             if it >= warmup:
-                parts = {"wall": wall, "cpu": cpu, **(out if isinstance(out, dict) else {})}
+                parts = {"wall": wall, "cpu": cpu, **(out if isinstance(out, Timings) else {})}
                 for name, seconds in parts.items():
                     samples[key].setdefault(name, []).append(seconds)
             del out
     return samples
+
+
+class Timings(Dict[str, float]):
+    """Seconds per part of one call, which the call returns for :func:`interleaved` to keep
+    (any other return value is the call's own business)."""
 
 
 class Split:
@@ -71,8 +76,9 @@ class Split:
         now = time.perf_counter()
         self.parts[name], self.last = now - self.last, now
 
-    def done(self) -> Dict[str, float]:
-        return {**self.parts, "total": self.last - self.t0, "cpu total": time.thread_time() - self.c0}
+    def done(self, **more: float) -> Timings:
+        return Timings(self.parts, total=self.last - self.t0,
+                       **{"cpu total": time.thread_time() - self.c0}, **more)
 
 
 def medians_ms(samples: Mapping[K, Samples]) -> Dict[K, Dict[str, float]]:

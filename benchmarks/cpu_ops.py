@@ -408,7 +408,7 @@ def train_step(runner: Runner, spec: RowSpec, batch: Batch) -> Dict[str, float]:
         split.lap("backward")
         runner.step()
         split.lap("optimizer")
-        return {**split.done(), **runner.extra()}
+        return split.done(**runner.extra())
 
 
 def check_against_reference(runner: Runner, batch: Batch, sizes: Sizes) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""DLRM dot interaction: TorchRec's ``InteractionArch`` against ``FastInteractionArch``,
-forward + backward, side by side in one process (the two alternate within every round).
+"""How much faster is ``FastInteractionArch`` than TorchRec's DLRM ``InteractionArch``?
+Forward + backward of both (random upstream gradient), alternating in every round.
 
 Usage::
 
@@ -9,77 +9,56 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
-from typing import Dict, List
+from typing import Dict, Optional, Sequence
 
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from robe_torchrec.pipelines.report import machine, machine_line, write_report
+from benchmarks.common import command_line, header, interleaved, medians_ms, publish, table
 from robe_torchrec.interaction import FastInteractionArch
 
 
-def _step_ms(arch: torch.nn.Module, dense: torch.Tensor, sparse: torch.Tensor,
-             upstream: torch.Tensor) -> float:
-    start = time.perf_counter()
-    out = arch(dense, sparse)
-    torch.autograd.grad(out, (dense, sparse), upstream)
-    return (time.perf_counter() - start) * 1e3
-
-
-def measure(batch: int, features: int, dim: int, rounds: int, iters: int) -> Dict[str, float]:
-    """Median forward + backward ms of both archs; they alternate every iteration."""
-    archs = {"torchrec": InteractionArch(features), "fast": FastInteractionArch(features)}
+def measure(batch: int, features: int, dim: int, iters: int) -> Dict[str, float]:
+    """Median forward + backward ms of both archs, alternating, after one warm-up call."""
     dense = torch.randn(batch, dim, requires_grad=True)
     sparse = torch.randn(batch, features, dim, requires_grad=True)
     upstream = torch.randn(batch, dim + features * (features + 1) // 2)
-    times: Dict[str, List[float]] = {name: [] for name in archs}
-    for name, arch in archs.items():  # warm-up
-        _step_ms(arch, dense, sparse, upstream)
-    for _ in range(rounds * iters):
-        for name, arch in archs.items():
-            times[name].append(_step_ms(arch, dense, sparse, upstream))
-    result = {f"{name}_ms": statistics.median(t) for name, t in times.items()}
-    result["speedup"] = result["torchrec_ms"] / result["fast_ms"]
-    return result
+
+    def step(arch: torch.nn.Module):
+        return lambda it: torch.autograd.grad(arch(dense, sparse), (dense, sparse), upstream)
+
+    ms = medians_ms(interleaved({"torchrec": step(InteractionArch(features)),
+                                 "fast": step(FastInteractionArch(features))}, iters, warmup=1))
+    return {"torchrec_ms": ms["torchrec"]["wall"], "fast_ms": ms["fast"]["wall"],
+            "speedup": ms["torchrec"]["wall"] / ms["fast"]["wall"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["2048x26x16", "2048x26x128", "512x26x16"],
-                        help="batch x sparse features x dim")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interaction", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["2048x26x16", "2048x26x128", "512x26x16"],
+                   help="batch x sparse features x dim")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="per round")
+    p.add_argument("--out", default=None, help="a folder (interaction.md) or a .md file")
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-
     rows = []
     for shape in args.shapes:
         batch, features, dim = (int(v) for v in shape.split("x"))
         rows.append({"batch": batch, "features": features, "dim": dim,
-                     **measure(batch, features, dim, args.rounds, args.iters)})
-    load = os.getloadavg()[0]
-    lines = ["# DLRM dot interaction: TorchRec's InteractionArch vs FastInteractionArch", "",
-             f"Command: `python -m benchmarks.interaction "
-             f"{' '.join(sys.argv[1:])}`", "",
-             f"Machine: {machine_line()}; {args.threads} thread(s); load average (1 min) "
-             f"at the end {load:.2f}. Forward + backward (random upstream gradient), median of "
-             f"{args.rounds * args.iters} alternating iterations, ms.", "",
-             "| batch | sparse features | dim | TorchRec | Fast | speedup |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['features']} | {r['dim']} | {r['torchrec_ms']:.2f} | "
-              f"{r['fast_ms']:.2f} | {r['speedup']:.2f}x |" for r in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        write_report(args.out, "interaction", {"machine": machine(), "args": vars(args),
-                                               "rows": rows, "load_average": load}, text)
+                     **measure(batch, features, dim, args.rounds * args.iters)})
+    lines = header("DLRM dot interaction: TorchRec's InteractionArch vs FastInteractionArch",
+                   command_line("interaction", argv),
+                   f"{args.threads} thread(s); forward + backward, median of "
+                   f"{args.rounds * args.iters} alternating iterations, ms")
+    lines += table(["batch", "sparse features", "dim", "TorchRec", "Fast", "speedup"],
+                   [[r["batch"], r["features"], r["dim"], f"{r['torchrec_ms']:.2f}",
+                     f"{r['fast_ms']:.2f}", f"{r['speedup']:.2f}x"] for r in rows])
+    result = {"command": command_line("interaction", argv), "args": vars(args), "rows": rows}
+    publish(args.out, "interaction", lines, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,27 +1,28 @@
-"""Training throughput of the Hydra app: DLRM with full embeddings (TorchRec's
-EmbeddingBagCollection, FBGEMM TBE once sharded) against ROBE-Z at 1000x, same data,
-pipeline, optimizer and machine; the runs alternate (full, robe, full, robe, ...) so load
-changes on a shared machine hit both alike.
+"""How many samples/s does the training app reach: ROBE-Z against full tables, and (``--busy``)
+each thread count on a machine where another process holds a core?
 
-Each run is ``python -m robe_torchrec.train`` (or ``torchrun --nproc-per-node N``) in its own
-run directory; its samples/s is the median over its log windows after the first (warm-up),
-read from the run's ``metrics.csv``: on a machine shared with other jobs a window that
-another process interrupts is an outlier, not a shift of the mean. Each process uses
-``--threads`` threads (default 1: with 2 threads on 2 shared cores, one descheduled thread
-stalls every parallel loop, and the spread between identical runs reached 10x).
-Synthetic batches are pre-generated per rank (``data.cycle``) so that generating them (slower
-than a step at this size) is not measured.
-The project's target: ROBE-Z >= 1.5x the full model's samples/s.
+Every run is ``python -m robe_torchrec.train`` (``torchrun`` with ``--nproc`` > 1) in a run
+directory of its own; its samples/s is the median of its log windows after the first (the
+warm-up), from its ``metrics.csv``: on a shared machine a window another process interrupts
+is an outlier, not a shift of the mean. Synthetic batches are generated beforehand
+(``data.cycle``). The settings alternate over ``--rounds`` rounds, each round starting with
+the next one, so that load changes hit every setting alike.
 
-``--cache-sized-scale S`` adds a third run to each round: full tables at cardinality scale
-``S`` (small enough to stay in cache), same model, batch and pipeline. Its samples/s over the
-full model's is what the step gains when the tables' memory traffic goes away; their lookups
-still cost something, so embeddings that cost nothing would gain a little more.
+* default: DLRM with full tables (TorchRec's EBC, FBGEMM's TBE once sharded) against ROBE-Z at
+  ``--compression``, same data, pipeline and optimizer, ``--threads`` per process (default 1:
+  on 2 shared cores one descheduled thread stalls every parallel loop). The target: ROBE-Z at
+  least 1.5x the full model's samples/s. ``--cache-sized-scale S`` adds full tables at
+  cardinality scale ``S``, small enough to stay in cache: what the step gains when the tables'
+  memory traffic goes away.
+* ``--busy``: a Python busy loop pinned to the last usable CPU for the whole measurement;
+  ROBE-Z with the app's thread default (:func:`robe_torchrec.threads.choose_threads`), with
+  ``run.threads=1`` and with torch's own default. The app's log says what it chose.
 
 Usage::
 
-    python -m benchmarks.train_throughput \\
-        --out benchmarks/results/train_throughput.md
+    python -m benchmarks.train_throughput --rounds 5 --out benchmarks/results/train_throughput.md
+    python -m benchmarks.train_throughput --busy --steps 25 --batch-size 1024 --cycle 4 \\
+        --rounds 1 --out benchmarks/results/busy_machine.md
 """
 
 from __future__ import annotations
@@ -33,64 +34,76 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
-from robe_torchrec.pipelines.report import machine, machine_line, write_report
+import torch
+
+from benchmarks.common import command_line, header, loadavg, publish, table
 
 TARGET = 1.5
+BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
 
 
-# run name -> (embedding config, whether its tables are the cache-sized ones)
-RUNS = {"full": ("full", False), "robe": ("robe", False), "cache_sized": ("full", True)}
+def settings(args: argparse.Namespace) -> Dict[str, List[str]]:
+    """Each setting's own overrides."""
+    if args.busy:
+        torch_default = torch.get_num_threads()  # nothing set yet in this process
+        return {"default (chosen)": ["embedding=robe", "run.threads=null"],
+                "run.threads=1": ["embedding=robe", "run.threads=1"],
+                f"torch's default ({torch_default})": ["embedding=robe", f"run.threads={torch_default}"]}
+    scale = args.cardinality_scale
+    runs = {"full": ["embedding=full", f"data.cardinality_scale={scale}"],
+            "robe": ["embedding=robe", f"embedding.compression={args.compression}",
+                     f"data.cardinality_scale={scale}"]}
+    if args.cache_sized_scale is not None:
+        runs["cache_sized"] = ["embedding=full", f"data.cardinality_scale={args.cache_sized_scale}"]
+    return {name: [f"run.threads={args.threads}", f"embedding.dim={args.dim}",
+                   f"pipeline={args.pipeline}", *o] for name, o in runs.items()}
 
 
-def _command(args, run: str, run_dir: Path) -> List[str]:
-    embedding, cache_sized = RUNS[run]
-    scale = args.cache_sized_scale if cache_sized else args.cardinality_scale
-    overrides = [
-        f"embedding={embedding}", f"embedding.dim={args.dim}",
-        f"run.steps={args.steps}", f"run.batch_size={args.batch_size}",
-        f"run.log_every={args.log_every}", "run.eval_batches=0", "run.test_batches=0",
-        "run.progress_bar=false", f"data.cardinality_scale={scale}",
-        f"data.cycle={args.cycle}", f"pipeline={args.pipeline}", f"hydra.run.dir={run_dir}",
-        f"run.threads={args.threads}",
-        *args.overrides,
-    ]
-    if embedding == "robe":
-        overrides.append(f"embedding.compression={args.compression}")
-    if args.nproc > 1:
-        return [str(Path(sys.executable).parent / "torchrun"), "--standalone",
-                "--nproc-per-node", str(args.nproc), "-m", "robe_torchrec.train", *overrides]
-    return [sys.executable, "-m", "robe_torchrec.train", *overrides]
-
-
-def samples_per_s(run_dir: Path) -> float:
-    """Median samples/s of an app run's train windows after the first one."""
-    rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r["phase"] == "train"]
-    return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
-
-
-def run_app(cmd: List[str], run_dir: Path) -> float:
-    """Run one app command writing into ``run_dir``; its :func:`samples_per_s` (exits with the
-    command's output if it fails)."""
+def run_app(args: argparse.Namespace, overrides: List[str], run_dir: Path) -> float:
+    """One app run's samples/s (exits with its output if it fails)."""
+    app = [f"run.steps={args.steps}", f"run.batch_size={args.batch_size}",
+           f"run.log_every={args.log_every}", "run.eval_batches=0", "run.test_batches=0",
+           "run.progress_bar=false", f"data.cycle={args.cycle}", f"hydra.run.dir={run_dir}",
+           *overrides, *args.overrides]
+    cmd = ([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node",
+            str(args.nproc)] if args.nproc > 1 else [sys.executable]) + ["-m", "robe_torchrec.train", *app]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return samples_per_s(run_dir)
+    with open(run_dir / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["phase"] == "train"]
+    return statistics.median(float(r["samples_per_s"]) for r in rows[1:])
 
 
 def log_line(run_dir: Path, marker: str) -> str:
     """The message of the first line of an app run's log that contains ``marker``."""
-    for line in open(run_dir / "train.log"):
-        if marker in line:
-            return line.split(" - ", 1)[1].strip()
-    return ""
+    with open(run_dir / "train.log") as f:
+        return next((line.split(" - ", 1)[1].strip() for line in f if marker in line), "")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def measure(args: argparse.Namespace, runs: Dict[str, List[str]]):
+    """Samples/s per setting and round, each setting's log line, the load averages."""
+    rates: Dict[str, List[float]] = {name: [] for name in runs}
+    logged: Dict[str, str] = {}
+    load = [loadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+            for name in names:
+                run_dir = Path(tmp) / f"{r}_{list(runs).index(name)}"
+                rates[name].append(run_app(args, runs[name], run_dir))
+                logged[name] = log_line(run_dir, "threads: " if args.busy else "embeddings (")
+                load.append(loadavg())
+                print(f"round {r} {name}: {rates[name][-1]:9,.0f} samples/s; {logged[name]}", flush=True)
+    return rates, logged, load
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train_throughput", description=__doc__.split("\n")[0])
+    p.add_argument("--busy", action="store_true", help="thread counts beside a busy loop")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--log-every", type=int, default=5)
@@ -104,73 +117,49 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--cache-sized-scale", type=float, default=None,
                    help="add a run with full tables at this cardinality scale (cache-sized)")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("overrides", nargs="*", help="more Hydra overrides for both runs")
-    args = p.parse_args()
-
-    runs = ["full", "robe"] + (["cache_sized"] if args.cache_sized_scale is not None else [])
-    rates: Dict[str, List[float]] = {run: [] for run in runs}
-    lines: Dict[str, str] = {}
-    load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for emb in runs:
-                run_dir = Path(tmp) / f"{emb}_{r}"
-                t = time.perf_counter()
-                rates[emb].append(run_app(_command(args, emb, run_dir), run_dir))
-                lines[emb] = log_line(run_dir, "embeddings (")
-                print(f"round {r} {emb:4s}: {rates[emb][-1]:9,.0f} samples/s "
-                      f"(run {time.perf_counter() - t:.0f} s)", flush=True)
-                load.append(os.getloadavg()[0])
+    p.add_argument("--out", default=None, help="the report (.md), or a folder")
+    p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
+    args = p.parse_args(argv)
+    runs = settings(args)
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(max(os.sched_getaffinity(0)))]) \
+        if args.busy else None
+    try:
+        rates, logged, load = measure(args, runs)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = med["robe"] / med["full"]
-    verdict = "met" if ratio >= TARGET else "missed"
-    cache_sized = med["cache_sized"] / med["full"] if "cache_sized" in med else None
-    print(f"median: full {med['full']:,.0f}, robe {med['robe']:,.0f} samples/s; "
-          f"ratio {ratio:.2f}x (target >= {TARGET}x: {verdict})"
-          + (f"; cache-sized full tables {cache_sized:.2f}x" if cache_sized is not None else ""))
-    if args.out is None:
-        return
-    shown = " ".join(sys.argv[1:])
-    report = [
-        f"# Training throughput: ROBE-Z {args.compression:g}x vs full embeddings (Hydra app)",
-        "",
-        f"Command: `python -m benchmarks.train_throughput {shown}`",
-        "",
-        f"Machine: {machine_line()}; load average (1 min) "
-        f"during the runs {min(load):.1f}-{max(load):.1f} (the machine is shared).",
-        "",
-        f"Setup: DLRM (TorchRec), 26 Criteo-like tables at cardinality scale "
-        f"{args.cardinality_scale}, dim {args.dim}, {args.nproc} process(es) x {args.threads} "
-        f"thread(s), batch "
-        f"{args.batch_size} per rank, pipeline `{args.pipeline}`, fused Adagrad on the "
-        f"embeddings, Adagrad on the dense layers; {args.steps} steps per run; a run's samples/s "
-        f"is the median of its {args.log_every}-step windows after the first; runs "
-        f"alternate, {args.rounds} rounds; the ratio is of the medians over rounds.",
-        "",
-        f"- full: {lines.get('full', '')}",
-        f"- robe: {lines.get('robe', '')}",
-        *([f"- cache_sized: full tables at cardinality scale {args.cache_sized_scale}: "
-           f"{lines.get('cache_sized', '')}"] if cache_sized is not None else []),
-        "",
-        "| run | " + " | ".join(f"round {r}" for r in range(args.rounds)) + " | median |",
-        "|---|" + "---:|" * (args.rounds + 1),
-    ]
-    for emb in runs:
-        report.append(f"| {emb} | " + " | ".join(f"{x:,.0f}" for x in rates[emb])
-                      + f" | {med[emb]:,.0f} |")
-    report += ["", f"**ROBE-Z / full = {ratio:.2f}x** (target >= {TARGET}x: **{verdict}**)", ""]
-    if cache_sized is not None:
-        report += [f"Full tables small enough to stay in cache (scale {args.cache_sized_scale}) "
-                   f"/ full = **{cache_sized:.2f}x**: what this step gains when the tables' "
-                   "memory traffic goes away. Their lookups still cost something, so embeddings "
-                   "that cost nothing would gain a little more.", ""]
-    result = {"machine": machine(), "command": shown, "args": {**vars(args), "out": str(args.out)},
-              "samples_per_s": rates, "median_samples_per_s": med, "ratio": ratio,
-              "cache_sized_ratio": cache_sized,
-              "load_average": load}
-    write_report(args.out.parent, args.out.stem, result, "\n".join(report))
-    print(f"wrote {args.out} and {args.out.with_suffix('.json').name}")
+    first = list(runs)[1] if args.busy else "full"  # what every row is set against
+    result = {"command": command_line("train_throughput", argv), "settings": runs,
+              "samples_per_s": rates, "median_samples_per_s": med, "logged": logged,
+              "load_average": load, "busy_cpu": max(os.sched_getaffinity(0)) if args.busy else None,
+              "ratio": None if args.busy else med["robe"] / med["full"],
+              "cache_sized_ratio": med["cache_sized"] / med["full"] if "cache_sized" in med else None}
+    what = (f"ROBE-Z DLRM, 1 process, a busy loop pinned to CPU {result['busy_cpu']}" if args.busy else
+            f"DLRM, 26 Criteo-like tables at scale {args.cardinality_scale}, dim {args.dim}, "
+            f"{args.nproc} process(es) x {args.threads} thread(s), pipeline `{args.pipeline}`, "
+            f"fused Adagrad on the embeddings")
+    lines = header("Thread default on a busy machine (training app)" if args.busy else
+                   f"Training throughput: ROBE-Z {args.compression:g}x vs full embeddings (Hydra app)",
+                   command_line("train_throughput", argv),
+                   f"setup: {what}; batch {args.batch_size} per rank, {args.steps} steps a run; "
+                   f"samples/s is the median of the {args.log_every}-step windows after the first; "
+                   f"{args.rounds} round(s), settings alternating; 1-minute load "
+                   f"{min(load):.1f}-{max(load):.1f} during the runs")
+    lines += table(["run", "what the app logged", *(f"round {r}" for r in range(args.rounds)),
+                    "median", f"/ {first}"],
+                   [[n, logged[n], *(f"{x:,.0f}" for x in rates[n]), f"{med[n]:,.0f}",
+                     f"{med[n] / med[first]:.2f}"] for n in runs]) + [""]
+    if not args.busy:
+        lines.append(f"**ROBE-Z / full = {result['ratio']:.2f}x** (target >= {TARGET}x: "
+                     f"**{'met' if result['ratio'] >= TARGET else 'missed'}**)")
+    if result["cache_sized_ratio"] is not None:
+        lines += ["", f"Full tables small enough to stay in cache / full = "
+                  f"**{result['cache_sized_ratio']:.2f}x**: what the step gains when the tables' "
+                  "memory traffic goes away (their lookups still cost something)."]
+    publish(args.out, "busy_machine" if args.busy else "train_throughput", lines, result)
+    return result
 
 
 if __name__ == "__main__":

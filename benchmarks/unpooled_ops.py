@@ -1,57 +1,35 @@
-"""CPU benchmark of the unpooled ROBE-Z lookup (``RobeEmbeddingCollection``) against its floors.
+"""How fast is the unpooled ROBE-Z lookup (``RobeEmbeddingCollection``) on CPU, against its
+floors and its peers?
 
-Setup: ``--batch`` samples with a history of ``--history`` item ids each (``n = batch *
-history`` ids), one table of ``--rows`` rows x ``--dim``, compressed into a ROBE array of
-``--memory`` floats, block size ``--block-size``, ids uniform. Rows (milliseconds, median over
-``--iters`` interleaved rounds after ``--warmup``, one thread unless ``--threads``):
+``--batch`` samples with a history of ``--history`` item ids each (n ids), one table of
+``--rows`` rows x ``--dim`` in a ROBE array of ``--memory`` floats, Z = ``--block-size``, ids
+uniform. Rows (ms, median of ``--iters`` interleaved rounds, ``--threads`` threads), each a
+forward (the module call) and a step (forward, the output's sum, ``backward`` with SGD fused):
 
-* ``forward floor``: writing the ``[n, dim]`` output from a cache-resident source
-  (``index_select`` of a 256-row table by ``ids % 256``): no hashing, no array reads beyond
-  cache;
-* ``step floor``: the forward floor plus scattering the ``[n, dim]`` gradient into that
-  cache-resident table (``index_add_``);
-* ``unpooled, 1 feature``: ``RobeEmbeddingCollection`` forward, and a step (forward,
-  ``backward`` with SGD fused into it);
-* ``unpooled, 4 features (skewed)``: the same ids split over 4 features holding 55/25/15/5 %
-  of them (the unit-bag padding writes ``4 * max n_f - n`` = 120 % extra zero rows);
-* ``pooled, one id per bag``: ``RobeEmbeddingBagCollection`` on the same ids, one per bag:
-  what the unpooled module computes, without its offsets and gather;
-* ``stock EmbeddingCollection``: TorchRec's ``EmbeddingCollection`` with the full table
-  (``--rows x --dim`` floats), dense gradient (its backward only; no optimizer step).
-
-A step is forward, the sum of the output and ``backward()`` (the fused SGD update included).
-A forward is the module call (its output kept only until the next row).
-
-Every ratio in the results comes from the same run, rows interleaved round by round.
+* ``forward floor``: writing the [n, dim] output from a cache-resident 256-row table
+  (``index_select`` by ``ids % 256``); ``step floor``: that, then scattering the gradient
+  into the same table (``index_add_``);
+* ``unpooled, 1 feature``; ``unpooled, 4 features (skewed)``: the ids split 55/25/15/5 %
+  over 4 features (the unit-bag padding writes ``4 * max n_f - n`` extra zero rows);
+* ``pooled, one id per bag``: ``RobeEmbeddingBagCollection`` on the same ids;
+* ``stock EmbeddingCollection``: TorchRec's with the full table (its backward only).
 
 Run::
 
-    python -m benchmarks.unpooled_ops                    # writes benchmarks/results/unpooled_ops.md
-    python -m benchmarks.unpooled_ops --quick --out /tmp
+    python -m benchmarks.unpooled_ops --iters 25 --out benchmarks/results
+    python -m benchmarks.unpooled_ops --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
-import statistics
-import sys
-import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from torchrec import (
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    KeyedJaggedTensor,
-)
+from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim import apply_optimizer_in_backward
 
+from benchmarks.common import command_line, header, interleaved, medians_ms, publish, table
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
 
 SKEW = (0.55, 0.25, 0.15, 0.05)
@@ -60,149 +38,79 @@ SKEW = (0.55, 0.25, 0.15, 0.05)
 def _kjt(keys: List[str], ids: torch.Tensor, counts: List[int], per_bag: int) -> KeyedJaggedTensor:
     """Feature-major ids, ``counts[f]`` of feature ``f``, in bags of ``per_bag`` ids."""
     bags = max(c // per_bag for c in counts)
-    lengths = []
-    for c in counts:
-        n = torch.zeros(bags, dtype=torch.long)
-        n[: c // per_bag] = per_bag
-        lengths.append(n)
+    lengths = [torch.tensor([per_bag] * (c // per_bag) + [0] * (bags - c // per_bag)) for c in counts]
     return KeyedJaggedTensor.from_lengths_sync(keys, ids, torch.cat(lengths))
 
 
-def build_rows(args) -> Dict[str, Callable[[], None]]:
+def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
     n = args.batch * args.history
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.rows, (n,), generator=g)
+    ids = torch.randint(0, args.rows, (n,), generator=torch.Generator().manual_seed(0))
     robe = RobeConfig(memory_size=args.memory, block_size=args.block_size)
 
-    def ec_of(keys):
-        table = EmbeddingConfig(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
-                                feature_names=keys)
-        module = RobeEmbeddingCollection([table], robe)
+    def fused(module):
         apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.01})
         return module
 
-    one = ec_of(["history"])
-    one_kjt = _kjt(["history"], ids, [n], args.history)
+    def table_of(keys, cls=EmbeddingConfig):
+        return [cls(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=keys)]
+
     keys4 = [f"h{i}" for i in range(4)]
     counts4 = [int(n * s) // args.history * args.history for s in SKEW]
-    ids4 = ids[: sum(counts4)]
-    four = ec_of(keys4)
-    four_kjt = _kjt(keys4, ids4, counts4, args.history)
-    bag = RobeEmbeddingBagCollection(
-        [EmbeddingBagConfig(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
-                            feature_names=["history"])], robe)
-    apply_optimizer_in_backward(torch.optim.SGD, [bag.weight], {"lr": 0.01})
-    bag_kjt = _kjt(["history"], ids, [n], 1)
-    stock = EmbeddingCollection([EmbeddingConfig(name="item_table", embedding_dim=args.dim,
-                                                 num_embeddings=args.rows,
-                                                 feature_names=["history"])])
-    source = torch.randn(256, args.dim)
-    small_ids = ids % 256
-    out_buffer = torch.empty(n, args.dim)
-    grad = torch.randn(n, args.dim)
+    modules = {"unpooled, 1 feature": (fused(RobeEmbeddingCollection(table_of(["history"]), robe)),
+                                       _kjt(["history"], ids, [n], args.history)),
+               "unpooled, 4 features (skewed)": (fused(RobeEmbeddingCollection(table_of(keys4), robe)),
+                                                 _kjt(keys4, ids[: sum(counts4)], counts4, args.history)),
+               "pooled, one id per bag": (fused(RobeEmbeddingBagCollection(
+                   table_of(["history"], EmbeddingBagConfig), robe)), _kjt(["history"], ids, [n], 1)),
+               "stock EmbeddingCollection": (EmbeddingCollection(table_of(["history"])),
+                                             _kjt(["history"], ids, [n], args.history))}
+    source, small_ids = torch.randn(256, args.dim), ids % 256
+    out, grad = torch.empty(n, args.dim), torch.randn(n, args.dim)
+    rows = {"forward floor": lambda: torch.index_select(source, 0, small_ids, out=out),
+            "step floor": lambda: (torch.index_select(source, 0, small_ids, out=out),
+                                   source.index_add_(0, small_ids, grad, alpha=0.0))}
 
-    def forward_floor():
-        torch.index_select(source, 0, small_ids, out=out_buffer)
+    def total(output) -> torch.Tensor:  # a dict of JaggedTensors summed per feature, not copied
+        if isinstance(output, dict):
+            return sum(jt.values().sum() for jt in output.values())
+        return output.values().sum()  # a KeyedTensor
 
-    def step_floor():
-        torch.index_select(source, 0, small_ids, out=out_buffer)
-        source.index_add_(0, small_ids, grad, alpha=0.0)
-
-    def unpooled_sum(module, kjt):
-        # per feature: no copy into one tensor, which would time the benchmark's own cat
-        return sum(jt.values().sum() for jt in module(kjt).values())
-
-    def step(fn):
-        def run():
-            fn().backward()
-        return run
-
-    return {
-        "forward floor": forward_floor,
-        "step floor": step_floor,
-        "unpooled, 1 feature: forward": lambda: one(one_kjt),
-        "unpooled, 1 feature: step": step(lambda: unpooled_sum(one, one_kjt)),
-        "unpooled, 4 features (skewed): forward": lambda: four(four_kjt),
-        "unpooled, 4 features (skewed): step": step(lambda: unpooled_sum(four, four_kjt)),
-        "pooled, one id per bag: forward": lambda: bag(bag_kjt),
-        "pooled, one id per bag: step": step(lambda: bag(bag_kjt).values().sum()),
-        "stock EmbeddingCollection: forward": lambda: stock(one_kjt),
-        "stock EmbeddingCollection: step": step(lambda: stock(one_kjt)["history"].values().sum()),
-    }
+    for name, (module, kjt) in modules.items():
+        rows[f"{name}: forward"] = lambda m=module, k=kjt: m(k)
+        rows[f"{name}: step"] = lambda m=module, k=kjt: total(m(k)).backward()
+    return rows
 
 
-def measure(rows: Dict[str, Callable[[], None]], warmup: int, iters: int) -> Dict[str, float]:
-    for _ in range(warmup):
-        for fn in rows.values():
-            fn()
-    times: Dict[str, List[float]] = {name: [] for name in rows}
-    for _ in range(iters):  # round-robin: drifts of the machine hit every row alike
-        for name, fn in rows.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def report(args, ms: Dict[str, float]) -> str:
-    n = args.batch * args.history
-    lines = [
-        "# Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)",
-        "",
-        f"Command: `{' '.join(shlex.quote(a) for a in [sys.executable.split('/')[-1], '-m', 'benchmarks.unpooled_ops', *sys.argv[1:]])}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, torch "
-        f"{torch.__version__}, {args.threads} thread(s); "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "",
-        f"{n:,} ids ({args.batch} x {args.history}), dim {args.dim}, table {args.rows:,} rows, "
-        f"ROBE array {args.memory:,} floats, Z = {args.block_size}; median of {args.iters} "
-        f"interleaved rounds (ms). Floors: see `benchmarks/unpooled_ops.py`.",
-        "",
-        "| row | ms | x forward floor | x step floor |",
-        "| --- | --- | --- | --- |",
-    ]
-    ff, sf = ms["forward floor"], ms["step floor"]
-    for name, t in ms.items():
-        lines.append(f"| {name} | {t:.2f} | {t / ff:.1f}x | {t / sf:.1f}x |")
-    fwd1 = ms["unpooled, 1 feature: forward"]
-    lines += [
-        "",
-        f"Unpooled (1 feature) over pooled with one id per bag, forward: "
-        f"{fwd1 / ms['pooled, one id per bag: forward']:.2f}x; step: "
-        f"{ms['unpooled, 1 feature: step'] / ms['pooled, one id per bag: step']:.2f}x.",
-        f"4 skewed features over 1 feature, forward: "
-        f"{ms['unpooled, 4 features (skewed): forward'] / fwd1:.2f}x (padding and gather).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--history", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--memory", type=int, default=2_621_440)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=15)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.unpooled_ops", description=__doc__.split("\n")[0])
+    for flag, default in (("batch", 2048), ("history", 32), ("dim", 64), ("rows", 1_000_000),
+                          ("memory", 2_621_440), ("block-size", 32), ("threads", 1), ("warmup", 3),
+                          ("iters", 15)):
+        p.add_argument(f"--{flag}", type=int, default=default)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--out", default=None, help="a folder (unpooled_ops.md) or a .md file")
+    args = p.parse_args(argv)
     if args.quick:
-        args.batch, args.history, args.rows, args.memory = 16, 4, 1000, 4096
-        args.dim, args.warmup, args.iters = 8, 1, 2
+        args.batch, args.history, args.rows, args.memory, args.dim = 16, 4, 1000, 4096, 8
+        args.warmup, args.iters = 1, 2
     torch.set_num_threads(args.threads)
-    ms = measure(build_rows(args), args.warmup, args.iters)
-    text = report(args, ms)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "unpooled_ops.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "unpooled_ops.json"), "w") as f:
-        json.dump({"args": vars(args), "ms": ms}, f, indent=1)
+    rows = build_rows(args)
+    ms = {k: v["wall"] for k, v in medians_ms(interleaved(
+        {name: (lambda it, fn=fn: fn()) for name, fn in rows.items()}, args.iters, args.warmup)).items()}
+    ratios = {"unpooled / pooled, forward": ms["unpooled, 1 feature: forward"] / ms["pooled, one id per bag: forward"],
+              "unpooled / pooled, step": ms["unpooled, 1 feature: step"] / ms["pooled, one id per bag: step"],
+              "4 skewed features / 1, forward": ms["unpooled, 4 features (skewed): forward"]
+              / ms["unpooled, 1 feature: forward"]}
+    lines = header("Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)", command_line("unpooled_ops", argv),
+                   f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim {args.dim}, "
+                   f"table {args.rows:,} rows, ROBE array {args.memory:,} floats, Z = {args.block_size}, "
+                   f"{args.threads} thread(s); median of {args.iters} interleaved rounds (ms)")
+    lines += table(["row", "ms", "x forward floor", "x step floor"],
+                   [[k, f"{t:.2f}", f"{t / ms['forward floor']:.1f}x", f"{t / ms['step floor']:.1f}x"]
+                    for k, t in ms.items()]) + [""] + [f"- {k}: {v:.2f}x" for k, v in ratios.items()]
+    result = {"command": command_line("unpooled_ops", argv), "args": vars(args), "ms": ms, "ratios": ratios}
+    publish(args.out, "unpooled_ops", lines, result)
+    return result
 
 
 if __name__ == "__main__":
