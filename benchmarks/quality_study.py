@@ -1,28 +1,28 @@
-"""Quality study: test AUC of the ROBE-Z DLRM against compression, block size Z and hash mode,
-next to the full-table DLRM on the same data, steps and seed; several seeds per cell (mean and
-spread), for one or more embedding dims, on the synthetic Criteo-like data (``--mode
-realistic`` by default: the mode fitted on real Criteo rows; ``hard`` is the older stream).
+"""How much test AUC does ROBE-Z cost against full tables, by compression, block size Z, hash
+and embedding dim? On synthetic Criteo-like data (``--data synthetic``, the default: several
+seeds) or on the 10,000 real Criteo rows (``--data real``: random train/test splits).
 
-A compression ratio is relative to the full tables of the same dim, so the same ratio leaves
-8x more floats at dim 128 than at dim 16: the study runs both and plots the AUC gap against
-the stored floats as well.
+A compression is relative to the full tables of the same dim, so the same ratio leaves 8x more
+floats at dim 128 than at 16. Every row trains the app's DLRM (:mod:`benchmarks.train_loop`:
+its layer sizes, Adagrad at its learning rates, the embedding optimizer fused into backward)
+in this process on one thread. Each replicate (a seed, or a split) generates its batches once
+and trains every row on them; its full-table run of a dim is the baseline of every ROBE-Z
+cell of that dim, and the gaps are then averaged over the replicates (sd, se).
 
-Every row trains the app's DLRM (``robe_torchrec.dlrm``, the app's layer sizes, Adagrad at
-the app's learning rates, the embedding optimizer fused into backward) in this process, one
-thread, without DMP. For each seed the training and test batches are generated once and
-every row of that seed trains on them; the full-table run of a (seed, dim) is the baseline
-of every ROBE-Z cell of that seed and dim. A seed sets the data (hidden model and stream),
-the dense initialisation and the hash seed (``1024 + seed``). Two reference rows need no
-training: the hidden model that drew the labels (the best AUC any model can reach) and its
-dense part alone.
+* synthetic (``--mode realistic``, fitted on the real rows, or ``hard``, the older stream):
+  a seed sets the data (hidden model and stream), the dense initialisation and the hash
+  seed (``1024 + seed``); two reference rows need no training: the hidden model that drew
+  the labels and its dense part alone. Also plots the gaps (``<name>.png``).
+* real: the rows read by :class:`robe_torchrec.data.CriteoTsv`, each feature's ids numbered
+  densely; a split trains on a shuffled 80% for ``--epochs`` and scores the rest. 10,000
+  rows are far too few to show what the 45M Kaggle rows do: read them as a check on real ids
+  and labels, not as the cost at scale.
 
-Writes ``<name>.{md,json,png}`` (``--name``, default ``quality_study_<mode>``).
-
-Usage::
+Writes ``<name>.{md,json}`` (``--name``, default ``quality_study_<mode>`` or
+``real_rows_study``)::
 
     python -m benchmarks.quality_study --name quality_study_realistic --out benchmarks/results
-    python -m benchmarks.quality_study --steps 20 --dims 16 --compressions 100 \\
-        --block-sizes 8 --hashes reference --seeds 0 --out /tmp/q      # a quick check
+    python -m benchmarks.quality_study --data real --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -30,208 +30,221 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
+from benchmarks.common import command_line, header, publish, table
 from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
                                    train, with_gaps)
-from robe_torchrec.pipelines.report import machine, machine_line, write_report
 from robe_torchrec.config import RobeConfig
-from robe_torchrec.data.synthetic import SyntheticCriteo
 
-# where the training app's test stream starts (robe_torchrec.train.data)
-from robe_torchrec.train.data import TEST_STREAM_START
-
-#: the targets: the largest AUC loss against the full tables at a compression (seed means)
+REAL_ROWS = "/work/shared/data/criteo_kaggle_head10k.tsv"
+#: the targets: the largest AUC loss against the full tables at a compression (means)
 TARGET_GAPS: Dict[float, float] = {100.0: 0.002, 1000.0: 0.005}
+#: option -> (synthetic default, real default)
+DEFAULTS = {"replicates": ([0, 1, 2], 5), "steps": (200, None), "batch_size": (512, 256),
+            "hashes": (["reference", "mix"], ["reference"])}
 
 
-def _oracle_aucs(data: SyntheticCriteo, batches) -> Dict[str, float]:
-    labels = torch.cat([b.labels for b in batches]).long()
-    return {name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in batches]),
-                               labels).item()
-            for name, sparse in (("hidden model (all features)", True),
-                                 ("hidden model, dense features only", False))}
+def synthetic_replicates(args):
+    """Per seed: (seed, train batches, test batches, keys, cardinalities, reference AUCs)."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    from robe_torchrec.data.synthetic import SyntheticCriteo
+    from robe_torchrec.train.data import TEST_STREAM_START  # where the app's test stream starts
+
+    for seed in args.replicates:
+        data = SyntheticCriteo(batch_size=args.batch_size, cardinality_scale=args.cardinality_scale,
+                               seed=seed, mode=args.mode)
+        test = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
+        labels = torch.cat([b.labels for b in test]).long()
+        oracle = {name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in test]), labels).item()
+                  for name, sparse in (("hidden model (all features)", True),
+                                       ("hidden model, dense features only", False))}
+        yield seed, [data.batch(i) for i in range(args.steps)], test, data.keys, data.cardinalities, oracle
 
 
-def _cells(args) -> List[Dict]:
-    return [{"block_size": z, "hash": h, "compression": float(c)}
-            for h, z, c in itertools.product(args.hashes, args.block_sizes, args.compressions)]
+def real_replicates(args):
+    """Per split: (split, train batches, test batches, keys, cardinalities, {})."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from robe_torchrec.data import CriteoTsv
+
+    batch = next(iter(CriteoTsv([args.rows], batch_size=10**7, num_embeddings_per_feature=None)))
+    kjt, keys = batch.sparse_features, batch.sparse_features.keys()
+    uniques = [torch.unique(kjt[k].values(), return_inverse=True) for k in keys]
+    ids, cards = torch.stack([inverse for _, inverse in uniques]), [int(u.numel()) for u, _ in uniques]
+    args.rows_read, args.click_rate = int(batch.labels.numel()), float(batch.labels.mean())
+
+    def batches_of(rows: torch.Tensor) -> List[Batch]:
+        return [Batch(dense_features=batch.dense_features[r], labels=batch.labels[r],
+                      sparse_features=KeyedJaggedTensor(keys=keys, values=ids[:, r].reshape(-1),
+                                                        lengths=torch.ones(len(keys) * r.numel(), dtype=torch.int32)))
+                for r in rows.split(args.batch_size)]
+
+    for split in range(args.replicates):
+        g = torch.Generator().manual_seed(split)
+        perm = torch.randperm(args.rows_read, generator=g)
+        cut = int(args.rows_read * (1 - args.test_fraction))
+        train_batches = [b for _ in range(args.epochs)
+                         for b in batches_of(perm[:cut][torch.randperm(cut, generator=g)])]
+        yield split, train_batches, batches_of(perm[cut:]), keys, cards, {}
 
 
-def _run_seed(args, seed: int) -> Dict:
-    """Every row of one seed, on batches generated once."""
-    data = SyntheticCriteo(batch_size=args.batch_size, cardinality_scale=args.cardinality_scale,
-                           seed=seed, mode=args.mode)
-    train_batches = [data.batch(i) for i in range(args.steps)]
-    test_batches = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
+def train_cells(args, key: str, replicate: int, train_batches, test, keys, cards) -> List[Dict]:
+    """The full tables and every ROBE-Z cell, at every dim, on one replicate's batches."""
     rows = []
     for dim in args.dims:
-        for cell in [None] + _cells(args):
-            robe = None if cell is None else RobeConfig(
-                compression=cell["compression"], block_size=cell["block_size"],
-                hash=cell["hash"], seed=1024 + seed)
+        for h, z, c in [(None, None, 1.0)] + list(itertools.product(args.hashes, args.block_sizes,
+                                                                    args.compressions)):
+            robe = None if z is None else RobeConfig(compression=c, block_size=z, hash=h,
+                                                     seed=1024 + replicate)
             t0 = time.perf_counter()
             spec = quality_spec(dim, robe)
-            model = build(spec, data.keys, data.cardinalities, seed)
+            model = build(spec, keys, cards, replicate)
             train(model, spec, train_batches)
-            auc, log_loss = score(model, test_batches)
-            floats = sum(p.numel() for p in model.sparse_arch.embedding_bag_collection.parameters())
-            row = {"seed": seed, "dim": dim, "embedding": "full" if cell is None else "robe",
-                   "block_size": None, "hash": None, "compression": 1.0, **(cell or {}),
-                   "test_auc": auc, "test_log_loss": log_loss, "stored_floats": floats,
-                   "seconds": time.perf_counter() - t0}
-            rows.append(row)
-            print(f"seed {seed} dim {dim} {row['embedding']} Z={row['block_size']} {row['hash']} "
-                  f"{row['compression']:,.0f}x: test AUC {auc:.4f} ({row['seconds']:.1f} s)",
-                  flush=True)
-    return {"rows": with_gaps(rows, {"embedding": "full"}, ["dim"]), "oracle": _oracle_aucs(data, test_batches)}
+            auc, log_loss = score(model, test)
+            rows.append({key: replicate, "dim": dim, "embedding": "full" if z is None else "robe",
+                         "block_size": z, "hash": h, "compression": float(c), "test_auc": auc,
+                         "test_log_loss": log_loss, "seconds": time.perf_counter() - t0,
+                         "stored_floats": sum(p.numel() for p in
+                                              model.sparse_arch.embedding_bag_collection.parameters())})
+            print(f"{key} {replicate} dim {dim} Z={z} {h} {c:,.0f}x: test AUC {auc:.4f}", flush=True)
+    return with_gaps(rows, {"embedding": "full"}, ["dim"])
 
 
-def _summary(rows: List[Dict]) -> List[Dict]:
-    """One entry per (dim, embedding, Z, hash, compression): the mean and spread over seeds."""
+def summary(rows: List[Dict], key: str) -> List[Dict]:
+    """One entry per (dim, embedding, Z, hash, compression): the mean and spread over the
+    replicates of its AUC and of its gap to the full tables."""
     out = []
     for (dim, emb, z, h, c), rs in group_by(rows, CELL).items():
-        gap, gap_sd, gap_se = mean_and_spread([r["auc_gap"] for r in rs])
+        auc, _, auc_se = mean_and_spread([r["test_auc"] for r in rs])
+        gap, sd, se = mean_and_spread([r["auc_gap"] for r in rs])
         out.append({"dim": dim, "embedding": emb, "block_size": z, "hash": h, "compression": c,
-                    "stored_floats": rs[0]["stored_floats"], "seeds": [r["seed"] for r in rs],
-                    "test_auc": mean_and_spread([r["test_auc"] for r in rs])[0],
-                    "auc_gap": gap, "auc_gap_sd": gap_sd, "auc_gap_se": gap_se,
-                    "auc_gaps": [r["auc_gap"] for r in rs]})
+                    "stored_floats": rs[0]["stored_floats"], f"{key}s": [r[key] for r in rs],
+                    "test_auc": auc, "test_auc_se": auc_se, "auc_gap": gap, "auc_gap_sd": sd,
+                    "auc_gap_se": se, "auc_gaps": [r["auc_gap"] for r in rs]})
     return out
 
 
-def target_lines(summary: List[Dict], dim: int) -> List[str]:
-    """The targets judged on the seed means of every ROBE-Z setting at ``dim``."""
+def target_lines(cells: List[Dict]) -> List[str]:
+    """The targets judged on the means of every ROBE-Z setting of one dim."""
     lines = []
     for c, target in TARGET_GAPS.items():
-        cells = [s for s in summary if s["embedding"] == "robe" and s["dim"] == dim
-                 and s["compression"] == c]
-        if not cells:
-            continue
-        met = [s for s in cells if s["auc_gap"] >= -target]
-        verdict = "met" if len(met) == len(cells) else (
-            f"met by {len(met)} of {len(cells)} settings" if met else "missed")
-        lo, hi = min(s["auc_gap"] for s in cells), max(s["auc_gap"] for s in cells)
-        lines.append(f"- {c:,.0f}x within {target} AUC of the full tables (seed means): "
-                     f"**{verdict}** (mean AUC - full from {lo:+.4f} to {hi:+.4f} over "
-                     f"{len(cells)} Z/hash setting(s))")
+        at = [s for s in cells if s["embedding"] == "robe" and s["compression"] == c]
+        met = [s for s in at if s["auc_gap"] >= -target]
+        if at:
+            verdict = "met" if len(met) == len(at) else f"met by {len(met)} of {len(at)} settings" if met else "missed"
+            lines.append(f"- {c:,.0f}x within {target} AUC of the full tables (means): **{verdict}** "
+                         f"(mean AUC - full from {min(s['auc_gap'] for s in at):+.4f} to "
+                         f"{max(s['auc_gap'] for s in at):+.4f} over {len(at)} Z/hash setting(s))")
     return lines
 
 
-def _plot(result: Dict, path: str) -> None:
+def markdown(result: Dict, argv: Optional[Sequence[str]]) -> List[str]:
+    a, key = result["args"], result["replicate"]
+    setup = (f"{a['mode']} synthetic data at cardinality scale {a['cardinality_scale']}, {a['steps']} "
+             f"steps of batch {a['batch_size']}, seeds {a['replicates']}" if key == "seed" else
+             f"{a['rows_read']:,} real rows (click rate {a['click_rate']:.3f}), {a['replicates']} "
+             f"splits ({a['test_fraction']:.0%} test), {a['epochs']} epochs of batch {a['batch_size']}")
+    lines = header(f"Quality study: AUC against compression, Z and hash ({'real rows' if key == 'split' else a['mode'] + ' synthetic data'})",
+                   command_line("quality_study", argv),
+                   f"setup: the app's DLRM (Adagrad, embeddings fused into backward), 1 thread, {setup}; "
+                   f"every gap is against the full tables of the same {key} and dim, then mean, sd and "
+                   f"se over the {key}s; {result['seconds'] / 60:.1f} min")
+    for dim in a["dims"]:
+        cells = [s for s in result["summary"] if s["dim"] == dim]
+        full = next(s for s in cells if s["embedding"] == "full")
+        lines += [f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats, mean test "
+                  f"AUC {full['test_auc']:.4f})", "",
+                  *table(["embeddings", "Z", "hash", "compression", "stored floats", "mean test AUC",
+                          "AUC - full, mean", "sd", "se", f"per {key}"],
+                         [["robe", s["block_size"], s["hash"], f"{s['compression']:,.0f}x",
+                           f"{s['stored_floats']:,}", f"{s['test_auc']:.4f}", f"{s['auc_gap']:+.4f}",
+                           f"{s['auc_gap_sd']:.4f}", f"{s['auc_gap_se']:.4f}",
+                           ", ".join(f"{g:+.4f}" for g in s["auc_gaps"])] for s in cells if s is not full]),
+                  "", *target_lines(cells), ""]
+    if result["oracle"]:
+        lines += ["## References (no training, mean over seeds)", "",
+                  *table(["reference", "test AUC"], [[name, f"{mean_and_spread([o[name] for o in result['oracle']])[0]:.4f}"]
+                                                     for name in result["oracle"][0]])]
+    return lines
+
+
+def plot(result: Dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary, a = result["summary"], result["args"]
-    robe = [s for s in summary if s["embedding"] == "robe"]
-    fig, (by_ratio, by_memory) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    a, robe = result["args"], [s for s in result["summary"] if s["embedding"] == "robe"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for dim, color in zip(a["dims"], ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
         for (h, z), marker in zip(itertools.product(a["hashes"], a["block_sizes"]), "osd^v<>"):
-            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"])
-                         for s in robe if s["dim"] == dim and s["hash"] == h
-                         and s["block_size"] == z)
-            style = dict(marker=marker, color=color, capsize=2, alpha=0.8,
-                         linestyle="-" if h == "reference" else "--")
-            by_ratio.errorbar([p[0] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
-                              label=f"dim {dim}, Z={z}, {h} hash", **style)
-            by_memory.errorbar([p[1] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
-                               **style)
-    for ax in (by_ratio, by_memory):
+            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"]) for s in robe
+                         if s["dim"] == dim and s["hash"] == h and s["block_size"] == z)
+            style = dict(marker=marker, color=color, capsize=2, alpha=0.8, linestyle="-" if h == "reference" else "--")
+            for ax, x in zip(axes, (0, 1)):
+                ax.errorbar([p[x] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
+                            label=f"dim {dim}, Z={z}, {h} hash", **style)
+    for ax, xlabel in zip(axes, ("compression (uncompressed / stored floats)", "stored floats of the ROBE-Z array")):
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
         for c, gap in TARGET_GAPS.items():
             ax.axhline(-gap, color="tab:red", linestyle=":", linewidth=0.8)
-            ax.annotate(f"target at {c:,.0f}x: -{gap}", (1, -gap), fontsize=7,
-                        xycoords=("axes fraction", "data"), ha="right", va="bottom")
-    by_ratio.set_xlabel("compression (uncompressed / stored floats)")
-    by_ratio.set_ylabel("test AUC - full tables of the same dim (mean +- sd over seeds)")
-    by_ratio.legend(fontsize=7, loc="lower left")
-    by_memory.set_xlabel("stored floats of the ROBE-Z array")
-    by_memory.set_title("the same points against the stored floats")
-    fig.suptitle(f"DLRM on {a['mode']} synthetic data, {a['steps']} steps of {a['batch_size']}, "
-                 f"seeds {a['seeds']}")
+    axes[0].set_ylabel("test AUC - full tables of the same dim (mean +- sd)")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"DLRM, {result['replicate']}s {a['replicates']}; red: the targets at "
+                 + ", ".join(f"{c:,.0f}x" for c in TARGET_GAPS))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def _markdown(result: Dict) -> str:
-    a = result["args"]
-    lines = [
-        f"# Quality study: AUC against compression, Z and hash ({a['mode']} synthetic data)", "",
-        f"`{result['command']}`", "",
-        f"Machine: {machine_line(result['machine'])}. The app's DLRM (Adagrad, embeddings fused "
-        f"into backward), trained in one process on 1 thread, {a['steps']} steps of batch "
-        f"{a['batch_size']}, {a['mode']} synthetic data at cardinality scale "
-        f"{a['cardinality_scale']}; test AUC over {a['test_batches'] * a['batch_size']:,} "
-        f"held-out samples. Seeds {a['seeds']}: each sets the data, the dense initialisation "
-        f"and the hash seed; every gap is against the full tables of the same seed and dim, "
-        f"then averaged over the seeds (sd: their standard deviation). Total "
-        f"{result['seconds'] / 60:.1f} min.",
-    ]
-    for dim in a["dims"]:
-        cells = [s for s in result["summary"] if s["dim"] == dim]
-        full = [s for s in cells if s["embedding"] == "full"][0]
-        lines += [
-            "", f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats, mean "
-                f"test AUC {full['test_auc']:.4f})", "",
-            "| embeddings | Z | hash | compression | stored floats | mean test AUC | "
-            "AUC - full, mean | sd | per seed |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---|",
-        ]
-        for s in cells:
-            if s["embedding"] == "full":
-                continue
-            lines.append(
-                f"| robe | {s['block_size']} | {s['hash']} | {s['compression']:,.0f}x | "
-                f"{s['stored_floats']:,} | {s['test_auc']:.4f} | {s['auc_gap']:+.4f} | "
-                f"{s['auc_gap_sd']:.4f} | {', '.join(f'{g:+.4f}' for g in s['auc_gaps'])} |")
-        lines += [""] + target_lines(result["summary"], dim)
-    lines += ["", "## References (no training, mean over seeds)", "",
-              "| reference | test AUC |", "|---|---:|"]
-    for name in result["oracle"][0]:
-        lines.append(f"| {name} | "
-                     f"{mean_and_spread([o[name] for o in result['oracle']])[0]:.4f} |")
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=("realistic", "hard"), default="realistic")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--dims", type=int, nargs="+", default=[16, 128])
-    parser.add_argument("--cardinality-scale", type=float, default=0.01)
-    parser.add_argument("--test-batches", type=int, default=16)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--compressions", type=float, nargs="+", default=[10, 100, 1000, 10000])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--hashes", nargs="+", default=["reference", "mix"])
-    parser.add_argument("--name", default=None,
-                        help="stem of the result files (default: quality_study_<mode>)")
-    parser.add_argument("--out", default=None, help="folder for <name>.{md,json,png}")
-    args = parser.parse_args()
-    args.name = args.name or f"quality_study_{args.mode}"
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality_study", description=__doc__.split("\n")[0])
+    p.add_argument("--data", choices=("synthetic", "real"), default="synthetic")
+    p.add_argument("--mode", choices=("realistic", "hard"), default="realistic", help="synthetic data's")
+    p.add_argument("--seeds", "--splits", dest="replicates", type=int, nargs="+", default=None,
+                   help="synthetic: the seeds (default 0 1 2); real: how many splits (default 5)")
+    p.add_argument("--steps", type=int, default=None, help="synthetic (default 200)")
+    p.add_argument("--epochs", type=int, default=2, help="real")
+    p.add_argument("--batch-size", type=int, default=None, help="default 512; real 256")
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--cardinality-scale", type=float, default=0.01, help="synthetic")
+    p.add_argument("--test-batches", type=int, default=16, help="synthetic")
+    p.add_argument("--rows", default=REAL_ROWS, help="real: the Criteo TSV")
+    p.add_argument("--test-fraction", type=float, default=0.2, help="real")
+    p.add_argument("--compressions", type=float, nargs="+", default=[10, 100, 1000, 10000])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--hashes", nargs="+", default=None, help="default reference mix; real: reference")
+    p.add_argument("--name", default=None, help="stem of the result files")
+    p.add_argument("--out", default=None, help="folder for <name>.{md,json} (and .png)")
+    args = p.parse_args(argv)
+    real = args.data == "real"
+    for option, defaults in DEFAULTS.items():
+        if getattr(args, option) is None:
+            setattr(args, option, defaults[real])
+    if real and isinstance(args.replicates, list):
+        args.replicates = args.replicates[0]
+    args.name = args.name or ("real_rows_study" if real else f"quality_study_{args.mode}")
     torch.set_num_threads(1)
-
-    t0 = time.perf_counter()
-    runs = [_run_seed(args, seed) for seed in args.seeds]
-    rows = [r for run in runs for r in run["rows"]]
-    result = {"command": "python -m benchmarks.quality_study " + " ".join(sys.argv[1:]),
-              "machine": machine(), "args": vars(args), "rows": rows,
-              "summary": _summary(rows), "oracle": [run["oracle"] for run in runs],
+    t0, key = time.perf_counter(), "split" if real else "seed"
+    rows, oracle = [], []
+    for replicate, train_batches, test, keys, cards, refs in (real_replicates if real else synthetic_replicates)(args):
+        rows += train_cells(args, key, replicate, train_batches, test, keys, cards)
+        oracle += [refs] if refs else []
+    result = {"command": command_line("quality_study", argv), "args": vars(args), "replicate": key,
+              "rows": rows, "summary": summary(rows, key), "oracle": oracle,
               "seconds": time.perf_counter() - t0}
-    text = _markdown(result)
-    print(text)
-    if args.out:
-        write_report(args.out, args.name, result, text)
-        _plot(result, os.path.join(args.out, f"{args.name}.png"))
+    publish(os.path.join(args.out, f"{args.name}.md") if args.out else None, args.name,
+            markdown(result, argv), result)
+    if args.out and not real:
+        plot(result, os.path.join(args.out, f"{args.name}.png"))
+    return result
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,12 +30,10 @@ def test_quickstart_dlrm_trains():
 
 @pytest.mark.slow
 def test_quality_study_runs(tmp_path):
-    out = run_example("-m", "benchmarks.quality_study", "--steps", "4",
-                      "--dims", "16", "8", "--compressions", "100", "--block-sizes", "8",
-                      "--hashes", "reference", "--test-batches", "4", "--batch-size", "256",
-                      "--seeds", "0", "1", "--name", "q", "--out", str(tmp_path))
-    assert "## Embedding dim 16" in out and "## Embedding dim 8" in out
-    assert "| robe | 8 | reference | 100x |" in out and "100x within 0.002 AUC" in out
+    run_example("-m", "benchmarks.quality_study", "--steps", "4",
+                "--dims", "16", "8", "--compressions", "100", "--block-sizes", "8",
+                "--hashes", "reference", "--test-batches", "4", "--batch-size", "256",
+                "--seeds", "0", "1", "--name", "q", "--out", str(tmp_path))
     result = json.loads((tmp_path / "q.json").read_text())
     rows = result["rows"]
     assert [(r["seed"], r["dim"], r["embedding"]) for r in rows] == [
@@ -48,9 +47,30 @@ def test_quality_study_runs(tmp_path):
     # the summary averages the gaps over the seeds
     cell = [s for s in result["summary"] if s["dim"] == 8 and s["embedding"] == "robe"][0]
     assert cell["auc_gap"] == pytest.approx((rows[3]["auc_gap"] + rows[7]["auc_gap"]) / 2)
+    assert (cell["seeds"], cell["block_size"], cell["compression"]) == ([0, 1], 8, 100.0)
     for oracle in result["oracle"]:
         assert oracle["hidden model (all features)"] > oracle["hidden model, dense features only"]
     assert (tmp_path / "q.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_quality_study_on_real_rows(tmp_path):
+    rows = tmp_path / "rows.tsv"  # 300 rows of the Criteo TSV format, labels from one feature
+    g = torch.Generator().manual_seed(0)
+    cats = torch.randint(0, 20, (300, 26), generator=g)
+    rows.write_text("".join(f"{int(c[0] < 8)}\t" + "\t".join(str(int(v)) for v in torch.rand(13, generator=g) * 9)
+                            + "\t" + "\t".join(f"{int(v):08x}" for v in c) + "\n" for c in cats))
+    run_example("-m", "benchmarks.quality_study", "--data", "real", "--rows", str(rows),
+                "--splits", "2", "--epochs", "1", "--batch-size", "64", "--dims", "8",
+                "--compressions", "10", "--block-sizes", "4", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "real_rows_study.json").read_text())
+    assert result["args"]["rows_read"] == 300 and result["replicate"] == "split"
+    assert [(r["split"], r["embedding"]) for r in result["rows"]] == [
+        (0, "full"), (0, "robe"), (1, "full"), (1, "robe")]
+    cell = [s for s in result["summary"] if s["embedding"] == "robe"][0]
+    assert cell["splits"] == [0, 1] and cell["hash"] == "reference"
+    assert cell["auc_gap"] == pytest.approx(sum(r["test_auc"] - f["test_auc"] for f, r in zip(
+        result["rows"][::2], result["rows"][1::2])) / 2)
 
 
 @pytest.mark.slow
