@@ -55,13 +55,12 @@ class RobeConfig:
 
     def __post_init__(self) -> None:
         if (self.memory_size is None) == (self.compression is None):
-            raise ValueError("RobeConfig: give exactly one of memory_size or compression")
+            raise ValueError("RobeConfig: give exactly one of memory_size or compression (the "
+                             "other None)")
         _check_int("block_size", self.block_size)
         _check_int("seed", self.seed)
         if self.memory_size is not None:
             _check_int("memory_size", self.memory_size)
-        if self.memory_size is not None and self.memory_size < 1:
-            raise ValueError(f"RobeConfig: memory_size must be positive, got {self.memory_size}")
         if self.compression is not None and not self.compression >= 1:
             raise ValueError(f"RobeConfig: compression must be >= 1, got {self.compression}")
         if self.block_size < 1:
@@ -73,6 +72,7 @@ class RobeConfig:
                              f"sqrt(1 / max num_embeddings)), got {self.init_scale!r}")
         HashMode.parse(self.hash)
         self.bounds_check_mode  # validates the string
+        # block_size >= 1 (above), so this also keeps memory_size positive
         if self.memory_size is not None and self.memory_size < self.block_size:
             raise ValueError(f"RobeConfig: memory_size={self.memory_size} holds less than one block "
                              f"of block_size={self.block_size} floats; give memory_size >= "
