@@ -102,9 +102,9 @@ def check_backward_inputs(
                          f"{tuple(grad_output.shape)}")
     if not grad_output.dtype.is_floating_point:
         raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
-    return check_inputs(weights, values, offsets, per_sample_weights, table_meta,
-                        grad_output.shape[1], block_size, hash_mode, hash_params,
-                        int(m.BoundsCheck.UNBOUNDED), summarize)
+    return _check_after_static(weights, values, offsets, per_sample_weights, table_meta,
+                               grad_output.shape[1], block_size, hash_mode, hash_params,
+                               int(m.BoundsCheck.UNBOUNDED), summarize)
 
 
 def check_inputs(
@@ -128,9 +128,21 @@ def check_inputs(
     checks to one answer, clean or not, in one pass and one copy to the host; only when it
     is not clean do the checks run one by one, to raise the first problem's message. Without
     it they always run one by one (on an accelerator, a synchronisation each)."""
-    meta_cpu, id_check = check_layout(weights, values, offsets, per_sample_weights, table_meta,
-                                      output_dim, block_size, hash_mode, hash_params,
-                                      bounds_check)
+    check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    return _check_after_static(weights, values, offsets, per_sample_weights, table_meta,
+                               output_dim, block_size, hash_mode, hash_params, bounds_check,
+                               summarize)
+
+
+def _check_after_static(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                        per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                        output_dim: int, block_size: int, hash_mode: int,
+                        hash_params: List[int], bounds_check: int,
+                        summarize: Optional["Summarize"]) -> torch.Tensor:
+    # check_inputs once check_static has passed: check_backward_inputs checks grad_output in
+    # between, and running check_static twice on one call would repeat its checks
+    meta_cpu, id_check = _layout_after_static(weights, offsets, table_meta, output_dim,
+                                              block_size, hash_mode, hash_params, bounds_check)
     if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
                                            meta_cpu, id_check):
         return meta_cpu
@@ -154,6 +166,15 @@ def check_layout(
     the hash's range); returns ``table_meta`` on the CPU and what every id is to be checked
     against, for a kernel that checks the data as it reads them."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    return _layout_after_static(weights, offsets, table_meta, output_dim, block_size,
+                                hash_mode, hash_params, bounds_check)
+
+
+def _layout_after_static(weights: torch.Tensor, offsets: torch.Tensor,
+                         table_meta: torch.Tensor, output_dim: int, block_size: int,
+                         hash_mode: int, hash_params: List[int], bounds_check: int
+                         ) -> Tuple[torch.Tensor, "IdCheck"]:
+    # check_layout once check_static has passed
     check_enum("bounds_check", bounds_check, m.BoundsCheck)
     if len(hash_params) != 3:
         raise ValueError(f"robe: hash_params must hold 3 integers, got {len(hash_params)}")
