@@ -3,6 +3,8 @@ carries as the package ``robe_torchrec_configs`` (pyproject.toml maps one to the
 
 Used by the training app (``robe_torchrec.train``) and the pipeline comparison
 (``robe_torchrec.pipelines.compare``), so both run from a checkout, an editable install or a wheel.
+The app's files are typed: each names its schema, which ``robe_torchrec.train.schema.register()``
+puts in Hydra's ConfigStore; compose them after calling it.
 
 Example::
 

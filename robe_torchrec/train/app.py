@@ -116,7 +116,9 @@ def main() -> None:
     import hydra
 
     from robe_torchrec.hydra_configs import config_dir
+    from robe_torchrec.train.schema import register
 
+    register()  # the schemas the YAML files extend: Hydra checks the config against them
     init_distributed()
     try:
         if "ROBE_RUN_STAMP" not in os.environ:

@@ -1,160 +1,126 @@
 """Checks of the composed Hydra config, so a bad setting fails at start with a message naming
-the key, instead of deep inside TorchRec.
+the key, instead of deep inside TorchRec; and the config as the lower layers' own objects.
+
+Each rule is checked once, by the layer that owns it:
+
+- the key names and types: Hydra, against the schemas of :mod:`robe_torchrec.train.schema`,
+  while it composes;
+- the app's own options: those schemas' ``__post_init__`` (:func:`~robe_torchrec.train.schema.typed`);
+- ROBE's settings: :class:`robe_torchrec.RobeConfig`; the model's layer sizes:
+  :class:`robe_torchrec.dlrm.DLRMSpec` (built here by :func:`dlrm_spec`, their errors
+  reported as :class:`ConfigError` naming the app's keys);
+- here: what spans groups, and what reads the file system (checkpoints, the export path).
 
 Example::
 
-    >>> validate(cfg)   # raises ConfigError("pipeline.name: unknown pipeline 'x' ...")
+    >>> validate(cfg)   # raises ConfigError("pipeline.name: unknown value 'x'; choose ...")
 """
 
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
+from robe_torchrec.config import RobeConfig
+from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
 # config_dir: the app's Hydra config folder (a checkout, an editable install or a wheel)
-from robe_torchrec.dlrm import MODELS, OPTIMIZERS as _OPTIMIZERS
 from robe_torchrec.hydra_configs import config_dir  # noqa: F401
+from robe_torchrec.train.schema import AppConfig, ConfigError, typed
 
-PIPELINES = ("plain", "sparse_dist", "fused_sparse_dist", "semi_sync")
-OPTIMIZERS = tuple(_OPTIMIZERS)
-EMBEDDINGS = ("robe", "full")
-SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
-DATA = ("synthetic", "criteo_tsv", "criteo_npy")
-MODES = ("train", "eval")
-SYNTHETIC_MODES = ("realistic", "hard")
-
-
-class ConfigError(ValueError):
-    """A setting of the training config is invalid (the message names the key)."""
+#: the fields of RobeConfig and DLRMSpec under the app's keys, so their errors name what to set
+_ROBE_KEYS = {k: f"embedding.{k}" for k in ("compression", "memory_size", "block_size", "hash",
+                                            "bounds_check", "seed", "shared")}
+_SPEC_KEYS = {"dense_arch": "model.dense_arch_layer_sizes",
+              "over_arch": "model.over_arch_layer_sizes", "embedding_dim": "embedding.dim",
+              "fast_interaction": "model.fast_interaction", "model": "model.name",
+              "dcn_num_layers": "model.dcn_num_layers",
+              "dcn_low_rank_dim": "model.dcn_low_rank_dim"}
 
 
-def _choice(value, allowed, key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+@contextmanager
+def _reported_as(owner: str, keys: Mapping[str, str]) -> Iterator[None]:
+    """A lower layer's ValueError as a ConfigError in the app's terms: the owner's field
+    names (``compression``, ``DLRMSpec.dense_arch``) become the app's keys
+    (``embedding.compression``, ``model.dense_arch_layer_sizes``); the owner is named last."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        fields = re.compile(rf"\b(?:{owner}\.)?({'|'.join(map(re.escape, keys))})\b")
+        message = fields.sub(lambda m: keys[m.group(1)], str(e).removeprefix(f"{owner}: "))
+        raise ConfigError(f"{message} ({owner})") from e
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` for the first invalid setting of ``cfg``."""
-    _choice(cfg.pipeline.name, PIPELINES, "pipeline.name")
-    _choice(cfg.optimizer.name, OPTIMIZERS, "optimizer.name")
-    _choice(cfg.model.name, MODELS, "model.name")
-    _choice(cfg.embedding.kind, EMBEDDINGS, "embedding.kind")
-    _choice(cfg.data.name, DATA, "data.name")
-    if cfg.data.name == "synthetic":
-        _choice(cfg.data.get("mode", "hard"), SYNTHETIC_MODES, "data.mode")
-    for t in cfg.sharding.types or []:
-        _choice(t, SHARDING_TYPES, "sharding.types")
+def optimizer_spec(opt: Any, lr: float) -> OptimizerSpec:
+    """An ``optimizer`` config group entry at learning rate ``lr`` (it has two)."""
+    betas = getattr(opt, "betas", None)  # adam only
+    with _reported_as("OptimizerSpec", {"name": "optimizer.name"}):
+        return OptimizerSpec(opt.name, lr=lr, weight_decay=opt.weight_decay,
+                             eps=getattr(opt, "eps", None),  # not sgd
+                             betas=tuple(betas) if betas is not None else None)
 
-    emb = cfg.embedding
-    if emb.dim <= 0:
-        raise ConfigError(f"embedding.dim must be positive, got {emb.dim}")
+
+def dlrm_spec(cfg: Any) -> DLRMSpec:
+    """The ``model``, ``embedding`` and ``optimizer`` config groups (a composed DictConfig or
+    its :class:`~robe_torchrec.train.schema.AppConfig`) as a spec; its RobeConfig and
+    DLRMSpec check their settings, and a refusal is a :class:`ConfigError`."""
+    emb, m, opt = cfg.embedding, cfg.model, cfg.optimizer
+    robe = None
     if emb.kind == "robe":
-        if (emb.compression is None) == (emb.memory_size is None):
-            raise ConfigError("embedding: give exactly one of embedding.compression and "
-                              "embedding.memory_size (set the other to null)")
-        if emb.compression is not None and emb.compression < 1:
-            raise ConfigError(f"embedding.compression must be >= 1 (uncompressed / compressed), "
-                              f"got {emb.compression}")
-        if emb.memory_size is not None and emb.memory_size < emb.block_size:
-            raise ConfigError(f"embedding.memory_size ({emb.memory_size}) must hold at least "
-                              f"one block (embedding.block_size={emb.block_size})")
-        if emb.block_size < 1:
-            raise ConfigError(f"embedding.block_size must be >= 1, got {emb.block_size}")
-        _choice(emb.get("hash", "reference"), ("reference", "mix"), "embedding.hash")
-        _choice(emb.get("bounds_check", "error"), ("error", "unbounded"), "embedding.bounds_check")
-    init_from = emb.get("init_from")
-    if init_from and emb.kind != "robe":
-        raise ConfigError("embedding.init_from fits a ROBE array to a full model's tables: it "
-                          "needs embedding=robe")
-    if init_from and not (Path(init_from) / ".metadata").is_file():
-        raise ConfigError(f"embedding.init_from: no complete checkpoint at {init_from} (a "
-                          f"step_N directory, holding DCP's .metadata, of an embedding=full run)")
+        with _reported_as("RobeConfig", _ROBE_KEYS):
+            robe = RobeConfig(compression=emb.compression, memory_size=emb.memory_size,
+                              block_size=emb.block_size, hash=emb.hash, seed=emb.seed,
+                              shared=emb.shared, bounds_check=emb.bounds_check)
+    dcn = {"dcn_num_layers": m.dcn_num_layers, "dcn_low_rank_dim": m.dcn_low_rank_dim} \
+        if m.name == "dcn" else {}
+    with _reported_as("DLRMSpec", _SPEC_KEYS):
+        return DLRMSpec(robe=robe, embedding_dim=emb.dim, model=m.name,
+                        dense_arch=tuple(m.dense_arch_layer_sizes),
+                        over_arch=tuple(m.over_arch_layer_sizes),
+                        fast_interaction=m.fast_interaction if m.name == "dlrm" else False,
+                        embedding_optimizer=optimizer_spec(opt, opt.embedding_lr),
+                        dense_optimizer=optimizer_spec(opt, opt.dense_lr), **dcn)
 
-    if emb.kind == "full" and cfg.optimizer.name == "adam":
+
+def validate(cfg: DictConfig) -> AppConfig:
+    """Raise :class:`ConfigError` for the first invalid setting of ``cfg``; return it typed."""
+    app = typed(cfg)
+    dlrm_spec(app)
+    emb = app.embedding
+    if emb.kind == "full" and app.optimizer.name == "adam":
         # torchrec 1.8 hands torch.optim.Adam's `betas` to FBGEMM's TBE, which takes
         # beta1/beta2 and has no Adam on CPU
         raise ConfigError("embedding=full with optimizer=adam is not supported (TorchRec 1.8 "
                           "cannot pass Adam's betas to FBGEMM's TBE); use optimizer=adagrad or "
                           "sgd for the full-table baseline")
-
-    dense = list(cfg.model.dense_arch_layer_sizes)
-    if not dense or dense[-1] != emb.dim:
-        raise ConfigError(
-            f"model.dense_arch_layer_sizes must end at the embedding dim (DLRM interacts the "
-            f"dense output with the embeddings): got {dense}, embedding.dim={emb.dim}")
-    over = list(cfg.model.over_arch_layer_sizes)
-    if not over or over[-1] != 1:
-        raise ConfigError(f"model.over_arch_layer_sizes must end at 1 (one logit), got {over}")
-    fast = cfg.model.get("fast_interaction", False)
-    if not isinstance(fast, bool):
-        raise ConfigError(f"model.fast_interaction must be true or false, got {fast!r}")
-    if fast and cfg.model.name != "dlrm":
-        raise ConfigError(f"model.fast_interaction=true needs model=dlrm (the dot interaction); "
-                          f"model={cfg.model.name} has no such interaction")
-
-    run = cfg.run
-    for key in ("steps", "log_every", "eval_every", "checkpoint_every", "eval_batches",
-                "test_batches"):
-        if run[key] < 0:
-            raise ConfigError(f"run.{key} must be >= 0, got {run[key]}")
-    if run.batch_size <= 0:
-        raise ConfigError(f"run.batch_size must be positive, got {run.batch_size}")
-    if str(run.resume).lower() not in ("auto", "true", "false"):
-        raise ConfigError(f"run.resume must be auto, true or false, got {run.resume!r}")
-    _reliability(run)
-    if cfg.data.name == "synthetic" and not cfg.data.cardinality_scale > 0:
-        raise ConfigError(f"data.cardinality_scale must be > 0 (it multiplies the Criteo "
-                          f"table sizes), got {cfg.data.cardinality_scale}")
-
-    mode = run.get("mode", "train")
-    _choice(mode, MODES, "run.mode")
-    checkpoint = run.get("checkpoint")
-    if mode == "eval":
-        if not checkpoint:
-            raise ConfigError("run.mode=eval needs run.checkpoint=<run dir>/checkpoints/step_N")
-        if not (Path(checkpoint) / ".metadata").is_file():
-            raise ConfigError(f"run.checkpoint: no complete checkpoint at {checkpoint} (a "
-                              f"step_N directory holding DCP's .metadata)")
-    elif checkpoint:
-        raise ConfigError(f"run.checkpoint is read by run.mode=eval only (got run.mode={mode}; "
-                          f"run.resume continues training from the run dir's checkpoints)")
-    if not isinstance(run.get("tensorboard", False), bool):
-        raise ConfigError(f"run.tensorboard must be true or false, got {run.tensorboard!r}")
-    if not isinstance(run.get("predictions", False), bool):
-        raise ConfigError(f"run.predictions must be true or false, got {run.predictions!r}")
-    if run.get("predictions") and mode != "eval":
-        raise ConfigError("run.predictions=true needs run.mode=eval")
+    init_from = getattr(emb, "init_from", None)  # robe only
+    if init_from and not (Path(init_from) / ".metadata").is_file():
+        raise ConfigError(f"embedding.init_from: no complete checkpoint at {init_from} (a "
+                          f"step_N directory, holding DCP's .metadata, of an embedding=full run)")
+    run = app.run
+    if run.mode == "eval" and not (Path(run.checkpoint) / ".metadata").is_file():
+        raise ConfigError(f"run.checkpoint: no complete checkpoint at {run.checkpoint} (a "
+                          f"step_N directory holding DCP's .metadata)")
+    if run.export:
+        _check_export(run.export)
+    return app
 
 
-def _reliability(run: DictConfig) -> None:
-    """The checkpoint-keeping and non-finite-guard settings of ``run``."""
-    for key in ("keep_checkpoints", "check_every", "max_rollbacks"):
-        if run.get(key, 0) < 0:
-            raise ConfigError(f"run.{key} must be >= 0, got {run[key]}"
-                              + (" (0 keeps every checkpoint)" if key == "keep_checkpoints"
-                                 else ""))
-    _choice(run.get("on_nonfinite", "stop"), ("stop", "rollback"), "run.on_nonfinite")
-    _choice(run.get("existing_checkpoints", "refuse"), ("refuse", "move"),
-            "run.existing_checkpoints")
-    scale = run.get("rollback_lr_scale", 0.5)
-    if not 0 < scale < 1:
-        raise ConfigError(f"run.rollback_lr_scale must be in (0, 1) (the learning rates are "
-                          f"multiplied by it on each rollback), got {scale}")
-    if not isinstance(run.get("allow_unverified", False), bool):
-        raise ConfigError(f"run.allow_unverified must be true or false, got "
-                          f"{run.allow_unverified!r}")
-    timeout = run.get("collective_timeout", 1800)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"run.collective_timeout must be a number of seconds > 0, got "
-                          f"{timeout!r}")
-    export = run.get("export")
-    if export:
-        target = Path(export)
-        if target.is_dir():
-            raise ConfigError(f"run.export={export} is a directory; give the file to write, "
-                              f"for example run.export={target / 'model.pt2'}")
-        parent = next((p for p in target.parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise ConfigError(f"run.export={export}: {parent} is a file, so the program "
-                              f"cannot be written under it")
+def _check_export(export: str) -> None:
+    """``run.export`` must name a file that can be written."""
+    target = Path(export)
+    if target.is_dir():
+        raise ConfigError(f"run.export={export} is a directory; give the file to write, "
+                          f"for example run.export={target / 'model.pt2'}")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"run.export={export}: {parent} is a file, so the program "
+                          f"cannot be written under it")
+
+
+__all__ = ["ConfigError", "dlrm_spec", "optimizer_spec", "validate"]

@@ -17,7 +17,7 @@ import itertools
 import os
 from typing import Iterator, List, Optional, Protocol
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torchrec.datasets.utils import Batch
 
 from robe_torchrec.data.synthetic import SyntheticCriteo
@@ -56,11 +56,11 @@ class SyntheticSource:
     def __init__(self, cfg: DictConfig, batch_size: int, rank: int, world_size: int) -> None:
         self._data = SyntheticCriteo(batch_size=batch_size, cardinality_scale=cfg.cardinality_scale,
                                      seed=cfg.seed, num_sparse=cfg.num_sparse,
-                                     mode=cfg.get("mode", "hard"))
+                                     mode=cfg.mode)
         self.keys, self.cardinalities = self._data.keys, self._data.cardinalities
         self._rank, self._world = rank, world_size
         self._cycle = [self._data.batch(i * world_size + rank)
-                       for i in range(cfg.get("cycle", 0) or 0)]
+                       for i in range(cfg.cycle)]
 
     def _stream(self, split: str, first: int, count: int) -> Iterator[Batch]:
         low, high = _SPLIT_RANGES[split]
@@ -147,13 +147,9 @@ def _no_batch(split: str, loader) -> ConfigError:
                        f"needs {need} rows)")
 
 
-def _paths(value, key: str) -> List[str]:
-    if value is None:
-        raise ConfigError(f"{key} is required (a path or a list of paths)")
-    paths = [value] if isinstance(value, str) else list(value)
-    if not paths:
-        raise ConfigError(f"{key} is empty")
-    return [str(p) for p in paths]
+def _paths(value) -> List[str]:
+    """The paths of a split that is set (the schema requires ``data.train``)."""
+    return [str(p) for p in ([value] if isinstance(value, str) else value)]
 
 
 def _no_directories(paths: List[str], key: str, kind: str) -> None:
@@ -186,7 +182,7 @@ def _disjoint_splits(splits, npy: bool, split_eval_prefix: bool) -> None:
     for split in ("train", "val", "test"):
         if not splits.get(split):
             continue
-        for p in _paths(splits[split], f"data.{split}"):
+        for p in _paths(splits[split]):
             key = p if "://" in p else os.path.realpath(p)
             other = seen.get(key)
             if other is not None and other != split and not (halves and {other, split} == {"val", "test"}):
@@ -198,35 +194,32 @@ def _disjoint_splits(splits, npy: bool, split_eval_prefix: bool) -> None:
 
 
 def _criteo(cfg: DictConfig, rank: int, world_size: int) -> FileSource:
+    # the schema (robe_torchrec.train.schema.CriteoDataConfig) requires train and the sizes
     d, batch = cfg.data, cfg.run.batch_size
-    if OmegaConf.is_missing(d, "train"):
-        raise ConfigError("data.train is required (a path or a list of paths)")
-    if d.num_embeddings_per_feature is None:
-        raise ConfigError("data.num_embeddings_per_feature is required (one hash size, or 26 "
-                          "row counts): the tables are built from it")
+    npy = d.name == "criteo_npy"
     sizes = d.num_embeddings_per_feature
     sizes = int(sizes) if isinstance(sizes, int) else [int(n) for n in sizes]
-    splits = {"train": _paths(d.train, "data.train"), "val": d.get("val"), "test": d.get("test")}
+    splits = {"train": _paths(d.train), "val": d.val, "test": d.test}
     for split, value in splits.items():
         if value:
-            _no_directories(_paths(value, f"data.{split}"), f"data.{split}", d.name)
-    _disjoint_splits(splits, d.name == "criteo_npy", d.get("split_eval_prefix", True))
+            _no_directories(_paths(value), f"data.{split}", d.name)
+    _disjoint_splits(splits, npy, npy and d.split_eval_prefix)
     if d.name == "criteo_tsv":
         from robe_torchrec.data.criteo_tsv import CriteoTsv
 
         def make(split: str):
-            return CriteoTsv(_paths(splits[split], f"data.{split}"), batch, sizes, rank,
+            return CriteoTsv(_paths(splits[split]), batch, sizes, rank,
                              world_size, on_bad_row=d.on_bad_row, drop_last=True)
     else:
         from robe_torchrec.data.criteo_npy import CriteoNpy
 
         def make(split: str):
-            prefixes = _paths(splits[split], f"data.{split}")
+            prefixes = _paths(splits[split])
             # a val/test prefix is halved by CriteoNpy (torchrec's split of the last day)
-            stage = split if split != "train" and d.get("split_eval_prefix", True) else "train"
+            stage = split if split != "train" and d.split_eval_prefix else "train"
             return CriteoNpy(prefixes, batch, sizes, rank, world_size, drop_last=True,
                              stage=stage, mmap_mode=d.mmap_mode,
-                             check_values=d.get("check_values", True))
+                             check_values=d.check_values)
     source = FileSource(make, splits, make("train"))
     source.check_inputs()
     return source

@@ -1,5 +1,6 @@
-"""The app's model: its Hydra config as a :class:`robe_torchrec.dlrm.DLRMSpec`, TorchRec's
-planner and DMP for sharding, and the optimizers the pipeline steps and the checkpoints hold.
+"""The app's model: built from its Hydra config's :class:`robe_torchrec.dlrm.DLRMSpec`
+(:func:`robe_torchrec.train.config.dlrm_spec`), TorchRec's planner and DMP for sharding, and
+the optimizers the pipeline steps and the checkpoints hold.
 
 Example::
 
@@ -24,41 +25,16 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-from robe_torchrec import RobeConfig, quiet
+from robe_torchrec import quiet
 from robe_torchrec.compress import fit_from_checkpoint
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
 # dense_optimizer: also imported from here by benchmarks/distributed_step.py
-from robe_torchrec.dlrm import (DLRMSpec, EmbeddingSummary, OptimizerSpec, build_dlrm,
-                                dense_optimizer)
+from robe_torchrec.dlrm import EmbeddingSummary, build_dlrm, dense_optimizer
 from robe_torchrec.dlrm import build_predict_model as _build_predict_model
 from robe_torchrec.train.checkpoint import (CheckpointError, SafeFileSystemReader,
                                             verify_checkpoint)
-from robe_torchrec.train.config import ConfigError
-
-
-def optimizer_spec(opt: DictConfig, lr: float) -> OptimizerSpec:
-    """An ``optimizer`` config group entry at learning rate ``lr`` (it has two)."""
-    betas = opt.get("betas")
-    return OptimizerSpec(opt.name, lr=lr, weight_decay=opt.get("weight_decay", 0.0),
-                         eps=opt.get("eps"), betas=tuple(betas) if betas is not None else None)
-
-
-def dlrm_spec(cfg: DictConfig) -> DLRMSpec:
-    """The ``model``, ``embedding`` and ``optimizer`` config groups as a spec."""
-    emb, m, opt = cfg.embedding, cfg.model, cfg.optimizer
-    # a run directory saved before bounds_check was a key resumes with the default
-    robe = (RobeConfig(compression=emb.compression, memory_size=emb.memory_size,
-                       block_size=emb.block_size, hash=emb.hash, seed=emb.seed, shared=emb.shared,
-                       bounds_check=emb.get("bounds_check", "error"))
-            if emb.kind == "robe" else None)
-    dcn = {"dcn_num_layers": m.dcn_num_layers, "dcn_low_rank_dim": m.dcn_low_rank_dim} \
-        if m.name == "dcn" else {}
-    return DLRMSpec(robe=robe, embedding_dim=emb.dim, model=m.name,
-                    dense_arch=tuple(m.dense_arch_layer_sizes),
-                    over_arch=tuple(m.over_arch_layer_sizes),
-                    fast_interaction=m.get("fast_interaction", False),
-                    embedding_optimizer=optimizer_spec(opt, opt.embedding_lr),
-                    dense_optimizer=optimizer_spec(opt, opt.dense_lr), **dcn)
+# dlrm_spec, optimizer_spec: the config as the model's spec, checked (imported from here too)
+from robe_torchrec.train.config import ConfigError, dlrm_spec, optimizer_spec  # noqa: F401
 
 
 def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[int],
@@ -67,10 +43,10 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
     ``embedding.init_from``: its ROBE array is the least-squares fit of the full tables of
     that checkpoint (:mod:`robe_torchrec.compress`)."""
     model, summary = build_dlrm(dlrm_spec(cfg), keys, cardinalities, dense_device=device)
-    source = cfg.embedding.get("init_from")
+    source = cfg.embedding.get("init_from")  # robe only
     if source:
         # the same checks as a resume: manifest, checksums, metadata read without running code
-        problem = verify_checkpoint(source, cfg.run.get("allow_unverified", False))
+        problem = verify_checkpoint(source, cfg.run.allow_unverified)
         if problem is not None:
             raise CheckpointError(f"embedding.init_from={source} is unusable: {problem}")
         fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection, source,

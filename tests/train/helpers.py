@@ -34,7 +34,9 @@ def compose(*overrides: str):
     from hydra import initialize_config_dir
 
     from robe_torchrec.hydra_configs import config_dir
+    from robe_torchrec.train.schema import register
 
+    register()  # as the app does before Hydra composes
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         tiny = TINY_RUN if any(o.startswith("data=") for o in overrides) else TINY
         return hydra_compose("config", overrides=[*tiny, *overrides])

@@ -17,7 +17,8 @@ from tests.train.helpers import compose
 
 def test_default_config_composes_and_is_valid():
     cfg = compose()
-    validate(cfg)
+    app = validate(cfg)  # typed: each group's option as its dataclass
+    assert (type(app.embedding).__name__, app.embedding.block_size) == ("RobeEmbeddingConfig", 8)
     assert (cfg.model.name, cfg.embedding.kind, cfg.pipeline.name, cfg.optimizer.name) == \
         ("dlrm", "robe", "sparse_dist", "adagrad")
     assert cfg.model.dense_arch_layer_sizes[-1] == cfg.embedding.dim  # interpolated
@@ -37,29 +38,102 @@ def test_every_group_option_is_valid(overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
+    # the app's own options: the schemas' rules (robe_torchrec/train/schema.py)
     (["pipeline.name=turbo"], "pipeline.name: unknown value 'turbo'"),
-    (["embedding.compression=0.5"], "embedding.compression must be >= 1"),
-    (["embedding.memory_size=100"], "exactly one of embedding.compression and embedding.memory_size"),
-    (["embedding.dim=8", "model.dense_arch_layer_sizes=[64,16]"],
-     r"dense_arch_layer_sizes must end at the embedding dim.*\[64, 16\], embedding.dim=8"),
-    (["model.over_arch_layer_sizes=[64,2]"], "over_arch_layer_sizes must end at 1"),
     (["optimizer.name=lamb"], "optimizer.name: unknown value 'lamb'"),
+    (["optimizer.name=sgd"], "optimizer.name=sgd does not match the optimizer=adagrad config"),
     (["run.resume=maybe"], "run.resume must be auto, true or false"),
-    (["embedding=full", "optimizer=adam"], "embedding=full with optimizer=adam is not supported"),
+    (["run.steps=0"], "run.steps must be >= 1, got 0"),
     (["sharding.types=[diagonal]"], "sharding.types: unknown value 'diagonal'"),
-    (["model.fast_interaction=maybe"], "model.fast_interaction must be true or false"),
-    (["model=dcn", "+model.fast_interaction=true"], "fast_interaction=true needs model=dlrm"),
     (["data.cardinality_scale=0"], "data.cardinality_scale must be > 0"),
+    (["embedding.dim=0"], "embedding.dim must be >= 1, got 0"),
     (["run.keep_checkpoints=-1"], r"run.keep_checkpoints must be >= 0, got -1 \(0 keeps every"),
     (["run.on_nonfinite=ignore"], "run.on_nonfinite: unknown value 'ignore'"),
     (["run.rollback_lr_scale=2"], r"run.rollback_lr_scale must be in \(0, 1\)"),
     (["run.existing_checkpoints=delete"], "run.existing_checkpoints: unknown value 'delete'"),
-    (["embedding.bounds_check=clamp"], "embedding.bounds_check: unknown value 'clamp'"),
-    (["embedding.hash=md5"], "embedding.hash: unknown value 'md5'"),
+    (["data=criteo_tsv"], "data.train is required"),
+    # ROBE's settings: RobeConfig's checks, in the app's keys
+    (["embedding.compression=0.5"], r"embedding.compression must be >= 1, got 0.5 \(RobeConfig\)"),
+    (["embedding.memory_size=100"],
+     "give exactly one of embedding.memory_size or embedding.compression"),
+    (["embedding.compression=null", "embedding.memory_size=4"],
+     "embedding.memory_size=4 holds less than one block of embedding.block_size=8 floats"),
+    (["embedding.block_size=0"], "embedding.block_size must be >= 1"),
+    (["embedding.bounds_check=clamp"], "embedding.bounds_check must be 'error' or 'unbounded'"),
+    (["embedding.hash=md5"], "embedding.hash 'md5': expected 'reference' or 'mix'"),
+    # the model's layer sizes: DLRMSpec's checks
+    (["embedding.dim=8", "model.dense_arch_layer_sizes=[64,16]"],
+     r"model.dense_arch_layer_sizes must end at embedding.dim \(8\), got \(64, 16\) "
+     r"\(DLRMSpec\)"),
+    (["model.over_arch_layer_sizes=[64,2]"], "model.over_arch_layer_sizes must end at 1"),
+    # across groups
+    (["embedding=full", "optimizer=adam"], "embedding=full with optimizer=adam is not supported"),
+    # a key added with + that the option's schema does not have
+    (["model=dcn", "+model.fast_interaction=true"],
+     "model.fast_interaction needs model=dlrm: model=dcn has no such key"),
+    (["+embedding.blok_size=3"], "embedding.blok_size: no such key in embedding=robe"),
 ])
 def test_bad_config_is_refused_with_the_key_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(*overrides))
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["run.steps=abc"], "run.steps", "could not be converted to Integer"),
+    (["model.fast_interaction=maybe"], "model.fast_interaction", "is not a valid bool"),
+    (["embedding.block_size=2.5"], "embedding.block_size", "could not be converted to Integer"),
+    (["embedding.blok_size=3"], "embedding.blok_size", "Could not override"),
+])
+def test_wrong_type_or_unknown_key_fails_while_hydra_composes(overrides, key, message):
+    with pytest.raises(HydraException) as caught:
+        compose(*overrides)
+    # Hydra names the override, its cause the key (full_key: ...)
+    text = f"{caught.value}\n{caught.value.__cause__}"
+    assert key in text and message in text, text
+
+
+def test_a_typo_in_a_config_file_fails_while_hydra_composes(tmp_path, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "configs"
+    shutil.copytree(config_dir(), copy)
+    robe = copy / "embedding" / "robe.yaml"
+    robe.write_text(robe.read_text().replace("block_size: 8", "blok_size: 8"))
+    monkeypatch.setenv("ROBE_TRAIN_CONFIGS", str(copy))
+    with pytest.raises(HydraException, match=r"(?s)Key 'blok_size' not in "
+                                             r"'RobeEmbeddingConfig'.*full_key: embedding"
+                                             r".blok_size"):
+        compose()
+
+
+def test_config_files_without_their_schema_are_refused(tmp_path, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "configs"
+    shutil.copytree(config_dir(), copy)
+    sgd = copy / "optimizer" / "sgd.yaml"
+    sgd.write_text("\n".join(line for line in sgd.read_text().splitlines()
+                             if "schema" not in line and "_self_" not in line
+                             and line != "defaults:"))
+    monkeypatch.setenv("ROBE_TRAIN_CONFIGS", str(copy))
+    with pytest.raises(ConfigError, match="optimizer: its config file has no schema"):
+        validate(compose("optimizer=sgd"))
+
+
+def test_schema_choices_are_those_of_the_layers_below():
+    """The app's lists of names agree with the factories that take them."""
+    from robe_torchrec.data.synthetic import MODES
+    from robe_torchrec.dlrm import MODELS, OPTIMIZERS
+    from robe_torchrec.pipelines import PIPELINES
+    from robe_torchrec.train.schema import (PipelineConfig, SyntheticDataConfig, options)
+
+    assert sorted(PipelineConfig.NAMES) == sorted(PIPELINES)
+    assert sorted(SyntheticDataConfig.MODES) == sorted(MODES)
+    assert sorted(options("optimizer")) == sorted(OPTIMIZERS)
+    assert sorted(options("model")) == sorted(MODELS)
+    for group in ("data", "embedding", "model", "optimizer"):
+        assert sorted(options(group)) == sorted(p.stem for p in (config_dir() / group).glob(
+            "*.yaml")), group
 
 
 @pytest.mark.parametrize("fast, arch", [("true", FastInteractionArch),
