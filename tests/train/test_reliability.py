@@ -330,7 +330,7 @@ def test_manifest_records_run_config_and_checksums(base):
 # ---------------------------------------------------------------- resume checks
 
 @pytest.mark.parametrize("change, key", [
-    ("embedding.compression=50", "embedding.compression: 1000 -> 50"),
+    ("embedding.compression=50", "embedding.compression: 1000.0 -> 50.0"),  # typed: a float
     ("run.batch_size=16", "run.batch_size: 32 -> 16 (the data position"),
     ("data.seed=1", "data.seed: 0 -> 1"),
     ("run.seed=1", "run.seed: 0 -> 1"),
