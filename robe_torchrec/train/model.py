@@ -25,7 +25,6 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-from robe_torchrec import quiet
 from robe_torchrec.compress import fit_from_checkpoint
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
 # dense_optimizer: also imported from here by benchmarks/distributed_step.py
@@ -90,7 +89,6 @@ def _table_names(model: nn.Module) -> List[str]:
 def shard(model: DLRMTrain, cfg: DictConfig, device: torch.device) -> DistributedModelParallel:
     """Plan (TorchRec's planner, collectively) and wrap in DistributedModelParallel."""
     pg = dist.group.WORLD
-    quiet.install()  # TorchRec's per-table warnings (ROBE_TORCHREC_ALL_WARNINGS=1 shows them)
     # the last sharder of a module type wins: ours, offering row_wise when the config asks
     row_wise = "row_wise" in (cfg.sharding.types or [])
     sharders = [*get_default_sharders(), RobeEmbeddingBagCollectionSharder(row_wise=row_wise)]
