@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime
 import json
@@ -123,24 +124,25 @@ def nearest_rank(values: Sequence[float], pct: float) -> float:
 def _first_field(path: str, prefix: str) -> Optional[str]:
     try:
         with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)),
+                        None)
     except OSError:
         return None
 
 
-def _version(module: str) -> str:
+def version(module: str) -> str:
     """A module's version, without importing it when it is not there already (a bare GPU
     image has no torchrec, and a GPU check must not import it)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version as installed
 
-    name = {"fbgemm_gpu": "fbgemm-gpu-cpu"}.get(module, module)
-    try:
-        return getattr(sys.modules[module], "__version__", None) or version(name)
-    except (KeyError, PackageNotFoundError):
+    if getattr(sys.modules.get(module), "__version__", None):
+        return sys.modules[module].__version__
+    for name in ({"fbgemm_gpu": ["fbgemm-gpu-cpu"]}.get(module, []) + [module]):
         try:
-            return version(module)
+            return installed(name)
         except PackageNotFoundError:
-            return "not installed"
+            pass
+    return "not installed"
 
 
 def machine() -> Dict[str, Any]:
@@ -149,12 +151,13 @@ def machine() -> Dict[str, Any]:
     check runs where torchrec is not installed)."""
     mem_kib = _first_field("/proc/meminfo", "MemTotal")
     return {"host": platform.node(), "platform": platform.platform(),
-            "cpu": _first_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+            "cpu": (_first_field("/proc/cpuinfo", "model name") or platform.processor()
+                    or platform.machine()),
             "logical_cpus": os.cpu_count(),
             "memory_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,
-            "torchrec": _version("torchrec"), "fbgemm_gpu": _version("fbgemm_gpu")}
+            "torchrec": version("torchrec"), "fbgemm_gpu": version("fbgemm_gpu")}
 
 
 def machine_line(m: Optional[Dict[str, Any]] = None) -> str:
@@ -186,6 +189,12 @@ def loadavg() -> float:
         return os.getloadavg()[0]
     except OSError:
         return float("nan")
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of benchmark ``name``, described by its docstring's first line."""
+    return argparse.ArgumentParser(prog=f"python -m benchmarks.{name}",
+                                   description=doc.split("\n")[0])
 
 
 def command_line(name: str, argv: Optional[Sequence[str]]) -> str:

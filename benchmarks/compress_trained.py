@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import command_line, header, publish, table
+from benchmarks.common import command_line, header, parser, publish, table
 from benchmarks.train_loop import LR, build, group_by, mean_and_spread, quality_spec, score, train
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.data.synthetic import SyntheticCriteo
@@ -49,13 +49,16 @@ def run_seed(args: argparse.Namespace, seed: int) -> List[Dict]:
     rows = [("full tables", 1.0, args.steps, score(full, test)[0])]
     counts = id_counts(first, data.keys, data.cardinalities)
     for c in args.compressions:
-        spec = quality_spec(args.dim, RobeConfig(compression=c, block_size=args.block_size, seed=1024 + seed))
+        spec = quality_spec(args.dim, RobeConfig(compression=c, block_size=args.block_size,
+                                                 seed=1024 + seed))
         for weights, w in (("counts", counts), ("uniform", None)):
-            model = build(spec, data.keys, data.cardinalities, seed, embeddings=RobeEmbeddingBagCollection
-                          .from_embedding_bag_collection(full.sparse_arch.embedding_bag_collection, spec.robe, w))
+            fitted = RobeEmbeddingBagCollection.from_embedding_bag_collection(
+                full.sparse_arch.embedding_bag_collection, spec.robe, w)
+            model = build(spec, data.keys, data.cardinalities, seed, embeddings=fitted)
             for part in ("dense_arch", "inter_arch", "over_arch"):
                 getattr(model, part).load_state_dict(getattr(full, part).state_dict())
-            rows.append((f"compressed ({weights}), no training", c, args.steps, score(model, test)[0]))
+            rows.append((f"compressed ({weights}), no training", c, args.steps,
+                         score(model, test)[0]))
             train(model, quality_spec(args.dim, spec.robe, args.finetune_lr), more)
             rows.append((f"compressed ({weights}) + {finetune} steps", c, args.steps + finetune,
                          score(model, test)[0]))
@@ -69,7 +72,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> List[Dict]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compress_trained", description=__doc__.split("\n")[0])
+    p = parser("compress_trained", __doc__)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--finetune", type=int, default=None, help="default: steps // 10")
     p.add_argument("--finetune-lr", type=float, default=0.005)
@@ -91,13 +94,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
              for (c, model, steps), rs in group_by(rows, ("compression", "model", "steps")).items()]
     lines = header("Compressing a trained full-table DLRM into ROBE-Z (realistic synthetic data)",
                    command_line("compress_trained", argv),
-                   f"setup: dim {args.dim}, Z = {args.block_size}, reference hash, batch {args.batch_size}, "
-                   f"cardinality scale {args.cardinality_scale}, seeds {args.seeds}; training at "
-                   f"learning rate {LR}, fine-tuning at {args.finetune_lr}; test AUC on "
-                   f"{args.test_batches * args.batch_size:,} held-out samples; AUC - full against the "
-                   f"full model of the same seed, then mean and sd over the seeds; "
-                   f"{(time.perf_counter() - t0) / 60:.1f} min")
-    lines += table(["compression", "model", "steps", "mean test AUC", "AUC - full, mean", "sd"], cells)
+                   f"setup: dim {args.dim}, Z = {args.block_size}, reference hash, batch "
+                   f"{args.batch_size}, cardinality scale {args.cardinality_scale}, seeds "
+                   f"{args.seeds}; training at learning rate {LR}, fine-tuning at "
+                   f"{args.finetune_lr}; test AUC on {args.test_batches * args.batch_size:,} "
+                   f"held-out samples; AUC - full against the full model of the same seed, then "
+                   f"mean and sd over the seeds; {(time.perf_counter() - t0) / 60:.1f} min")
+    lines += table(["compression", "model", "steps", "mean test AUC", "AUC - full, mean", "sd"],
+                   cells)
     result = {"command": command_line("compress_trained", argv), "args": vars(args), "rows": rows}
     publish(args.out, "compress_trained", lines, result)
     return result

@@ -35,15 +35,17 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import DeviceTimer, command_line, header, publish, table
+from benchmarks.common import DeviceTimer, command_line, header, parser, publish, table
 
 #: launch variants timed beside the default with several ids a bag (tuning fields)
 VARIANTS = {"": {}, "one pass": {"two_pass_mean_bag": float("inf")},
             "one pass, ids 4 a step": {"two_pass_mean_bag": float("inf"), "tile": 512},
-            "two-pass, ids 16 a step": {"two_pass_tile": 2048}, "two-pass, 4 warps": {"num_warps": 4}}
+            "two-pass, ids 16 a step": {"two_pass_tile": 2048},
+            "two-pass, 4 warps": {"num_warps": 4}}
 
 
-def run_checks(device: str, quick: bool, only: Optional[str], matrix: int) -> List[Dict[str, object]]:
+def run_checks(device: str, quick: bool, only: Optional[str],
+               matrix: int) -> List[Dict[str, object]]:
     from robe_torchrec.testing.op_checks import triton_checks
 
     checks = triton_checks(device, quick=quick)
@@ -57,7 +59,8 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int) -> Li
         try:
             check()
         except Exception as exc:  # noqa: BLE001  a failure is reported, the rest still run
-            error = " ".join(" ".join(traceback.format_exception_only(type(exc), exc)).split())[:400]
+            error = " ".join(traceback.format_exception_only(type(exc), exc))
+            error = " ".join(error.split())[:400]
         results.append({"name": name, "ok": not error, "seconds": time.perf_counter() - start,
                         "error": error})
         print(f"  check {name:40s} {'FAILED' if error else 'ok'} ({results[-1]['seconds']:.1f} s) "
@@ -77,7 +80,8 @@ def speed(args: argparse.Namespace, device: torch.device):
     reps, inner, warmup = (2, 1, 0) if cpu else (args.reps, args.inner, 3)
     timer, lines, results = DeviceTimer(device), [], []
     for per_bag in (1, args.ids_per_bag):
-        s = gpu_speed.Scenario(f"{per_bag} id(s) a bag", batch, dim, cards, per_bag, zs, compression)
+        s = gpu_speed.Scenario(f"{per_bag} id(s) a bag", batch, dim, cards, per_bag, zs,
+                               compression)
         variants = VARIANTS if per_bag > 1 and not cpu else {"": {}}
         more, result = gpu_speed.run_scenario(s, device, timer, reps, inner, warmup, variants,
                                               reference_reps=2 if cpu else max(3, reps // 10))
@@ -112,9 +116,9 @@ def profile_launches(ids_per_bag: int, block_size: int = 32) -> None:
             with torch.no_grad(), tuned(**tuning):
                 for _ in range(2):
                     torch.ops.robe.forward(weights, *args)
-                    torch.ops.robe.backward_fused_(lk.grad, weights, state, state.new_empty(0),
-                                                   values, offsets, None, meta, z, hash_mode, params,
-                                                   int(Optimizer.SGD), HPARAMS, 1)
+                    torch.ops.robe.backward_fused_(
+                        lk.grad, weights, state, state.new_empty(0), values, offsets, None, meta,
+                        z, hash_mode, params, int(Optimizer.SGD), HPARAMS, 1)
         torch.cuda.synchronize()
         raise_pending_checks()
         print(f"profiled {per_bag} id(s) a bag, variants {variants}", flush=True)
@@ -140,7 +144,7 @@ def select_device(cpu: bool) -> Optional[torch.device]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
+    p = parser("gpu_check", __doc__)
     p.add_argument("--cpu", action="store_true", help="CPU tensors, Triton's interpreter (CI)")
     p.add_argument("--out", default=None, help="results file (.md; .json beside it)")
     p.add_argument("--batch", type=int, default=10240)
@@ -173,7 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not importable"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "CPU, Triton interpreter")
     failed = [c["name"] for c in checks if not c["ok"]]
     lines = header("GPU check: Triton kernels against the reference, and their speed",
                    command_line("gpu_check", argv),
@@ -186,8 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      [[c["name"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["error"]]
                       for c in checks])]
     lines += ["", "## Speed", "", *speed_lines] if speed_lines else []
-    publish(args.out, "gpu_check", lines, {"command": command_line("gpu_check", argv),
-                                           "device": name, "checks": checks, "speed": speed_results})
+    publish(args.out, "gpu_check", lines, {"command": command_line("gpu_check", argv), "device":
+                                           name, "checks": checks, "speed": speed_results})
     return 1 if failed else 0
 
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU command of the project in one call, for a GPU machine reached by copying the
 # working tree (with the carried wheels in .whl/, see benchmarks/gpu_torchrec/wheels.sh):
-# the kernel checks and speed (benchmarks.gpu_check), TorchRec's side on the GPU
+# the kernel checks and speed (benchmarks.gpu_check), the host's time per op call
+# (benchmarks.host_overhead --cuda), TorchRec's side on the GPU
 # (benchmarks.gpu_torchrec.run) and an Nsight Compute profile of the lookups, each with a
 # time limit so that one slow part cannot eat the others'. About 5 minutes on an H100.
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR CARD COMMIT     # e.g. $OUT h100 "$(git rev-parse --short HEAD)"
 #
-# Writes OUT_DIR/gpu_check_CARD.md, OUT_DIR/ncu_CARD.csv, OUT_DIR/pipelines_CARD.tgz (the
-# pipelines report, its .json, trace and compare report) and a log of each part. Exit status:
-# the number of parts that failed.
+# Writes OUT_DIR/gpu_check_CARD.md, OUT_DIR/host_overhead_CARD.md, OUT_DIR/ncu_CARD.csv,
+# OUT_DIR/pipelines_CARD.tgz (the pipelines report, its .json, trace and compare report) and a
+# log of each part. Exit status: the number of parts that failed.
 set -u
 out=${1:?OUT_DIR}; card=${2:?CARD}; commit=${3:?COMMIT}
 mkdir -p "$out" /tmp/robe_pipelines
@@ -25,6 +26,8 @@ export PYTHONPATH=/tmp/site:.
 failed=0
 timeout 240 python3 -m benchmarks.gpu_check --matrix 24 --reps 10 --inner 3 \
   --out "$out/gpu_check_$card.md" >"$out/gpu_check.log" 2>&1 || failed=$((failed + 1))
+timeout 60 python3 -m benchmarks.host_overhead --cuda --out "$out/host_overhead_$card.md" \
+  >"$out/host_overhead.log" 2>&1 || failed=$((failed + 1))
 timeout 200 python3 -m benchmarks.gpu_torchrec.run --commit "$commit" \
   --out "/tmp/robe_pipelines/gpu_pipelines_$card.md" >/tmp/robe_pipelines/log.txt 2>&1 \
   || failed=$((failed + 1))

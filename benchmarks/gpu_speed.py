@@ -21,10 +21,7 @@ round-robin (each round starting one row later), medians, the host's time beside
 from __future__ import annotations
 
 import contextlib
-import cProfile
 import dataclasses
-import io
-import pstats
 import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -81,7 +78,8 @@ class Lookup:
         g = torch.Generator().manual_seed(seed)
         self.s, self.device = s, device
         bags = s.batch * len(s.cardinalities)
-        ids = [torch.randint(0, c, (s.batch * s.ids_per_bag,), generator=g) for c in s.cardinalities]
+        ids = [torch.randint(0, c, (s.batch * s.ids_per_bag,), generator=g)
+               for c in s.cardinalities]
         self.row_offsets = torch.tensor([0] + list(s.cardinalities[:-1])).cumsum(0).tolist()
         self.ids = torch.cat(ids).to(device)
         self.global_ids = torch.cat([i + o for i, o in zip(ids, self.row_offsets)]).to(device)
@@ -122,7 +120,8 @@ def full_table_rows(lk: Lookup) -> List[Row]:
         table_.index_add_(0, lk.global_ids, rows, alpha=-HPARAMS[0])
 
     ends = lk.row_offsets[1:] + [sum(s.cardinalities)]
-    bags = [torch.nn.EmbeddingBag.from_pretrained(table_[a:b], freeze=False, mode="sum", sparse=True)
+    bags = [torch.nn.EmbeddingBag.from_pretrained(table_[a:b], freeze=False, mode="sum",
+                                                  sparse=True)
             for a, b in zip(lk.row_offsets, ends)]
     per_table, grads = lk.ids.view(len(bags), -1), list(bag_grad.view(len(bags), s.batch, s.dim))
 
@@ -158,16 +157,12 @@ def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
                                                offsets, None, meta, z, hash_mode, params,
                                                int(optimizer), HPARAMS, 1)
 
-        rows.append(Row(f"ROBE-Z Z={z}{f', {label}' if label else ''} (+ fused SGD)", forward, train))
+        suffix = f", {label}" if label else ""
+        rows.append(Row(f"ROBE-Z Z={z}{suffix} (+ fused SGD)", forward, train))
         if not label:
-            def direct():
-                with torch.no_grad(), triton_path(lk.device):
-                    return triton_kernels.forward(weights, *args)
-
-            adagrad = (weights.clone(), torch.zeros_like(weights))
-            rows += [Row(f"ROBE-Z Z={z} forward, Triton wrapper called directly (host split)", direct),
-                     Row(f"ROBE-Z Z={z} (+ fused Adagrad)", forward,
-                         lambda: train(optimizer=Optimizer.ADAGRAD, w=adagrad[0], state=adagrad[1]))]
+            w_a, state_a = weights.clone(), torch.zeros_like(weights)
+            rows.append(Row(f"ROBE-Z Z={z} (+ fused Adagrad)", forward,
+                            lambda: train(optimizer=Optimizer.ADAGRAD, w=w_a, state=state_a)))
     return rows
 
 
@@ -180,8 +175,9 @@ def floor_rows(lk: Lookup, z: int, output: bool) -> List[Row]:
         weights, (values, offsets, _, meta, output_dim, _, hash_mode, params, _) = lk.robe(z)
         starts = triton_kernels.hash_starts(weights, values, offsets, meta, lk.s.dim, z,
                                             hash_mode, params)
-        rows.append(Row(f"floor: L2 block reads + pooling, Z={z}", lambda: triton_kernels.forward_from_starts(
-            weights, values, offsets, meta, output_dim, lk.s.dim, z, starts)))
+        rows.append(Row(f"floor: L2 block reads + pooling, Z={z}",
+                        lambda: triton_kernels.forward_from_starts(
+                            weights, values, offsets, meta, output_dim, lk.s.dim, z, starts)))
     return rows
 
 
@@ -206,13 +202,12 @@ def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, wa
 
 def compare_variants(rows: Sequence[Row]) -> None:
     """Each launch variant's forward against its Z's default row (relative max difference)."""
-    defaults = {r.name.split(" (")[0]: r for r in rows
-                if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)") and "," not in r.name}
-    for r in rows:
-        base = defaults.get(r.name.split(",")[0]) if r.name.startswith("ROBE-Z") and "," in r.name else None
-        if base is not None:
-            a, b = base.forward(), r.forward()
-            r.note = f"max rel. diff to default {float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)):.1e}"
+    robe = [r for r in rows if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)")]
+    defaults = {r.name.split(" (")[0]: r for r in robe if "," not in r.name}
+    for r in (r for r in robe if "," in r.name):
+        a, b = defaults[r.name.split(",")[0]].forward(), r.forward()
+        diff = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+        r.note = f"max rel. diff to default {diff:.1e}"
 
 
 def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
@@ -220,12 +215,16 @@ def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
     out = []
 
     def add(what: str, value: float, goal: float, unit: str = "x") -> None:
-        out.append({"target": what, "value": value, "goal": goal, "unit": unit, "met": value <= goal})
+        out.append({"target": what, "value": value, "goal": goal, "unit": unit,
+                    "met": value <= goal})
 
     for z in s.block_sizes:
-        fwd, adagrad = by_name[f"ROBE-Z Z={z} (+ fused SGD)"], by_name[f"ROBE-Z Z={z} (+ fused Adagrad)"]
-        add(f"Z={z} forward / full-table forward", fwd.median("forward") / peer.median("forward"), 0.5)
-        add(f"Z={z} forward + fused SGD / full table + SGD rows", fwd.median("train") / peer.median("train"), 0.5)
+        fwd = by_name[f"ROBE-Z Z={z} (+ fused SGD)"]
+        adagrad = by_name[f"ROBE-Z Z={z} (+ fused Adagrad)"]
+        add(f"Z={z} forward / full-table forward",
+            fwd.median("forward") / peer.median("forward"), 0.5)
+        add(f"Z={z} forward + fused SGD / full table + SGD rows",
+            fwd.median("train") / peer.median("train"), 0.5)
         add(f"Z={z} forward + fused Adagrad / full table + SGD rows",
             adagrad.median("train") / peer.median("train"), 0.5)
         if s.ids_per_bag == 1:
@@ -234,13 +233,14 @@ def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
             add(f"Z={z} host time a forward call", fwd.median("host") * 1e3, 40, " us")
         elif f"floor: L2 block reads + pooling, Z={z}" in by_name:
             l2 = by_name[f"floor: L2 block reads + pooling, Z={z}"]
-            add(f"Z={z} forward / L2 block-read floor", fwd.median("forward") / l2.median("forward"), 3.0)
+            add(f"Z={z} forward / L2 block-read floor",
+                fwd.median("forward") / l2.median("forward"), 3.0)
     return out
 
 
 def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: int, inner: int,
                  warmup: int, variants: Dict[str, dict], reference_reps: int):
-    """``(lines, result)``: one scenario's table, targets and (one id a bag) host profile."""
+    """``(lines, result)``: one scenario's table and targets."""
     lk = Lookup(s, device)
     rows = full_table_rows(lk)
     for i, z in enumerate(s.block_sizes):
@@ -254,12 +254,16 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
     time_rows(rows, timer, reps, inner, warmup)
     compare_variants(rows)
     found = targets(rows, s)
-    cells = [[r.name, fmt(r.median("forward"), 3), fmt(r.median("forward") / rows[0].median("forward")),
+    peer = rows[0]
+    cells = [[r.name, fmt(r.median("forward"), 3),
+              fmt(r.median("forward") / peer.median("forward")),
               fmt(r.median("host") * 1e3, 0), fmt(r.median("train"), 3),
-              fmt(r.median("train") / rows[0].median("train")), fmt(r.first_ms, 1), r.note] for r in rows]
+              fmt(r.median("train") / peer.median("train")), fmt(r.first_ms, 1), r.note]
+             for r in rows]
     lines = [f"### {s.name}", "",
              f"Batch {s.batch}, dim {s.dim}, {len(s.cardinalities)} features "
-             f"({sum(s.cardinalities):,} rows), {s.ids_per_bag} id(s) a bag ({lk.ids.numel():,} ids), "
+             f"({sum(s.cardinalities):,} rows), {s.ids_per_bag} id(s) a bag "
+             f"({lk.ids.numel():,} ids), "
              f"ROBE array {s.compression:g}x smaller than the tables (reference hash). Peer: the "
              f"first row. Medians of {reps} samples of {inner} calls.", "",
              *table(["row", "forward ms", "/ peer", "host us a call", "train ms", "/ peer",
@@ -267,28 +271,7 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
              *table(["target", "value", "goal", "verdict"],
                     [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
                       "met" if t["met"] else "missed"] for t in found]), ""]
-    if s.ids_per_bag == 1:
-        lines += host_profile(lk, s.block_sizes[0], calls=300 if device.type == "cuda" else 2)
     return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
-
-
-def host_profile(lk: Lookup, block_size: int, calls: int, top: int = 14) -> List[str]:
-    """Where the host's time of a forward call goes: ``cProfile`` of ``calls`` calls of the
-    registered op (no grad), the entries with the most time of their own."""
-    weights, args = lk.robe(block_size)
-    profile, text = cProfile.Profile(), io.StringIO()
-    with torch.no_grad(), triton_path(lk.device):
-        torch.ops.robe.forward(weights, *args)
-        profile.enable()
-        for _ in range(calls):
-            torch.ops.robe.forward(weights, *args)
-        profile.disable()
-    raise_pending_checks()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
-    body = [line for line in text.getvalue().splitlines() if line.strip()]
-    return [f"### Host time of a forward call, Z={block_size}, {lk.s.ids_per_bag} id(s) a bag", "",
-            f"cProfile over {calls} calls of `torch.ops.robe.forward` (no grad; the profiler "
-            "itself slows every Python call):", "", "```", *body[:top + 8], "```", ""]
 
 
 def single_table_sweep(device: torch.device, timer: DeviceTimer, reps: int, inner: int,

@@ -15,9 +15,6 @@ add them back). Rows, microseconds per call:
   gradient; ``fused step``: the forward and ``robe::backward_fused_`` (Adagrad);
 * ``through the dispatcher twice``: the op's backend kernel reached by redispatching below
   autograd, as ``robe::forward`` did before calling its implementation directly;
-* ``custom_op ...`` / ``register_autograd ...``: the same kernel behind a
-  ``torch.library.custom_op``, and defined as ``robe::forward`` is with its autograd from
-  ``torch.library.register_autograd``: the registrations robe's was chosen against;
 * references of the host's speed: an op of the same schema returning its input, ``torch.add``
   of 4-element tensors, 1000 additions in Python.
 
@@ -32,7 +29,6 @@ garbage collector off while timing::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import statistics
@@ -40,8 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (command_line, header, interleaved, keep_freed_memory, publish,
-                               table)
+from benchmarks.common import (command_line, header, interleaved, keep_freed_memory, parser,
+                               publish, table)
 from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, triton_kernels
 from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
@@ -52,53 +48,20 @@ FEATURES, DIM, BLOCK_SIZE, MEMORY = 26, 128, 32, 65536
 _LIBRARIES: List[torch.library.Library] = []
 
 
-def forward_schema() -> str:
-    """``robe::forward``'s schema without its namespace, to define an op just like it."""
-    return str(torch.ops.robe.forward.default._schema).split("::", 1)[1]
-
-
-def _library(namespace: str) -> torch.library.Library:
-    lib = torch.library.Library(namespace, "DEF")
-    _LIBRARIES.append(lib)
-    lib.define(forward_schema())
-    return lib
-
-
-def _save(ctx, inputs, output) -> None:  # what robe::forward's autograd saves
-    ctx.save_for_backward(*inputs[:5])
-    ctx.layout = inputs[5:]
-
-
-def _no_backward(ctx, grad):
-    raise NotImplementedError("timing only")
-
-
-def peer_ops() -> Dict[str, Callable]:
-    """The forward kernel behind a ``custom_op`` (``robe_host_ab``), defined as robe's with
-    ``register_autograd`` (``robe_host_ra``), and a same-schema op returning its input."""
-    if not hasattr(torch.ops.robe_host_ab, "forward"):
-        @torch.library.custom_op("robe_host_ab::forward", mutates_args=())
-        def forward(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                    per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                    output_dim: int, block_size: int, hash_mode: int, hash_params: List[int],
-                    bounds_check: int) -> torch.Tensor:
-            return triton_kernels.forward(weights, values, offsets, per_sample_weights, table_meta,
-                                          output_dim, block_size, hash_mode, hash_params,
-                                          bounds_check)
-
-        forward.register_autograd(_no_backward, setup_context=_save)
-        generic, identity = _library("robe_host_ra"), _library("robe_host_id")
+def identity_op() -> Callable:
+    """An op of ``robe::forward``'s schema whose kernel returns its first input (namespace
+    ``robe_host_id``): the dispatcher's cost of such a call on this host."""
+    if not hasattr(torch.ops.robe_host_id, "forward"):
+        lib = torch.library.Library("robe_host_id", "DEF")
+        _LIBRARIES.append(lib)
+        lib.define(str(torch.ops.robe.forward.default._schema).split("::", 1)[1])
         for key in ("CPU", "CUDA"):
-            generic.impl("forward", triton_kernels.forward, key)
-            identity.impl("forward", lambda first, *rest: first, key)
-        torch.library.register_autograd("robe_host_ra::forward", _no_backward,
-                                        setup_context=_save, lib=generic)
-    return {"custom_op": torch.ops.robe_host_ab.forward, "register_autograd":
-            torch.ops.robe_host_ra.forward, "identity": torch.ops.robe_host_id.forward}
+            lib.impl("forward", lambda first, *rest: first, key)
+    return torch.ops.robe_host_id.forward
 
 
 def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
-    """One call of each row (the launched rows are :func:`launched_calls`)."""
+    """One call of each row, on the Triton path (checks deferred, as on CUDA)."""
     g = torch.Generator().manual_seed(0)
     cards = [100_000] * FEATURES
     ids = torch.randint(0, cards[0], (FEATURES * batch,), generator=g).to(device)
@@ -113,21 +76,15 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     plain, state = weights.detach().clone(), torch.zeros(MEMORY, device=device)
     grad = torch.randn(batch, DIM * FEATURES, device=device)
     small = torch.ones(4, device=device)
-    peers = peer_ops()
+    identity = identity_op()
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA if device.type == "cuda"
                                    else torch._C.DispatchKey.CPU)
 
-    def path(grad_mode: bool):
-        stack = contextlib.ExitStack()
-        if device.type == "cpu":
-            stack.enter_context(cpu_backend("triton"))
-        stack.enter_context(defer_checks(True))
-        stack.enter_context(torch.set_grad_enabled(grad_mode))
-        return stack
+    triton = (lambda: cpu_backend("triton")) if device.type == "cpu" else contextlib.nullcontext
 
     def on_path(fn: Callable[[], object], grad_mode: bool = False) -> Callable[[], object]:
         def call():
-            with path(grad_mode):
+            with triton(), defer_checks(True), torch.set_grad_enabled(grad_mode):
                 return fn()
         return call
 
@@ -155,11 +112,7 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
             "op, with grad": on_path(lambda: torch.ops.robe.forward(weights, *flat), True),
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
             "through the dispatcher twice": on_path(twice)}
-    for name in ("custom_op", "register_autograd"):
-        for grad_mode in (False, True):
-            rows[f"{name}, {'with' if grad_mode else 'no'} grad"] = on_path(
-                lambda op=peers[name]: op(weights, *flat), grad_mode)
-    rows.update({"op of the same schema returning its input": lambda: peers["identity"](plain, *flat),
+    rows.update({"op of the same schema returning its input": lambda: identity(plain, *flat),
                  "torch.add of 4-element tensors": lambda: torch.add(small, small),
                  "pure Python: 1000 additions": lambda: sum(range(1000))})
     return rows
@@ -192,13 +145,10 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
 
 def notes(med: Dict[str, float]) -> List[str]:
     lines = [f"- torch.library's layers around the wrapper, no grad (op - wrapper): "
-             f"{med['op, no grad'] - med['wrapper']:.1f} us with robe's `define` + `impl`, "
-             f"{med['custom_op, no grad'] - med['wrapper']:.1f} us behind `custom_op`",
+             f"{med['op, no grad'] - med['wrapper']:.1f} us; through the dispatcher twice "
+             f"instead: {med['through the dispatcher twice'] - med['wrapper']:.1f} us",
              f"- recording the graph (with grad - no grad): "
-             f"{med['op, with grad'] - med['op, no grad']:.1f} us with robe's autograd kernel, "
-             f"{med['custom_op, with grad'] - med['custom_op, no grad']:.1f} us behind `custom_op`, "
-             f"{med['register_autograd, with grad'] - med['register_autograd, no grad']:.1f} us "
-             "with `register_autograd`'s generic kernel",
+             f"{med['op, with grad'] - med['op, no grad']:.1f} us",
              f"- the summary kernel's host work: the wrapper takes {med['wrapper']:.1f} us, "
              f"{med['wrapper, summary kernel']:.1f} us with it (its launch not counted)"]
     if "wrapper, launched" in med:
@@ -208,8 +158,7 @@ def notes(med: Dict[str, float]) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead",
-                                description=__doc__.split("\n")[0])
+    p = parser("host_overhead", __doc__)
     p.add_argument("--cuda", action="store_true", help="CUDA tensors (default: CPU tensors)")
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--reps", type=int, default=40, help="samples per row")
@@ -232,7 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     finally:
         torch.set_num_threads(threads)
     med = {name: statistics.median(v) for name, v in samples.items()}
-    low = {name: statistics.quantiles(v, n=4)[0] if len(v) > 1 else v[0] for name, v in samples.items()}
+    low = {name: statistics.quantiles(v, n=4)[0] if len(v) > 1 else v[0]
+           for name, v in samples.items()}
     lines = header("Host time of a ROBE-Z op call on the Triton path, launches stubbed",
                    command_line("host_overhead", argv),
                    f"setting: {device.type} tensors, batch {args.batch}, {FEATURES} features of "

@@ -8,13 +8,12 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 from typing import Dict, Optional, Sequence
 
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from benchmarks.common import command_line, header, interleaved, medians_ms, publish, table
+from benchmarks.common import command_line, header, interleaved, medians_ms, parser, publish, table
 from robe_torchrec.interaction import FastInteractionArch
 
 
@@ -34,7 +33,7 @@ def measure(batch: int, features: int, dim: int, iters: int) -> Dict[str, float]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.interaction", description=__doc__.split("\n")[0])
+    p = parser("interaction", __doc__)
     p.add_argument("--shapes", nargs="+", default=["2048x26x16", "2048x26x128", "512x26x16"],
                    help="batch x sparse features x dim")
     p.add_argument("--threads", type=int, default=1)

@@ -27,7 +27,6 @@ Writes ``<name>.{md,json}`` (``--name``, default ``quality_study_<mode>`` or
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import time
@@ -35,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import command_line, header, publish, table
+from benchmarks.common import command_line, header, parser, publish, table
 from benchmarks.train_loop import (CELL, build, group_by, mean_and_spread, quality_spec, score,
                                    train, with_gaps)
 from robe_torchrec.config import RobeConfig
@@ -60,10 +59,12 @@ def synthetic_replicates(args):
                                seed=seed, mode=args.mode)
         test = [data.batch(TEST_STREAM_START + i) for i in range(args.test_batches)]
         labels = torch.cat([b.labels for b in test]).long()
-        oracle = {name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in test]), labels).item()
+        oracle = {name: binary_auroc(torch.cat([data.hidden_logit(b, sparse) for b in test]),
+                                     labels).item()
                   for name, sparse in (("hidden model (all features)", True),
                                        ("hidden model, dense features only", False))}
-        yield seed, [data.batch(i) for i in range(args.steps)], test, data.keys, data.cardinalities, oracle
+        train_batches = [data.batch(i) for i in range(args.steps)]
+        yield seed, train_batches, test, data.keys, data.cardinalities, oracle
 
 
 def real_replicates(args):
@@ -76,13 +77,15 @@ def real_replicates(args):
     batch = next(iter(CriteoTsv([args.rows], batch_size=10**7, num_embeddings_per_feature=None)))
     kjt, keys = batch.sparse_features, batch.sparse_features.keys()
     uniques = [torch.unique(kjt[k].values(), return_inverse=True) for k in keys]
-    ids, cards = torch.stack([inverse for _, inverse in uniques]), [int(u.numel()) for u, _ in uniques]
+    ids = torch.stack([inverse for _, inverse in uniques])
+    cards = [int(unique.numel()) for unique, _ in uniques]
     args.rows_read, args.click_rate = int(batch.labels.numel()), float(batch.labels.mean())
 
     def batches_of(rows: torch.Tensor) -> List[Batch]:
+        ones = torch.ones(len(keys) * args.batch_size, dtype=torch.int32)
         return [Batch(dense_features=batch.dense_features[r], labels=batch.labels[r],
                       sparse_features=KeyedJaggedTensor(keys=keys, values=ids[:, r].reshape(-1),
-                                                        lengths=torch.ones(len(keys) * r.numel(), dtype=torch.int32)))
+                                                        lengths=ones[:len(keys) * r.numel()]))
                 for r in rows.split(args.batch_size)]
 
     for split in range(args.replicates):
@@ -107,12 +110,12 @@ def train_cells(args, key: str, replicate: int, train_batches, test, keys, cards
             model = build(spec, keys, cards, replicate)
             train(model, spec, train_batches)
             auc, log_loss = score(model, test)
+            ebc = model.sparse_arch.embedding_bag_collection
             rows.append({key: replicate, "dim": dim, "embedding": "full" if z is None else "robe",
                          "block_size": z, "hash": h, "compression": float(c), "test_auc": auc,
                          "test_log_loss": log_loss, "seconds": time.perf_counter() - t0,
-                         "stored_floats": sum(p.numel() for p in
-                                              model.sparse_arch.embedding_bag_collection.parameters())})
-            print(f"{key} {replicate} dim {dim} Z={z} {h} {c:,.0f}x: test AUC {auc:.4f}", flush=True)
+                         "stored_floats": sum(p.numel() for p in ebc.parameters())})
+            print(f"{key} {replicate} dim {dim} Z={z} {h} {c:,.0f}x: AUC {auc:.4f}", flush=True)
     return with_gaps(rows, {"embedding": "full"}, ["dim"])
 
 
@@ -137,40 +140,45 @@ def target_lines(cells: List[Dict]) -> List[str]:
         at = [s for s in cells if s["embedding"] == "robe" and s["compression"] == c]
         met = [s for s in at if s["auc_gap"] >= -target]
         if at:
-            verdict = "met" if len(met) == len(at) else f"met by {len(met)} of {len(at)} settings" if met else "missed"
-            lines.append(f"- {c:,.0f}x within {target} AUC of the full tables (means): **{verdict}** "
-                         f"(mean AUC - full from {min(s['auc_gap'] for s in at):+.4f} to "
-                         f"{max(s['auc_gap'] for s in at):+.4f} over {len(at)} Z/hash setting(s))")
+            verdict = ("met" if len(met) == len(at) else
+                       f"met by {len(met)} of {len(at)} settings" if met else "missed")
+            gaps = [s["auc_gap"] for s in at]
+            lines.append(f"- {c:,.0f}x within {target} AUC of the full tables (means): "
+                         f"**{verdict}** (mean AUC - full from {min(gaps):+.4f} to "
+                         f"{max(gaps):+.4f} over {len(at)} Z/hash setting(s))")
     return lines
 
 
 def markdown(result: Dict, argv: Optional[Sequence[str]]) -> List[str]:
     a, key = result["args"], result["replicate"]
-    setup = (f"{a['mode']} synthetic data at cardinality scale {a['cardinality_scale']}, {a['steps']} "
-             f"steps of batch {a['batch_size']}, seeds {a['replicates']}" if key == "seed" else
-             f"{a['rows_read']:,} real rows (click rate {a['click_rate']:.3f}), {a['replicates']} "
-             f"splits ({a['test_fraction']:.0%} test), {a['epochs']} epochs of batch {a['batch_size']}")
-    lines = header(f"Quality study: AUC against compression, Z and hash ({'real rows' if key == 'split' else a['mode'] + ' synthetic data'})",
+    data = "real rows" if key == "split" else f"{a['mode']} synthetic data"
+    setup = (f"cardinality scale {a['cardinality_scale']}, {a['steps']} steps of batch "
+             f"{a['batch_size']}, seeds {a['replicates']}" if key == "seed" else
+             f"{a['rows_read']:,} rows (click rate {a['click_rate']:.3f}), {a['replicates']} "
+             f"splits ({a['test_fraction']:.0%} test), {a['epochs']} epochs of batch "
+             f"{a['batch_size']}")
+    lines = header(f"Quality study: AUC against compression, Z and hash ({data})",
                    command_line("quality_study", argv),
-                   f"setup: the app's DLRM (Adagrad, embeddings fused into backward), 1 thread, {setup}; "
-                   f"every gap is against the full tables of the same {key} and dim, then mean, sd and "
-                   f"se over the {key}s; {result['seconds'] / 60:.1f} min")
+                   f"setup: the app's DLRM (Adagrad, embeddings fused into backward), 1 thread, "
+                   f"{data}, {setup}; every gap is against the full tables of the same {key} and "
+                   f"dim, then mean, sd and se over the {key}s; {result['seconds'] / 60:.1f} min")
     for dim in a["dims"]:
         cells = [s for s in result["summary"] if s["dim"] == dim]
         full = next(s for s in cells if s["embedding"] == "full")
-        lines += [f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats, mean test "
-                  f"AUC {full['test_auc']:.4f})", "",
-                  *table(["embeddings", "Z", "hash", "compression", "stored floats", "mean test AUC",
-                          "AUC - full, mean", "sd", "se", f"per {key}"],
-                         [["robe", s["block_size"], s["hash"], f"{s['compression']:,.0f}x",
-                           f"{s['stored_floats']:,}", f"{s['test_auc']:.4f}", f"{s['auc_gap']:+.4f}",
-                           f"{s['auc_gap_sd']:.4f}", f"{s['auc_gap_se']:.4f}",
-                           ", ".join(f"{g:+.4f}" for g in s["auc_gaps"])] for s in cells if s is not full]),
+        rows = [["robe", s["block_size"], s["hash"], f"{s['compression']:,.0f}x",
+                 f"{s['stored_floats']:,}", f"{s['test_auc']:.4f}", f"{s['auc_gap']:+.4f}",
+                 f"{s['auc_gap_sd']:.4f}", f"{s['auc_gap_se']:.4f}",
+                 ", ".join(f"{g:+.4f}" for g in s["auc_gaps"])] for s in cells if s is not full]
+        lines += [f"## Embedding dim {dim} (full tables: {full['stored_floats']:,} floats, mean "
+                  f"test AUC {full['test_auc']:.4f})", "",
+                  *table(["embeddings", "Z", "hash", "compression", "stored floats",
+                          "mean test AUC", "AUC - full, mean", "sd", "se", f"per {key}"], rows),
                   "", *target_lines(cells), ""]
     if result["oracle"]:
+        means = {name: mean_and_spread([o[name] for o in result["oracle"]])[0]
+                 for name in result["oracle"][0]}
         lines += ["## References (no training, mean over seeds)", "",
-                  *table(["reference", "test AUC"], [[name, f"{mean_and_spread([o[name] for o in result['oracle']])[0]:.4f}"]
-                                                     for name in result["oracle"][0]])]
+                  *table(["reference", "test AUC"], [[n, f"{v:.4f}"] for n, v in means.items()])]
     return lines
 
 
@@ -184,13 +192,15 @@ def plot(result: Dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for dim, color in zip(a["dims"], ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
         for (h, z), marker in zip(itertools.product(a["hashes"], a["block_sizes"]), "osd^v<>"):
-            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"]) for s in robe
-                         if s["dim"] == dim and s["hash"] == h and s["block_size"] == z)
-            style = dict(marker=marker, color=color, capsize=2, alpha=0.8, linestyle="-" if h == "reference" else "--")
+            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"])
+                         for s in robe if (s["dim"], s["hash"], s["block_size"]) == (dim, h, z))
+            style = dict(marker=marker, color=color, capsize=2, alpha=0.8,
+                         linestyle="-" if h == "reference" else "--")
             for ax, x in zip(axes, (0, 1)):
                 ax.errorbar([p[x] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
                             label=f"dim {dim}, Z={z}, {h} hash", **style)
-    for ax, xlabel in zip(axes, ("compression (uncompressed / stored floats)", "stored floats of the ROBE-Z array")):
+    for ax, xlabel in zip(axes, ("compression (uncompressed / stored floats)",
+                                 "stored floats of the ROBE-Z array")):
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
@@ -205,9 +215,9 @@ def plot(result: Dict, path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.quality_study", description=__doc__.split("\n")[0])
+    p = parser("quality_study", __doc__)
     p.add_argument("--data", choices=("synthetic", "real"), default="synthetic")
-    p.add_argument("--mode", choices=("realistic", "hard"), default="realistic", help="synthetic data's")
+    p.add_argument("--mode", choices=("realistic", "hard"), default="realistic", help="synthetic")
     p.add_argument("--seeds", "--splits", dest="replicates", type=int, nargs="+", default=None,
                    help="synthetic: the seeds (default 0 1 2); real: how many splits (default 5)")
     p.add_argument("--steps", type=int, default=None, help="synthetic (default 200)")
@@ -220,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     p.add_argument("--test-fraction", type=float, default=0.2, help="real")
     p.add_argument("--compressions", type=float, nargs="+", default=[10, 100, 1000, 10000])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--hashes", nargs="+", default=None, help="default reference mix; real: reference")
+    p.add_argument("--hashes", nargs="+", default=None,
+                   help="default: reference mix; real: reference")
     p.add_argument("--name", default=None, help="stem of the result files")
     p.add_argument("--out", default=None, help="folder for <name>.{md,json} (and .png)")
     args = p.parse_args(argv)
@@ -234,7 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     torch.set_num_threads(1)
     t0, key = time.perf_counter(), "split" if real else "seed"
     rows, oracle = [], []
-    for replicate, train_batches, test, keys, cards, refs in (real_replicates if real else synthetic_replicates)(args):
+    replicates = real_replicates(args) if real else synthetic_replicates(args)
+    for replicate, train_batches, test, keys, cards, refs in replicates:
         rows += train_cells(args, key, replicate, train_batches, test, keys, cards)
         oracle += [refs] if refs else []
     result = {"command": command_line("quality_study", argv), "args": vars(args), "replicate": key,

@@ -29,17 +29,18 @@ import torch
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim import apply_optimizer_in_backward
 
-from benchmarks.common import command_line, header, interleaved, medians_ms, publish, table
+from benchmarks.common import command_line, header, interleaved, medians_ms, parser, publish, table
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
 
 SKEW = (0.55, 0.25, 0.15, 0.05)
+ONE, FOUR, POOLED = "unpooled, 1 feature", "unpooled, 4 features (skewed)", "pooled, one id per bag"
 
 
 def _kjt(keys: List[str], ids: torch.Tensor, counts: List[int], per_bag: int) -> KeyedJaggedTensor:
     """Feature-major ids, ``counts[f]`` of feature ``f``, in bags of ``per_bag`` ids."""
     bags = max(c // per_bag for c in counts)
-    lengths = [torch.tensor([per_bag] * (c // per_bag) + [0] * (bags - c // per_bag)) for c in counts]
-    return KeyedJaggedTensor.from_lengths_sync(keys, ids, torch.cat(lengths))
+    lengths = [[per_bag] * (c // per_bag) + [0] * (bags - c // per_bag) for c in counts]
+    return KeyedJaggedTensor.from_lengths_sync(keys, ids, torch.tensor(sum(lengths, [])))
 
 
 def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
@@ -51,19 +52,19 @@ def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
         apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.01})
         return module
 
-    def table_of(keys, cls=EmbeddingConfig):
-        return [cls(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=keys)]
+    def tables(keys, cls=EmbeddingConfig):
+        return [cls(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
+                    feature_names=keys)]
 
     keys4 = [f"h{i}" for i in range(4)]
     counts4 = [int(n * s) // args.history * args.history for s in SKEW]
-    modules = {"unpooled, 1 feature": (fused(RobeEmbeddingCollection(table_of(["history"]), robe)),
-                                       _kjt(["history"], ids, [n], args.history)),
-               "unpooled, 4 features (skewed)": (fused(RobeEmbeddingCollection(table_of(keys4), robe)),
-                                                 _kjt(keys4, ids[: sum(counts4)], counts4, args.history)),
-               "pooled, one id per bag": (fused(RobeEmbeddingBagCollection(
-                   table_of(["history"], EmbeddingBagConfig), robe)), _kjt(["history"], ids, [n], 1)),
-               "stock EmbeddingCollection": (EmbeddingCollection(table_of(["history"])),
-                                             _kjt(["history"], ids, [n], args.history))}
+    history = _kjt(["history"], ids, [n], args.history)
+    modules = {ONE: (fused(RobeEmbeddingCollection(tables(["history"]), robe)), history),
+               FOUR: (fused(RobeEmbeddingCollection(tables(keys4), robe)),
+                      _kjt(keys4, ids[: sum(counts4)], counts4, args.history)),
+               POOLED: (fused(RobeEmbeddingBagCollection(tables(["history"], EmbeddingBagConfig),
+                                                         robe)), _kjt(["history"], ids, [n], 1)),
+               "stock EmbeddingCollection": (EmbeddingCollection(tables(["history"])), history)}
     source, small_ids = torch.randn(256, args.dim), ids % 256
     out, grad = torch.empty(n, args.dim), torch.randn(n, args.dim)
     rows = {"forward floor": lambda: torch.index_select(source, 0, small_ids, out=out),
@@ -82,7 +83,7 @@ def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.unpooled_ops", description=__doc__.split("\n")[0])
+    p = parser("unpooled_ops", __doc__)
     for flag, default in (("batch", 2048), ("history", 32), ("dim", 64), ("rows", 1_000_000),
                           ("memory", 2_621_440), ("block-size", 32), ("threads", 1), ("warmup", 3),
                           ("iters", 15)):
@@ -94,21 +95,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         args.batch, args.history, args.rows, args.memory, args.dim = 16, 4, 1000, 4096, 8
         args.warmup, args.iters = 1, 2
     torch.set_num_threads(args.threads)
-    rows = build_rows(args)
-    ms = {k: v["wall"] for k, v in medians_ms(interleaved(
-        {name: (lambda it, fn=fn: fn()) for name, fn in rows.items()}, args.iters, args.warmup)).items()}
-    ratios = {"unpooled / pooled, forward": ms["unpooled, 1 feature: forward"] / ms["pooled, one id per bag: forward"],
-              "unpooled / pooled, step": ms["unpooled, 1 feature: step"] / ms["pooled, one id per bag: step"],
-              "4 skewed features / 1, forward": ms["unpooled, 4 features (skewed): forward"]
-              / ms["unpooled, 1 feature: forward"]}
-    lines = header("Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)", command_line("unpooled_ops", argv),
-                   f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim {args.dim}, "
-                   f"table {args.rows:,} rows, ROBE array {args.memory:,} floats, Z = {args.block_size}, "
-                   f"{args.threads} thread(s); median of {args.iters} interleaved rounds (ms)")
+    fns = {name: (lambda it, fn=fn: fn()) for name, fn in build_rows(args).items()}
+    ms = {k: v["wall"] for k, v in medians_ms(interleaved(fns, args.iters, args.warmup)).items()}
+    ratios = {"unpooled / pooled, forward": ms[f"{ONE}: forward"] / ms[f"{POOLED}: forward"],
+              "unpooled / pooled, step": ms[f"{ONE}: step"] / ms[f"{POOLED}: step"],
+              "4 skewed features / 1, forward": ms[f"{FOUR}: forward"] / ms[f"{ONE}: forward"]}
+    lines = header("Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)",
+                   command_line("unpooled_ops", argv),
+                   f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim "
+                   f"{args.dim}, table {args.rows:,} rows, ROBE array {args.memory:,} floats, Z = "
+                   f"{args.block_size}, {args.threads} thread(s); median of {args.iters} "
+                   "interleaved rounds (ms)")
     lines += table(["row", "ms", "x forward floor", "x step floor"],
-                   [[k, f"{t:.2f}", f"{t / ms['forward floor']:.1f}x", f"{t / ms['step floor']:.1f}x"]
-                    for k, t in ms.items()]) + [""] + [f"- {k}: {v:.2f}x" for k, v in ratios.items()]
-    result = {"command": command_line("unpooled_ops", argv), "args": vars(args), "ms": ms, "ratios": ratios}
+                   [[k, f"{t:.2f}", f"{t / ms['forward floor']:.1f}x",
+                     f"{t / ms['step floor']:.1f}x"] for k, t in ms.items()])
+    lines += [""] + [f"- {k}: {v:.2f}x" for k, v in ratios.items()]
+    result = {"command": command_line("unpooled_ops", argv), "args": vars(args), "ms": ms,
+              "ratios": ratios}
     publish(args.out, "unpooled_ops", lines, result)
     return result
 

@@ -55,8 +55,7 @@ def test_quick_run_measures_every_case_and_judges_every_target(tmp_path):
     by_target = {}
     for t in result["targets"]:
         by_target.setdefault(t["target"], []).append(t)
-        goal, higher = cpu_ops.TARGETS[t["target"]]
-        assert t["goal"] == goal and t["met"] == (t["value"] >= goal if higher else t["value"] <= goal)
+        assert t["goal"] == cpu_ops.TARGETS[t["target"]] and t["met"] == (t["value"] <= t["goal"])
     assert len(by_target.pop("forward / forward floor (CPU time)")) == len(cases)
     assert len(by_target.pop("forward / 1-thread forward")) == len(cases)
     assert len(by_target.pop("step / step floor, sum(outputs)")) == 2 * 2 * (len(sizes.robe_sizes) + 1)
@@ -75,8 +74,7 @@ def test_targets_come_from_the_rows_and_their_floors():
                result("ours", f"ours-dense-{mem}-z32", 1, "sum", total=1.0, **{"cpu total": 12.0}),
                result("floor", "floor", 2, "sum", total=8.0, **{"cpu total": 99.0}),
                result("ours", f"ours-dense-{mem}-z32", 2, "sum", total=16.0, **{"cpu total": 1.0}),
-               result("pytorch ROBE-Z", f"pytorch-{mem}-z32", 1, "pair", forward=50.0, total=60.0),
-               result("ours", f"ours-dense-{mem}-z32", 1, "pair", forward=1.0, total=4.0)]
+               result("ours", f"ours-dense-{mem}-z32", 1, "pair", total=4.0)]  # no floor: no target
     case = cpu_ops.forward_cases(sizes)[0].name
     fwd = {"1t cpu floor": 2.0, f"1t cpu {case}": 2.5, f"1t {case}": 4.0, f"2t {case}": 2.0}
     found = {(t["target"], t["threads"]): t for t in cpu_ops.targets(fwd, results, [1, 2], sizes)}
@@ -85,9 +83,7 @@ def test_targets_come_from_the_rows_and_their_floors():
     step_1t, step_2t = (found[("step / step floor, sum(outputs)", k)] for k in (1, 2))
     assert (step_1t["value"], step_1t["met"]) == (1.2, True)  # CPU time at 1 thread
     assert (step_2t["value"], step_2t["met"]) == (2.0, False)  # wall time at 2
-    assert found[("forward speedup vs pytorch ROBE-Z", 1)]["value"] == 50.0
-    assert found[("step speedup vs pytorch ROBE-Z", 1)]["value"] == 15.0
-    assert ("step / full table (sparse)", 1) not in found  # no full-table row ran
+    assert len(found) == 4
 
 
 def test_interleaved_rows_report_a_failing_row_and_keep_the_others():

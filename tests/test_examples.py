@@ -97,23 +97,19 @@ def test_sharded_pipeline_example_on_two_ranks():
 
 
 @pytest.mark.slow
-def test_distributed_step_benchmark_runs(tmp_path):
-    run_example("-m", "benchmarks.distributed_step", "--tables", "2", "--rows",
-                "1000", "--dim", "8", "--batch", "64", "--warmup", "1", "--iters", "3",
-                "--rounds", "2", "--out", str(tmp_path))
+def test_train_throughput_ranks_mode_runs(tmp_path):
+    """2 processes under DMP against 1 process at 1 and 2 threads, the same global batch."""
+    run_example("-m", "benchmarks.train_throughput", "--ranks", "--steps", "8", "--batch-size",
+                "128", "--log-every", "2", "--cycle", "2", "--rounds", "1",
+                "--cardinality-scale", "0.001", "--out", str(tmp_path))
     result = json.loads((tmp_path / "distributed_step.json").read_text())
-    for name, p50s in result["round_p50_ms"].items():
-        assert len(p50s) == 2 and all(p > 0 for p in p50s), name
-        assert len(result["steps_ms"][name]) == 2 * 3
-    for name, by_round in result["round_ratios_p50"].items():
-        assert len(by_round) == 2 and all(r > 0 for r in by_round), name
-    summary = result["summary"]
-    assert set(summary) == set(result["round_p50_ms"]) and len(summary) == 3
-    for name, by_round in result["round_ratios_p50"].items():  # each round's DMP P50 over its peer's
-        peer = name.split(" / ", 1)[1]
-        dmp = [k for k in summary if k.startswith("DMP")][0]
-        assert by_round == pytest.approx([d / u for d, u in zip(result["round_p50_ms"][dmp],
-                                                                 result["round_p50_ms"][peer])])
+    assert result["mode"] == "ranks" and result["ratio"] is None
+    settings = result["settings"]
+    assert {name: nproc for name, (nproc, _) in settings.items()} == {
+        "1 process x 1 thread": 1, "DMP, 2 processes x 1 thread": 2, "1 process x 2 threads": 1}
+    for name, (nproc, overrides) in settings.items():  # the same global batch
+        assert f"run.batch_size={128 // nproc}" in overrides and "sharding=data_parallel" in overrides
+        assert len(result["samples_per_s"][name]) == 1 and result["median_samples_per_s"][name] > 0
 
 
 @pytest.mark.slow

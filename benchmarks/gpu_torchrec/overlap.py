@@ -1,21 +1,12 @@
 """How much of FusedSparseDist's embedding lookup of batch i+1 runs on the GPU at the same
 time as the dense optimizer step of batch i, from a ``torch.profiler`` Chrome trace.
 
-A GPU activity (kernel, memcpy, memset) belongs to a pipeline range when the CPU call that
-launched it (same ``correlation`` id) started inside that range: the pipeline's
-``record_function`` ranges ``## optimizer i ##`` and ``## start_embedding_lookup j ##``
-(``pipelines/fused_sparse_dist.py``). For every step i that has both, the busy time of batch
-i+1's lookup activities (union of their intervals) is intersected with the busy time of batch
-i's optimizer activities; the fractions are the summed intersection over the summed lookup
-(or optimizer) busy time. Each stream is reported by the activities' ``stream`` ids, so a
-lookup on the optimizer's own stream shows as no overlap, as it must.
-
-Example::
-
-    >>> with open("trace.json") as f:
-    ...     result = lookup_optimizer_overlap(json.load(f))
-    >>> result["overlap_of_lookup"]
-    0.42
+A GPU activity (kernel, memcpy, memset) belongs to the pipeline range (``## optimizer i ##``,
+``## start_embedding_lookup j ##``, from ``pipelines/fused_sparse_dist.py``) in which the CPU
+launched it (same ``correlation`` id). For every step i that has both, the busy time (union
+of intervals) of batch i+1's lookup is intersected with that of batch i's optimizer; the
+fractions are the summed intersection over the summed lookup (or optimizer) busy time. The
+activities' streams are reported too: a lookup on the optimizer's own stream cannot overlap.
 """
 
 from __future__ import annotations
@@ -109,23 +100,16 @@ def lookup_optimizer_overlap(trace: Dict[str, Any]) -> Dict[str, Any]:
     steps = sorted(i for kind, i in gpu if kind == "optimizer"
                    and ("start_embedding_lookup", i + 1) in gpu)
     per_step = []
-    lookup_busy = opt_busy = both = 0.0
     for i in steps:
-        opt = union(gpu[("optimizer", i)])
-        look = union(gpu[("start_embedding_lookup", i + 1)])
-        ov = intersection(opt, look)
+        opt, look = union(gpu[("optimizer", i)]), union(gpu[("start_embedding_lookup", i + 1)])
         per_step.append({"step": i, "optimizer_us": length(opt), "next_lookup_us": length(look),
-                         "overlap_us": ov})
-        opt_busy += length(opt)
-        lookup_busy += length(look)
-        both += ov
-    return {
-        "steps": len(steps),
-        "overlap_us": both, "next_lookup_busy_us": lookup_busy, "optimizer_busy_us": opt_busy,
-        "overlap_of_lookup": both / lookup_busy if lookup_busy else None,
-        "overlap_of_optimizer": both / opt_busy if opt_busy else None,
-        "optimizer_streams": sorted(str(s) for s in streams["optimizer"]),
-        "lookup_streams": sorted(str(s) for s in streams["start_embedding_lookup"]),
-        "per_step": per_step,
-        "ranges_found": len(spans),
-    }
+                         "overlap_us": intersection(opt, look)})
+    both, lookup_busy, opt_busy = (sum(s[k] for s in per_step)
+                                   for k in ("overlap_us", "next_lookup_us", "optimizer_us"))
+    return {"steps": len(steps), "overlap_us": both, "next_lookup_busy_us": lookup_busy,
+            "optimizer_busy_us": opt_busy,
+            "overlap_of_lookup": both / lookup_busy if lookup_busy else None,
+            "overlap_of_optimizer": both / opt_busy if opt_busy else None,
+            "optimizer_streams": sorted(str(s) for s in streams["optimizer"]),
+            "lookup_streams": sorted(str(s) for s in streams["start_embedding_lookup"]),
+            "per_step": per_step, "ranges_found": len(spans)}
