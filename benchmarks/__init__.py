@@ -1,22 +1,16 @@
-"""Benchmarks of the ROBE-Z ops and modules.
+"""Benchmarks, one script per question (``python -m benchmarks.<name> --help``); each writes
+its report and the JSON of its numbers with ``--out`` (docs/benchmarks.md reads them):
 
-* :mod:`benchmarks.cpu_ops`: one CPU training step of a pair model (the setup
-  of the seed benchmarks): full table, FBGEMM's CPU TBE, pure-PyTorch ROBE-Z and the C++ ops.
-  Run ``python -m benchmarks.cpu_ops --help``.
-* :mod:`benchmarks.kernel_ab`: the C++ kernels of the working tree against
-  another git revision's, side by side in one process (how a kernel change is judged).
-* :mod:`benchmarks.hash_choice`: reference against mix hash (AUC and speed).
-* :mod:`benchmarks.distributed_step`: a 2-rank DMP step against the unsharded
-  model (CPU, gloo).
-* :mod:`benchmarks.train_throughput`: the training app with full tables against
-  ROBE-Z.
-* :mod:`benchmarks.interaction`: TorchRec's DLRM dot interaction against
-  :class:`robe_torchrec.interaction.FastInteractionArch`.
-* :mod:`benchmarks.quality_study`: AUC against compression, Z and hash.
-* :mod:`benchmarks.gpu_check`: the Triton kernels checked and timed on a GPU in one command
-  (torch + Triton only; ``--cpu``: the interpreter smoke test CI runs).
-* :mod:`benchmarks.busy_machine`: the training app's thread default while another process
-  holds a core.
+* ``cpu_ops``: how fast is a CPU training step of the C++ kernel against its peers and floors?
+* ``host_overhead``: what does the host spend on one op call, layer by layer?
+* ``unpooled_ops``: how fast is the unpooled lookup against its floors?
+* ``interaction``: how much faster is ``FastInteractionArch`` than TorchRec's?
+* ``train_throughput``: how many samples/s does the app reach (against full tables, on 2
+  processes, beside a busy core)?
+* ``quality_study``: how much AUC does each compression cost (synthetic data, real rows)?
+* ``compress_trained``: what does compressing a trained model cost?
+* ``gpu_check`` (with ``gpu_speed``): does the GPU path work, and how fast is it?
+* ``gpu_torchrec.run``: does TorchRec's side (DMP, the pipelines, the app) work on a GPU?
 
-Each writes its numbers with the command and the machine to ``results/`` (``--out``).
+``common`` holds what they share: the timing loops and the reports.
 """

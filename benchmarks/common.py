@@ -5,12 +5,6 @@ machine and load, written as markdown for people and JSON for tests and scripts
 
 Timing rows side by side matters on a shared machine: load from other jobs then hits every
 row alike, and a ratio of two rows of one run means more than either number alone.
-
-Example::
-
-    >>> samples = interleaved({"a": lambda it: f(), "b": lambda it: g()}, iters=10)
-    >>> ms = medians_ms(samples)          # {"a": {"wall": ..., "cpu": ...}, "b": ...}
-    >>> publish(args.out, "mine", header("Mine", command_line("mine", argv)), {"ms": ms})
 """
 
 from __future__ import annotations
@@ -135,8 +129,6 @@ def version(module: str) -> str:
     image has no torchrec, and a GPU check must not import it)."""
     from importlib.metadata import PackageNotFoundError, version as installed
 
-    if getattr(sys.modules.get(module), "__version__", None):
-        return sys.modules[module].__version__
     for name in ({"fbgemm_gpu": ["fbgemm-gpu-cpu"]}.get(module, []) + [module]):
         try:
             return installed(name)

@@ -1,16 +1,11 @@
 """What does compressing a trained full-table DLRM into ROBE-Z cost, against training ROBE-Z
-from scratch? On the realistic synthetic data, with :mod:`benchmarks.train_loop`.
+from scratch? Realistic synthetic data, :mod:`benchmarks.train_loop`.
 
-For each seed: train the full-table DLRM for ``--steps`` steps; then, at each compression,
-fit the ROBE-Z array to the trained tables by least squares
-(``RobeEmbeddingBagCollection.from_embedding_bag_collection``, weighted by how often the
-training batches looked each id up, and uniform), keep the full model's dense layers, and
-score it untrained and after ``--finetune`` more steps (10% of ``--steps`` by default) at
-``--finetune-lr`` (a tenth of the training rate: a fresh Adagrad's first steps move every
-touched weight by about the learning rate, which undoes the fit); beside it, ROBE-Z trained
-from scratch for the same total steps on the same batches.
-
-Usage::
+Per seed: the full-table DLRM trained ``--steps`` steps; at each compression, the ROBE-Z
+array fitted to its tables (``RobeEmbeddingBagCollection.from_embedding_bag_collection``,
+weighted by lookup counts, and uniform) under its dense layers, scored untrained and after
+``--finetune`` more steps at ``--finetune-lr`` (a fresh Adagrad's first steps would undo the
+fit); beside it ROBE-Z trained from scratch for the same total steps::
 
     python -m benchmarks.compress_trained --out benchmarks/results
 """

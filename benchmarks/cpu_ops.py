@@ -1,33 +1,20 @@
 """How fast is one CPU training step of our C++ kernel, against its peers and its floors?
 
-A pair model (the seed benchmarks' setup): batch B = 32768, two lookups of one id per sample
-into one table or ROBE array (every row does them as one call over 2B bags, SUM, dim 64, so
-all rows compute the same loss on the same [2B, D] layout), ids uniform in ``[0, 1_562_500)``.
-Rows, for each optimizer (SGD, Adagrad, Adam) and loss (``pair``: sum(e1*e2); ``sum``:
-sum(outputs), whose backward is little more than the embedding's own):
+A pair model: batch B = 32768, two lookups of one id per sample into one table or ROBE array,
+done as one call over 2B bags by every row (SUM, dim 64), ids uniform in [0, 1,562,500). For
+each optimizer and loss (``pair``: sum(e1*e2); ``sum``: sum(outputs), whose backward is
+little more than the embedding's own) the rows are: ``floor`` (the loss and optimizer around
+an embedding that only writes its output from a cache-resident source and reads its gradient
+once), ``full table`` (``nn.EmbeddingBag``, 100M floats, sparse and dense gradients),
+``fbgemm TBE`` (its fused optimizer, where FBGEMM has one on CPU), ``pytorch ROBE-Z`` (the
+reference ops) and ``ours`` (the C++ ops, dense gradient and fused), arrays of 262,144 and
+2,621,440 floats. Rows of arrays up to 10M floats are timed interleaved, step by step.
 
-* ``floor``: the same loss and ``torch.optim`` optimizer around an embedding that only
-  writes its output from a cache-resident source (the forward floor) and reads its gradient
-  once (its ``read`` split: one ``sum`` over a [2B, D] gradient), per array size;
-* ``full table``: ``nn.EmbeddingBag`` of 100M floats, sparse and dense gradients;
-* ``fbgemm TBE``: FBGEMM's CPU TBE with its fused optimizer (``n/a`` with FBGEMM's reason
-  where it has none on CPU);
-* ``pytorch ROBE-Z``: the reference ops (pure PyTorch), arrays of 262,144 and 2,621,440
-  floats, Z = 32;
-* ``ours``: the C++ ops, dense gradient + ``torch.optim`` and fused (the package's
-  ``fused_lookup``), the same arrays at Z = 32, and Z = 8 at the larger one.
-
-The rows of one loss and optimizer whose arrays hold at most 10M floats are timed
-interleaved, one step of each in turn; full tables run alone. The forward section times our
-forward alone against the forward floor (both hashes, Z = 8 and 32, both arrays) with its
-profile: the kernel's hash pass alone (``cpu.forward_hash_only``), the forward without its
-output stores (``cpu.forward_gather_only``), a read of every cache line its gathers touch
-(:func:`read_lines`), the dense-gradient backward op and one read of its gradient. At one
-thread the targets are judged on the calling thread's CPU time (on a busy machine wall time
-inflates a call longer than a scheduler slice more than a short one). Every number is in
-the JSON beside the report; the targets (:data:`TARGETS`) too, each met or not.
-
-Run::
+The forward section times our forward alone against the forward floor (both hashes, Z = 8
+and 32, both arrays) with its profile: the kernel's hash pass alone, the forward without its
+stores, a read of every cache line its gathers touch, the backward op and one read of its
+gradient. At 1 thread the targets are judged on the calling thread's CPU time, which time
+spent descheduled does not inflate. docs/benchmarks.md reads the results::
 
     python -m benchmarks.cpu_ops --quick                                  # tiny sizes
     python -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
@@ -387,7 +374,7 @@ def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequenc
                 live[-1][1].loss = spec.loss
         except Exception as exc:  # noqa: BLE001  a row failing must not lose the others
             for r in results[i]:
-                r.unavailable = _error_text(exc)
+                r.unavailable = str(exc) if isinstance(exc, Unavailable) else f"error: {exc!r}"
     try:
         for j, k in enumerate(threads):
             torch.set_num_threads(k)
@@ -399,17 +386,11 @@ def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequenc
     except Exception as exc:  # noqa: BLE001  the group's timing failed: say so on each row
         for i, _ in live:
             for r in results[i]:
-                r.unavailable = _error_text(exc)
+                r.unavailable = f"error: {exc!r}"
     finally:
         live.clear()
         gc.collect()
     return [r for rs in results for r in rs]
-
-
-def _error_text(exc: Exception) -> str:
-    if isinstance(exc, Unavailable):
-        return str(exc)
-    return f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
 # ------------------------------------------------------------------- the forward section

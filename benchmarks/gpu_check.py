@@ -1,27 +1,14 @@
 """Does the GPU path work, and how fast is it? The Triton kernels checked against the
 reference on CUDA tensors, then timed at the paper's setting (:mod:`benchmarks.gpu_speed`),
-in one call and one results file (markdown, and its numbers in the JSON beside it).
+in one call and one results file. Needs torch and Triton only, so it runs on a bare GPU image.
 
-Needs torch and Triton only (and numpy, which :mod:`robe_torchrec.hashing` uses): no
-torchrec, fbgemm, hydra or pytest, so it runs on a bare GPU image.
-
-1. **checks**: every check of :func:`robe_torchrec.testing.op_checks.triton_checks`
-   (forward, gradients, fused optimizers, id dtypes, empty and long bags, bad input refused at
-   the call and by a deferred check, the registered op with autograd, ``torch.compile``), and
-   on CUDA those of :mod:`robe_torchrec.testing.gpu_checks` (a random-configuration matrix, no
-   host synchronisation, CUDA graphs, a compiled TorchRec DLRM where torchrec imports), each
-   ok or FAILED with its error;
-2. **speed**: one id a bag and ``--ids-per-bag`` ids a bag against the full-table lookup and
-   the floors, launch variants, a host profile, and the paper's single-table sweep.
-
-Run on a GPU (about 80 s on an H100, most of it compiling kernels for the checks)::
+Checks: ``robe_torchrec.testing.op_checks.triton_checks`` and, on CUDA, ``gpu_checks`` (a
+random-configuration matrix, no host sync, CUDA graphs, a compiled TorchRec DLRM), each ok or
+FAILED with its error; exit status 0, 1 when one failed, 2 without a device. ``--cpu`` runs
+it in Triton's interpreter at tiny sizes (what CI runs; timings mean nothing);
+``--profile-launches`` only makes the launches Nsight Compute profiles::
 
     python -m benchmarks.gpu_check --out benchmarks/results/gpu_check_h100.md
-
-``--cpu`` runs the same code on CPU tensors in Triton's interpreter at tiny sizes (a smoke
-test CI runs; its timings mean nothing). ``--profile-launches`` only makes the forward and
-fused-SGD launches Nsight Compute profiles (docs/benchmarks.md gives the ``ncu`` command).
-Exit status: 0 when every check passed, 1 when one failed, 2 without a device.
 """
 
 from __future__ import annotations
@@ -69,7 +56,7 @@ def run_checks(device: str, quick: bool, only: Optional[str],
 
 
 def speed(args: argparse.Namespace, device: torch.device):
-    """``(lines, results)``: both scenarios, then the single-table sweep."""
+    """``(lines, results)``: one id a bag, then several."""
     from benchmarks import gpu_speed
     from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
 
@@ -87,10 +74,6 @@ def speed(args: argparse.Namespace, device: torch.device):
                                               reference_reps=2 if cpu else max(3, reps // 10))
         lines, results = lines + more, results + [result]
         print("\n".join(more[:20]), flush=True)
-    more, result = gpu_speed.single_table_sweep(
-        device, timer, max(3, reps // 3), inner, [1000, 5000] if cpu else [4_000_000, 16_000_000,
-        64_000_000, 256_000_000], [10, 100] if cpu else [10, 100, 1000, 10000], batch, dim, zs[0])
-    lines, results = lines + more, results + [result]
     if not cpu:
         lines.append(f"Peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB.")
     return lines, results

@@ -6,7 +6,7 @@
 # (benchmarks.gpu_torchrec.run) and an Nsight Compute profile of the lookups, each with a
 # time limit so that one slow part cannot eat the others'. About 5 minutes on an H100.
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR CARD COMMIT     # e.g. $OUT h100 "$(git rev-parse --short HEAD)"
+#   bash benchmarks/gpu_session.sh OUT_DIR CARD COMMIT   # $OUT h100 "$(git rev-parse --short HEAD)"
 #
 # Writes OUT_DIR/gpu_check_CARD.md, OUT_DIR/host_overhead_CARD.md, OUT_DIR/ncu_CARD.csv,
 # OUT_DIR/pipelines_CARD.tgz (the pipelines report, its .json, trace and compare report) and a

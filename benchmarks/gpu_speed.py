@@ -1,21 +1,11 @@
-"""The speed half of ``benchmarks.gpu_check``: the GPU lookups against the full-table lookup
-TorchRec users have, and against the floors that bound any lookup.
-
-All at the paper's setting (batch 10240, dim 128, the 26 Criteo Kaggle tables, ids uniform
-in each table, SUM, float32, int64 ids), with one id a bag and several:
-
-* **full table, one lookup**: the 26 tables as one ``[33.8 M, 128]`` table (17.3 GB) looked
-  up by one ``F.embedding_bag`` (as FBGEMM's TBE looks all tables up in one kernel); its
-  training row adds the in-place SGD row update (``index_add_``);
-* **26 x nn.EmbeddingBag**: one call a table, sparse gradients;
-* **floor: output write**, and (several ids a bag) **floor: L2 block reads**: the forward's
-  pooling pass from block starts stored beforehand (``triton_kernels.forward_from_starts``);
-* **ROBE-Z**: ``torch.ops.robe.forward`` (its checks included, deferred as on CUDA);
-  training = forward + ``robe::backward_fused_`` (SGD, Adagrad); with several ids a bag also
-  launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared.
-
-Each row: :class:`benchmarks.common.DeviceTimer` around ``inner`` calls, samples taken
-round-robin (each round starting one row later), medians, the host's time beside them.
+"""The speed half of :mod:`benchmarks.gpu_check`: at the paper's setting (batch 10240, dim 128,
+the 26 Criteo Kaggle tables, ids uniform, SUM, float32), one id a bag and several, the ROBE-Z
+op (its checks included, deferred as on CUDA; training = forward + ``robe::backward_fused_``)
+against the full-table lookup TorchRec users have (the 26 tables as one table in one
+``F.embedding_bag``, its training row an in-place SGD row update) and the floors: writing the
+output, and reading and pooling every block from starts hashed beforehand. With several ids
+a bag, launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared. Rows are
+timed round-robin (:class:`benchmarks.common.DeviceTimer`), medians, host time beside them.
 """
 
 from __future__ import annotations
@@ -119,22 +109,7 @@ def full_table_rows(lk: Lookup) -> List[Row]:
         rows = bag_grad if s.ids_per_bag == 1 else bag_grad.index_select(0, lk.bag_of_id)
         table_.index_add_(0, lk.global_ids, rows, alpha=-HPARAMS[0])
 
-    ends = lk.row_offsets[1:] + [sum(s.cardinalities)]
-    bags = [torch.nn.EmbeddingBag.from_pretrained(table_[a:b], freeze=False, mode="sum",
-                                                  sparse=True)
-            for a, b in zip(lk.row_offsets, ends)]
-    per_table, grads = lk.ids.view(len(bags), -1), list(bag_grad.view(len(bags), s.batch, s.dim))
-
-    def forward_26():
-        return [bag(x, lk.offsets[:s.batch]) for bag, x in zip(bags, per_table)]
-
-    def train_26():
-        for bag in bags:
-            bag.weight.grad = None
-        torch.autograd.backward(forward_26(), grads)
-
-    return [Row("full table, one lookup (+ in-place SGD rows)", forward, train),
-            Row("26 x nn.EmbeddingBag (+ sparse backward)", forward_26, train_26)]
+    return [Row("full table, one lookup (+ in-place SGD rows)", forward, train)]
 
 
 def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
@@ -272,36 +247,3 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
                     [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
                       "met" if t["met"] else "missed"] for t in found]), ""]
     return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
-
-
-def single_table_sweep(device: torch.device, timer: DeviceTimer, reps: int, inner: int,
-                       sizes: Sequence[int], compressions: Sequence[float], batch: int,
-                       dim: int, block_size: int):
-    """``(lines, result)``: the paper's single-table setting, one table, one id a bag, the
-    plain lookup beside ROBE-Z at each compression."""
-    lines = ["### One table (the paper's appendix setting)", "",
-             f"Batch {batch}, dim {dim}, one id a bag, Z = {block_size}; forward ms (median of "
-             f"{reps} x {inner} calls), host us a call in brackets. The paper: plain lookup 0.12 "
-             "ms, ROBE-Z 0.27 ms on its GPU.", ""]
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**34
-    cells, found = [], []
-    for n in sizes:
-        lk = Lookup(Scenario(f"one table {n}", batch, dim, [n], 1, [block_size], 1.0), device)
-        rows = []
-        if n * dim * 4 < 0.6 * free:
-            plain = torch.empty(n, dim, device=device)
-            rows.append(Row("plain", lambda ids=lk.global_ids, o=lk.offsets[:-1]: F.embedding_bag(
-                ids, plain, o, mode="sum")))
-        for c in compressions:
-            weights, args = lk.robe(block_size, c)
-            rows.append(Row(f"{c:g}", lambda w=weights, a=args: torch.ops.robe.forward(w, *a)))
-        with torch.no_grad(), triton_path(device):
-            time_rows(rows, timer, reps, inner, warmup=2)
-        found += [{"rows": n, "name": r.name, "forward_ms": r.median("forward")} for r in rows]
-        cells.append([f"{n:,}"] + ([] if rows[0].name == "plain" else ["n/a (table > GPU memory)"])
-                     + [f"{r.median('forward'):.3f} ({r.median('host') * 1e3:.0f})" for r in rows])
-        del lk, rows
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return lines + table(["rows n", "plain lookup", *(f"ROBE-Z {c:g}x" for c in compressions)],
-                         cells) + [""], {"scenario": "one table", "rows": found}

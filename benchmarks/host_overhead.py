@@ -1,30 +1,14 @@
 """What does the host spend on one ROBE-Z op call on the Triton path, layer by layer?
 
-At the GPU check's setting a forward with one id a bag is bound by its host, and the host's
-work is Python and torch, so it is measured on any machine: the calls run with every Triton
-launch stubbed (:func:`robe_torchrec.ops.triton_kernels.stubbed_launches`), on CPU tensors
-(``cpu_backend("triton")``, checks deferred as on CUDA) or on the GPU. What is timed is what
-a GPU's host runs too, less Triton's launcher and the driver (on a GPU the ``launched`` rows
-add them back). Rows, microseconds per call:
+A GPU forward with one id a bag is bound by its host, whose work is Python and torch, so the
+calls run with every Triton launch stubbed (``triton_kernels.stubbed_launches``) on CPU
+tensors (checks deferred as on CUDA) or, ``--cuda``, on a GPU, whose ``launched`` rows add the
+launcher back. Rows, microseconds a call: the wrapper, also with the checks in the summary
+kernel (``tuned(count_in_forward=False)``); the op without and with autograd, its backward,
+the fused step; a second trip through the dispatcher; the host's speed (a same-schema op
+returning its input, ``torch.add``, 1000 Python additions). Rows interleaved, 1 thread::
 
-* ``wrapper``: ``triton_kernels.forward`` called directly; ``wrapper, summary kernel``: the
-  same with the input checks counted by the summary kernel (``tuned(count_in_forward=False)``),
-  as before the forward kernel counted them;
-* ``op, no grad`` / ``op, with grad``: ``torch.ops.robe.forward`` (weights requiring grad)
-  without and with the autograd graph; ``op + backward``: with ``backward`` of a fixed
-  gradient; ``fused step``: the forward and ``robe::backward_fused_`` (Adagrad);
-* ``through the dispatcher twice``: the op's backend kernel reached by redispatching below
-  autograd, as ``robe::forward`` did before calling its implementation directly;
-* references of the host's speed: an op of the same schema returning its input, ``torch.add``
-  of 4-element tensors, 1000 additions in Python.
-
-Setting: 26 features of dim 128, one id a bag, Z = 32 (the GPU check's), batch ``--batch``
-and an array of 65,536 floats (the host's work depends on neither). Median and lower
-quartile of ``--reps`` samples of ``--calls`` calls, rows interleaved, 1 thread, Python's
-garbage collector off while timing::
-
-    python -m benchmarks.host_overhead --out benchmarks/results      # CPU
-    python -m benchmarks.host_overhead --cuda --out benchmarks/results/host_overhead_h100.md
+    python -m benchmarks.host_overhead --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -143,20 +127,6 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
     return {name: [s / per_sample * 1e6 for s in v["wall"]] for name, v in samples.items()}
 
 
-def notes(med: Dict[str, float]) -> List[str]:
-    lines = [f"- torch.library's layers around the wrapper, no grad (op - wrapper): "
-             f"{med['op, no grad'] - med['wrapper']:.1f} us; through the dispatcher twice "
-             f"instead: {med['through the dispatcher twice'] - med['wrapper']:.1f} us",
-             f"- recording the graph (with grad - no grad): "
-             f"{med['op, with grad'] - med['op, no grad']:.1f} us",
-             f"- the summary kernel's host work: the wrapper takes {med['wrapper']:.1f} us, "
-             f"{med['wrapper, summary kernel']:.1f} us with it (its launch not counted)"]
-    if "wrapper, launched" in med:
-        lines.append(f"- Triton's launcher and the driver (launched - stubbed): "
-                     f"{med['wrapper, launched'] - med['wrapper']:.1f} us a wrapper call")
-    return lines
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     p = parser("host_overhead", __doc__)
     p.add_argument("--cuda", action="store_true", help="CUDA tensors (default: CPU tensors)")
@@ -191,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launcher "
               "and the driver (but in the `launched` rows).", ""]
     lines += table(["row", "median", "lower quartile"],
-                   [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples]) + [""] + notes(med)
+                   [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples])
     result = {"command": command_line("host_overhead", argv), "device": device.type,
               "batch": args.batch, "reps": args.reps, "calls": args.calls,
               "medians": med, "lower_quartiles": low, "samples_us": samples}

@@ -1,25 +1,13 @@
-"""How much test AUC does ROBE-Z cost against full tables, by compression, block size Z, hash
-and embedding dim? On synthetic Criteo-like data (``--data synthetic``, the default: several
-seeds) or on the 10,000 real Criteo rows (``--data real``: random train/test splits).
+"""How much test AUC does ROBE-Z cost against full tables, by compression, Z, hash and dim?
+On synthetic Criteo-like data (several seeds) or on the 10,000 real rows (``--data real``:
+random 80/20 splits).
 
-A compression is relative to the full tables of the same dim, so the same ratio leaves 8x more
-floats at dim 128 than at 16. Every row trains the app's DLRM (:mod:`benchmarks.train_loop`:
-its layer sizes, Adagrad at its learning rates, the embedding optimizer fused into backward)
-in this process on one thread. Each replicate (a seed, or a split) generates its batches once
-and trains every row on them; its full-table run of a dim is the baseline of every ROBE-Z
-cell of that dim, and the gaps are then averaged over the replicates (sd, se).
-
-* synthetic (``--mode realistic``, fitted on the real rows, or ``hard``, the older stream):
-  a seed sets the data (hidden model and stream), the dense initialisation and the hash
-  seed (``1024 + seed``); two reference rows need no training: the hidden model that drew
-  the labels and its dense part alone. Also plots the gaps (``<name>.png``).
-* real: the rows read by :class:`robe_torchrec.data.CriteoTsv`, each feature's ids numbered
-  densely; a split trains on a shuffled 80% for ``--epochs`` and scores the rest. 10,000
-  rows are far too few to show what the 45M Kaggle rows do: read them as a check on real ids
-  and labels, not as the cost at scale.
-
-Writes ``<name>.{md,json}`` (``--name``, default ``quality_study_<mode>`` or
-``real_rows_study``)::
+Every row trains the app's DLRM in this process on one thread (:mod:`benchmarks.train_loop`).
+A replicate (seed or split) makes its batches once; its full tables of a dim are the baseline
+of its ROBE-Z cells of that dim; gaps are averaged over replicates. A seed sets the data, the
+dense initialisation and the hash seed; the synthetic study also scores the hidden model that
+drew the labels and plots the gaps. 10,000 real rows check real ids and labels; they do not
+show the cost at the 45M rows' scale. Writes ``<name>.{md,json}`` (and ``.png``)::
 
     python -m benchmarks.quality_study --name quality_study_realistic --out benchmarks/results
     python -m benchmarks.quality_study --data real --out benchmarks/results
@@ -116,7 +104,7 @@ def train_cells(args, key: str, replicate: int, train_batches, test, keys, cards
                          "test_log_loss": log_loss, "seconds": time.perf_counter() - t0,
                          "stored_floats": sum(p.numel() for p in ebc.parameters())})
             print(f"{key} {replicate} dim {dim} Z={z} {h} {c:,.0f}x: AUC {auc:.4f}", flush=True)
-    return with_gaps(rows, {"embedding": "full"}, ["dim"])
+    return with_gaps(rows)
 
 
 def summary(rows: List[Dict], key: str) -> List[Dict]:
@@ -183,6 +171,7 @@ def markdown(result: Dict, argv: Optional[Sequence[str]]) -> List[str]:
 
 
 def plot(result: Dict, path: str) -> None:
+    """The gaps (mean +- sd) against the compression and against the stored floats."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,26 +179,19 @@ def plot(result: Dict, path: str) -> None:
 
     a, robe = result["args"], [s for s in result["summary"] if s["embedding"] == "robe"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for dim, color in zip(a["dims"], ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
-        for (h, z), marker in zip(itertools.product(a["hashes"], a["block_sizes"]), "osd^v<>"):
-            pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"])
-                         for s in robe if (s["dim"], s["hash"], s["block_size"]) == (dim, h, z))
-            style = dict(marker=marker, color=color, capsize=2, alpha=0.8,
-                         linestyle="-" if h == "reference" else "--")
-            for ax, x in zip(axes, (0, 1)):
-                ax.errorbar([p[x] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
-                            label=f"dim {dim}, Z={z}, {h} hash", **style)
-    for ax, xlabel in zip(axes, ("compression (uncompressed / stored floats)",
-                                 "stored floats of the ROBE-Z array")):
-        ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        for c, gap in TARGET_GAPS.items():
-            ax.axhline(-gap, color="tab:red", linestyle=":", linewidth=0.8)
+    for (dim, h, z), marker in zip(itertools.product(a["dims"], a["hashes"], a["block_sizes"]),
+                                   "osd^v<>ph*"):
+        pts = sorted((s["compression"], s["stored_floats"], s["auc_gap"], s["auc_gap_sd"])
+                     for s in robe if (s["dim"], s["hash"], s["block_size"]) == (dim, h, z))
+        for ax, x in zip(axes, (0, 1)):
+            ax.errorbar([p[x] for p in pts], [p[2] for p in pts], [p[3] for p in pts],
+                        marker=marker, capsize=2, label=f"dim {dim}, Z={z}, {h} hash")
+    for ax, xlabel in zip(axes, ("compression", "stored floats of the ROBE-Z array")):
+        ax.set(xscale="log", xlabel=xlabel)
+        for gap in [0.0] + [-g for g in TARGET_GAPS.values()]:  # red: the targets
+            ax.axhline(gap, color="black" if gap == 0 else "tab:red", linewidth=0.8)
     axes[0].set_ylabel("test AUC - full tables of the same dim (mean +- sd)")
     axes[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"DLRM, {result['replicate']}s {a['replicates']}; red: the targets at "
-                 + ", ".join(f"{c:,.0f}x" for c in TARGET_GAPS))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

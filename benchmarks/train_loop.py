@@ -1,13 +1,6 @@
 """In-process DLRM training and scoring for the quality benchmarks (one process, one thread,
 no DMP): the same ``robe_torchrec.dlrm`` model the app trains, its embedding optimizer
 applied in backward, on batches a study generates once and reuses for every row.
-
-Example::
-
-    >>> spec = quality_spec(dim=16, robe=RobeConfig(compression=100, block_size=8))
-    >>> model = build(spec, keys, cardinalities, seed=0)
-    >>> train(model, spec, batches)
-    >>> auc, log_loss = score(model, test_batches)
 """
 
 from __future__ import annotations
@@ -96,11 +89,10 @@ def group_by(rows: List[Dict], fields: Sequence[str]) -> Dict[tuple, List[Dict]]
     return groups
 
 
-def with_gaps(rows: List[Dict], baseline: Dict, fields: Sequence[str]) -> List[Dict]:
-    """Sets ``auc_gap`` of every row: its test AUC minus that of the ``baseline`` row(s) with
-    the same ``fields`` (``baseline``: the key-value pairs that mark a baseline row)."""
-    base = {tuple(r[f] for f in fields): r["test_auc"] for r in rows
-            if all(r[k] == v for k, v in baseline.items())}
+def with_gaps(rows: List[Dict]) -> List[Dict]:
+    """Sets ``auc_gap`` of every row: its test AUC minus that of the full tables' row of the
+    same dim."""
+    full = {r["dim"]: r["test_auc"] for r in rows if r["embedding"] == "full"}
     for r in rows:
-        r["auc_gap"] = r["test_auc"] - base[tuple(r[f] for f in fields)]
+        r["auc_gap"] = r["test_auc"] - full[r["dim"]]
     return rows

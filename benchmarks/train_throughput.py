@@ -1,26 +1,17 @@
 """How many samples/s does the training app reach: ROBE-Z against full tables, on 2 processes
 under DMP against 1 (``--ranks``), and with each thread count beside a busy core (``--busy``)?
 
-Every run is ``python -m robe_torchrec.train`` (``torchrun`` with ``--nproc`` > 1) in a run
-directory of its own; its samples/s is the median of its log windows after the first (the
-warm-up), from its ``metrics.csv``: on a shared machine a window another process interrupts
-is an outlier, not a shift of the mean. Synthetic batches are generated beforehand
-(``data.cycle``). The settings alternate over ``--rounds`` rounds, each round starting with
-the next one, so that load changes hit every setting alike.
+Each run is ``python -m robe_torchrec.train`` (``torchrun`` for several processes); its
+samples/s, all ranks, is the median of its log windows after the first (one that another
+process interrupts is an outlier, not a shift). Settings alternate over rounds.
 
-* default: DLRM with full tables (TorchRec's EBC, FBGEMM's TBE once sharded) against ROBE-Z at
-  ``--compression``, same data, pipeline and optimizer, ``--threads`` per process (default 1:
-  on 2 shared cores one descheduled thread stalls every parallel loop). The target: ROBE-Z at
-  least 1.5x the full model's samples/s. ``--cache-sized-scale S`` adds full tables at
-  cardinality scale ``S``, small enough to stay in cache: what the step gains when the tables'
-  memory traffic goes away.
-* ``--ranks``: ROBE-Z, data-parallel, on 2 processes of 1 thread (DMP, each half of
-  ``--batch-size``) against 1 process of 1 and of 2 threads with the whole batch.
-* ``--busy``: a Python busy loop pinned to the last usable CPU for the whole measurement;
-  ROBE-Z with the app's thread default (:func:`robe_torchrec.threads.choose_threads`), with
-  ``run.threads=1`` and with torch's own default. The app's log says what it chose.
-
-Usage::
+* default: full tables against ROBE-Z at ``--compression``, ``--threads`` per process (one
+  descheduled thread of two stalls every parallel loop on shared cores); target: ROBE-Z at
+  least 1.5x. ``--cache-sized-scale S`` adds full tables small enough to stay in cache.
+* ``--ranks``: ROBE-Z, data-parallel, 2 processes of 1 thread (each half the batch) against 1
+  process of 1 and of 2 threads.
+* ``--busy``: a busy loop pinned to the last usable CPU; ROBE-Z with the app's thread default,
+  with ``run.threads=1`` and with torch's default::
 
     python -m benchmarks.train_throughput --rounds 5 --out benchmarks/results/train_throughput.md
     python -m benchmarks.train_throughput --ranks --rounds 5 --out benchmarks/results

@@ -1,23 +1,14 @@
 """How fast is the unpooled ROBE-Z lookup (``RobeEmbeddingCollection``) on CPU, against its
 floors and its peers?
 
-``--batch`` samples with a history of ``--history`` item ids each (n ids), one table of
-``--rows`` rows x ``--dim`` in a ROBE array of ``--memory`` floats, Z = ``--block-size``, ids
-uniform. Rows (ms, median of ``--iters`` interleaved rounds, ``--threads`` threads), each a
-forward (the module call) and a step (forward, the output's sum, ``backward`` with SGD fused):
-
-* ``forward floor``: writing the [n, dim] output from a cache-resident 256-row table
-  (``index_select`` by ``ids % 256``); ``step floor``: that, then scattering the gradient
-  into the same table (``index_add_``);
-* ``unpooled, 1 feature``; ``unpooled, 4 features (skewed)``: the ids split 55/25/15/5 %
-  over 4 features (the unit-bag padding writes ``4 * max n_f - n`` extra zero rows);
-* ``pooled, one id per bag``: ``RobeEmbeddingBagCollection`` on the same ids;
-* ``stock EmbeddingCollection``: TorchRec's with the full table (its backward only).
-
-Run::
+``--batch`` samples of ``--history`` ids, one table of ``--rows`` x ``--dim`` in ``--memory``
+floats. A forward and a step (forward, sum, backward with SGD fused) of: the floors (the
+output written from a cache-resident 256-row table, the gradient scattered back into it);
+the unpooled module with 1 feature, and with 4 holding 55/25/15/5 % of the ids (padding
+writes ``4 * max n_f - n`` zero rows); the pooled module, one id a bag; TorchRec's
+``EmbeddingCollection`` on the full table::
 
     python -m benchmarks.unpooled_ops --iters 25 --out benchmarks/results
-    python -m benchmarks.unpooled_ops --quick
 """
 
 from __future__ import annotations

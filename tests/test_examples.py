@@ -128,7 +128,7 @@ def test_train_throughput_benchmark_runs(tmp_path):
     stored = {run: int(result["logged"][run].split(" stored")[0].split(", ")[-1].replace(",", ""))
               for run in ("full", "cache_sized")}
     assert stored["cache_sized"] < stored["full"] / 5, stored  # scale 0.0001 against 0.001
-    assert "data.cardinality_scale=0.0001" in result["settings"]["cache_sized"]
+    assert "data.cardinality_scale=0.0001" in result["settings"]["cache_sized"][1]
 
 
 def test_interaction_benchmark_runs(tmp_path):

@@ -97,3 +97,70 @@ def test_benchmarks_import_no_tests():
     """Checks shared by both live in the library (``robe_torchrec.testing``)."""
     assert offenders("benchmarks", "tests") == []
     assert offenders("robe_torchrec", "tests") + offenders("pipelines", "tests") == []
+
+
+def private_writes(source: str) -> List[str]:
+    """``line: target`` for every write of a ``_private`` attribute of something ``source``
+    imports (a module, or a name from one): an assignment (plain, augmented, annotated, or
+    deleting it), ``setattr``, or ``mock.patch.object`` / ``mock.patch("a.b._c")``. Attributes
+    of ``self`` and of objects the file makes itself are its own business."""
+    tree = ast.parse(source)
+    imported = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+    def root(node: ast.AST) -> str:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else ""
+
+    def private(node: ast.AST, attr: object) -> bool:  # a name made at run time may be one
+        return (not isinstance(attr, str) or attr.startswith("_")) and root(node) in imported
+
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found += [f"{node.lineno}: {ast.unparse(t)}" for t in targets
+                  if isinstance(t, ast.Attribute) and private(t.value, t.attr)]
+        if not isinstance(node, ast.Call):
+            continue
+        name, args = ast.unparse(node.func), node.args
+        attr = (args[1].value if isinstance(args[1], ast.Constant) else None) \
+            if len(args) > 1 else ""
+        if (name in ("setattr", "delattr") or name.endswith("patch.object")) and len(args) > 1 \
+                and private(args[0], attr):
+            found.append(f"{node.lineno}: {name}({ast.unparse(args[0])}, {ast.unparse(args[1])})")
+        if name.endswith("patch") and args and isinstance(args[0], ast.Constant) \
+                and str(args[0].value).rsplit(".", 1)[-1].startswith("_"):
+            found.append(f"{node.lineno}: {name}({args[0].value!r})")
+    return found
+
+
+def test_benchmarks_and_pipelines_write_no_private_attribute_of_another_module():
+    """They reach the library through its public seams (``robe_torchrec.ops.tuning``,
+    ``triton_kernels.stubbed_launches``), never by patching what it keeps to itself."""
+    offending = [f"{path.relative_to(ROOT)}:{hit}" for folder in ("benchmarks", "pipelines")
+                 for path in sorted((ROOT / folder).rglob("*.py"))
+                 for hit in private_writes(path.read_text())]
+    assert offending == []
+
+
+def test_the_private_write_check_sees_every_kind_of_write():
+    source = ("import unittest.mock\n"
+              "from robe_torchrec.ops import triton_kernels as tk\n"
+              "import robe_torchrec.ops\n"
+              "tk._counts_in_kernel = None\n"
+              "robe_torchrec.ops._PLAIN_KEYS += 1\n"
+              "setattr(tk, '_summarize_inputs', None)\n"
+              "with unittest.mock.patch.object(tk, '_kernels_for', None): pass\n"
+              "with unittest.mock.patch('robe_torchrec.ops.cpu._SOURCES', []): pass\n"
+              "class Mine:\n"
+              "    def f(self):\n"
+              "        self._x = 1\n"
+              "        local = Mine()\n"
+              "        local._y = 2\n"
+              "        tk.public = 3\n"
+              "        setattr(tk, 'public', 4)\n"
+              "        for name in ('a', '_b'):\n"
+              "            setattr(tk, name, 5)\n")
+    assert [hit.split(":")[0] for hit in private_writes(source)] == ["4", "5", "6", "7", "8", "17"]

@@ -5,8 +5,7 @@ A GPU activity (kernel, memcpy, memset) belongs to the pipeline range (``## opti
 ``## start_embedding_lookup j ##``, from ``pipelines/fused_sparse_dist.py``) in which the CPU
 launched it (same ``correlation`` id). For every step i that has both, the busy time (union
 of intervals) of batch i+1's lookup is intersected with that of batch i's optimizer; the
-fractions are the summed intersection over the summed lookup (or optimizer) busy time. The
-activities' streams are reported too: a lookup on the optimizer's own stream cannot overlap.
+fractions are the summed intersection over the summed lookup (or optimizer) busy time.
 """
 
 from __future__ import annotations

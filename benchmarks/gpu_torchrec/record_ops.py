@@ -4,14 +4,7 @@
 How the shim's op list (:data:`robe_torchrec.testing.fbgemm_cuda_shim.SHIMMED_OPS`) was
 found: KJT handling, DMP (data-parallel and table-wise), the pipelines and the app run on CPU
 under it. ``run --cpu`` records again and reports any op the shim lacks, so a torchrec upgrade
-that calls a new op shows up in CI.
-
-Example::
-
-    >>> with FbgemmOpRecorder() as rec:
-    ...     kjt.offsets()
-    >>> rec.ops
-    {'asynchronous_complete_cumsum'}
+that calls a new op shows up in CI (``with FbgemmOpRecorder() as rec: ...``, then ``rec.ops``).
 """
 
 from __future__ import annotations
@@ -22,10 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class FbgemmOpRecorder(TorchDispatchMode):
-    """Records the overload packet name of every ``fbgemm::`` op dispatched inside it.
-
-    Ops an fbgemm op calls from C++ are not seen (the mode is off inside its own call); they
-    need no CUDA kernel of their own once the outer op has one."""
+    """Records the name of every ``fbgemm::`` op dispatched inside it (not those an fbgemm op
+    calls from C++: they need no CUDA kernel of their own once the outer op has one)."""
 
     def __init__(self) -> None:
         super().__init__()

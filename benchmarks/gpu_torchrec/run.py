@@ -3,18 +3,12 @@ pipelines (NCCL, world size 1), the FusedSparseDist overlap, the pipeline compar
 training app with a checkpoint and a resume, in one command and one report.
 
 For a machine with a CUDA torch and Triton but no CUDA FBGEMM: the carried wheels
-(``wheels.sh``) give torchrec and fbgemm-gpu-cpu, and ``robe_torchrec.testing.fbgemm_cuda_shim``
-gives the few FBGEMM sparse ops TorchRec calls a CUDA kernel. Each part is guarded (one
-failing does not stop the others): ``shim`` (its status here and in a spawned rank; KJT and
-KeyedTensor work on the device equal to CPU), ``pipelines`` (data-parallel and table-wise
-plans: each pipeline's losses and weights against plain's, see :data:`LOSS_RTOL`),
-``overlap`` (a profiler trace of FusedSparseDist: :mod:`overlap`), ``compare``
-(``robe_torchrec.pipelines.compare``, beside the P90 changes TorchRec's pull request
-measured) and ``app`` (``python -m robe_torchrec.train run.device=cuda`` with checkpoints,
-then resumed to more steps). Exit status: 0 when every part passed, 1 when one failed, 2
-without a GPU unless ``--cpu`` (gloo; the ops use their C++ kernel; what CI runs).
-
-Run on the GPU machine from the repository root (docs/benchmarks.md has the set-up)::
+(``wheels.sh``) give torchrec and fbgemm-gpu-cpu, ``robe_torchrec.testing.fbgemm_cuda_shim``
+gives CUDA kernels to the FBGEMM sparse ops TorchRec calls. Parts, each guarded: ``shim``,
+``pipelines`` (each pipeline's losses and weights against plain's), ``overlap``
+(:mod:`overlap`), ``compare`` (``robe_torchrec.pipelines.compare``) and ``app``. Exit
+status: 0 when every part passed, 1 when one failed, 2 without a GPU unless ``--cpu`` (gloo,
+the C++ kernel: what CI runs). docs/benchmarks.md has the set-up::
 
     PYTHONPATH=/tmp/site:. python3 -m benchmarks.gpu_torchrec.run --out results/gpu_pipelines.md
 """
@@ -22,6 +16,7 @@ Run on the GPU machine from the repository root (docs/benchmarks.md has the set-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -33,7 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -70,51 +65,41 @@ def sizes(cpu: bool) -> Dict[str, Any]:
             "compare_scale": 0.1, "app_batch": 1024, "app_steps": (40, 60), "app_scale": 0.01}
 
 
-class _Group:
+@contextlib.contextmanager
+def _group(device: torch.device) -> Iterator[None]:
     """A 1-rank process group through env:// for the block: NCCL on CUDA, gloo on CPU."""
+    import torch.distributed as dist
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    from robe_torchrec.distributed.process_group import (before_init_process_group,
+                                                         destroy_process_group)
 
-    def __enter__(self) -> None:
-        import torch.distributed as dist
-
-        from robe_torchrec.distributed.process_group import before_init_process_group
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        before_init_process_group()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", device_id=self.device)
-        else:
-            dist.init_process_group("gloo")
-
-    def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-
-        from robe_torchrec.distributed.process_group import destroy_process_group
-
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    before_init_process_group()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
         if dist.is_initialized():
             destroy_process_group()
 
 
 def _commit(given: Optional[str]) -> str:
-    if given:
-        return given
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, cwd=ROOT)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, cwd=ROOT).stdout.strip()
-        if head.returncode == 0:
-            return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("ROBE_COMMIT", "unknown (no .git here; pass --commit)")
+    """The commit the results belong to: given, or the checkout's (a copy has no .git)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=ROOT) if shutil.which("git") else None
+    if given or head is None or head.returncode:
+        return given or os.environ.get("ROBE_COMMIT", "unknown (no .git here; pass --commit)")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def environment(cpu: bool, commit: Optional[str]) -> Dict[str, Any]:
@@ -222,7 +207,7 @@ def part_pipelines(device: torch.device, sz: Dict[str, Any]) -> Dict[str, Any]:
             ("semi_sync", "semi_sync", {"start_batch": sz["semi_start"]})]
     rows: List[Dict[str, Any]] = []
     ops: set = set()
-    with _Group(device):
+    with _group(device):
         for sharding in ("data_parallel", "table_wise"):
             results: Dict[str, Any] = {}
             for label, name, options in runs:
@@ -267,7 +252,7 @@ def part_overlap(device: torch.device, sz: Dict[str, Any], out_dir: Path,
                            num_sparse=sz["num_sparse"])
     batches = iter([data.batch(i) for i in range(warmup + steps + 2)])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with _Group(device):
+    with _group(device):
         dmp, dense = build_sharded_dlrm(_spec(), data, "table_wise", device)
         pipeline = make_pipeline("fused_sparse_dist", dmp, dense, device)
         for _ in range(warmup):
@@ -399,15 +384,13 @@ def markdown(env: Dict[str, Any], parts: Dict[str, Dict[str, Any]], command: str
         return str(text).replace("|", "/").replace("\n", " ")
 
     failed = [n for n, r in parts.items() if not r["ok"]]
-    keys = ("mode", "card", "torch", "cuda", "torchrec", "fbgemm_gpu", "triton", "python",
-            "commit", "host")
+    keys = ("mode", "torch", "cuda", "torchrec", "fbgemm_gpu", "triton", "python", "commit", "host")
     lines = [f"# Pipelines and DMP on {'a GPU' if env['card'] else 'CPU'}: "
              f"{env['card'] or 'CPU mode'}", "",
              f"Generated by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), "
              f"{wall_s:.0f} s; every number is in the `.json` beside this file.", "",
-             *table(["", ""], [[k, env[k]] for k in keys]
-                    + [["FBGEMM CUDA shim", env["shim"] or env["shim_error"]]]), "",
-             "## Parts", "",
+             "; ".join(f"{k} {env[k]}" for k in keys)
+             + f"; FBGEMM CUDA shim: {env['shim'] or env['shim_error']}", "", "## Parts", "",
              *table(["part", "result", "time (s)"],
                     [[n, cell(r.get("summary", "") if r["ok"] else
                               "FAILED: " + r.get("error", "")[:300]), r["wall_s"]]

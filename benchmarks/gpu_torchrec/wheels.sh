@@ -21,27 +21,14 @@ mkdir -p "$DEST"
 # pyre-extensions -> typing-inspect -> mypy-extensions; iopath -> portalocker;
 # importlib_metadata -> zipp; hydra-core -> omegaconf -> PyYAML, antlr4 4.9.3;
 # packaging (lightning-utilities, hydra) is in the image through pytest, carried to be sure.
-PACKAGES=(
-  torchrec==1.6.1
-  fbgemm-gpu-cpu==1.6.0
-  tensordict==0.11.0
-  "pyvers<0.3"
-  orjson==3.11.5
-  cloudpickle==3.1.2
-  importlib_metadata==8.7.0
-  zipp==3.23.0
-  torchmetrics==1.0.3
-  lightning-utilities==0.15.2
-  tqdm==4.67.1
-  pyre-extensions==0.0.32
-  typing-inspect==0.9.0
-  mypy-extensions==1.1.0
-  iopath==0.1.9
-  portalocker==3.2.0
-  hydra-core==1.3.2
-  omegaconf==2.3.0
-  PyYAML==6.0.3
-  packaging==25.0
+PACKAGES=(  # one dependency chain a line, as the comment above lists them
+  torchrec==1.6.1 fbgemm-gpu-cpu==1.6.0
+  tensordict==0.11.0 "pyvers<0.3" orjson==3.11.5 cloudpickle==3.1.2
+  importlib_metadata==8.7.0 zipp==3.23.0
+  torchmetrics==1.0.3 lightning-utilities==0.15.2 tqdm==4.67.1
+  pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.1.0
+  iopath==0.1.9 portalocker==3.2.0
+  hydra-core==1.3.2 omegaconf==2.3.0 PyYAML==6.0.3 packaging==25.0
 )
 
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
