@@ -90,20 +90,27 @@ def log_line(run_dir: Path, marker: str) -> str:
 
 
 def measure(args: argparse.Namespace, runs: Dict[str, Setting]):
-    """Samples/s per setting and round, each setting's log line, the load averages."""
+    """Samples/s per setting and round, each setting's log line, the load averages (with
+    ``--busy``, a busy loop holds the last usable CPU meanwhile)."""
     rates: Dict[str, List[float]] = {name: [] for name in runs}
     logged: Dict[str, str] = {}
     load = [loadavg()]
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
-            for name in names:
-                run_dir = Path(tmp) / f"{r}_{list(runs).index(name)}"
-                rates[name].append(run_app(args, runs[name], run_dir))
-                logged[name] = log_line(run_dir, "threads: " if args.busy else "embeddings (")
-                load.append(loadavg())
-                print(f"round {r} {name}: {rates[name][-1]:9,.0f} samples/s; {logged[name]}",
-                      flush=True)
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(max(os.sched_getaffinity(0)))]) \
+        if args.busy else None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                for name in list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]:
+                    run_dir = Path(tmp) / f"{r}_{list(runs).index(name)}"
+                    rates[name].append(run_app(args, runs[name], run_dir))
+                    logged[name] = log_line(run_dir, "threads: " if args.busy else "embeddings (")
+                    load.append(loadavg())
+                    print(f"round {r} {name}: {rates[name][-1]:9,.0f} samples/s; "
+                          f"{logged[name]}", flush=True)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
     return rates, logged, load
 
 
@@ -128,15 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
     args = p.parse_args(argv)
     mode = "busy" if args.busy else "ranks" if args.ranks else "full"
-    runs = settings(args)
-    busy_cpu = max(os.sched_getaffinity(0))
-    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(busy_cpu)]) if args.busy else None
-    try:
-        rates, logged, load = measure(args, runs)
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
+    runs, busy_cpu = settings(args), max(os.sched_getaffinity(0))
+    rates, logged, load = measure(args, runs)
     med = {k: statistics.median(v) for k, v in rates.items()}
     first = {"busy": "run.threads=1", "ranks": "1 process x 1 thread", "full": "full"}[mode]
     result = {"command": command_line("train_throughput", argv), "mode": mode, "settings": runs,
