@@ -11,10 +11,9 @@ reference ops) and ``ours`` (the C++ ops, dense gradient and fused), arrays of 2
 2,621,440 floats. Rows of arrays up to 10M floats are timed interleaved, step by step.
 
 The forward section times our forward alone against the forward floor (both hashes, Z = 8
-and 32, both arrays) with its profile: the kernel's hash pass alone, the forward without its
-stores, a read of every cache line its gathers touch, the backward op and one read of its
-gradient. At 1 thread the targets are judged on the calling thread's CPU time, which time
-spent descheduled does not inflate. docs/benchmarks.md reads the results::
+and 32, both arrays) with its profile: the hash pass alone, the forward without its stores,
+a read of every line its gathers touch, the backward op and one read of its gradient. At 1
+thread the targets are judged on CPU time, which time spent descheduled does not inflate::
 
     python -m benchmarks.cpu_ops --quick                                  # tiny sizes
     python -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
@@ -68,12 +67,11 @@ class Sizes:
     dim: int
     robe_sizes: Tuple[int, ...]
     block_size: int
-    small_block_size: int
-    small_block_array: int
+    small_block_size: int  # the ``ours`` rows' second Z, at the largest array
 
 
-FULL_SIZES = Sizes(32768, 1_562_500, 64, (262_144, 2_621_440), 32, 8, 2_621_440)
-QUICK_SIZES = Sizes(256, 20_000, 64, (4_096, 16_384), 32, 8, 16_384)
+FULL_SIZES = Sizes(32768, 1_562_500, 64, (262_144, 2_621_440), 32, 8)
+QUICK_SIZES = Sizes(256, 20_000, 64, (4_096, 16_384), 32, 8)
 
 
 class Unavailable(Exception):
@@ -106,6 +104,7 @@ class Runner:
 
     loss = "pair"  # a key of LOSSES
     opt: Optional[torch.optim.Optimizer] = None  # None: no step of its own (fused)
+    feature_dim = 0  # the output's dim that holds the two lookups: [2B, D] (TBE: [B, 2D])
 
     def use(self, name: str, params, sparse: bool = False) -> None:
         """Train ``params`` with ``torch.optim`` optimizer ``name``."""
@@ -120,8 +119,7 @@ class Runner:
     def backward(self, out: Tensor) -> None:
         if self.loss == "sum":
             return out.sum().backward()
-        first, second = (out[:, : out.shape[1] // 2], out[:, out.shape[1] // 2:]) \
-            if isinstance(self, Fbgemm) else (out[: out.shape[0] // 2], out[out.shape[0] // 2:])
+        first, second = out.chunk(2, dim=self.feature_dim)
         (first * second).sum().backward()
 
     def step(self) -> None:
@@ -146,6 +144,8 @@ class FullTable(Runner):
 
 class Fbgemm(Runner):
     """FBGEMM's CPU TBE, its optimizer fused into its backward; output [B, 2D]."""
+
+    feature_dim = 1
 
     def __init__(self, sizes: Sizes, optim_name: str):
         try:  # FBGEMM asserts on the optimizers it lacks on CPU: its reason goes to the table
@@ -330,7 +330,7 @@ def row_specs(sizes: Sizes, optimizer: str, groups: Sequence[str],
         specs += [RowSpec(f"ours-{mode}-{mem}-z{z}", "ours", optimizer, mode, mem, z,
                           lambda mem=mem, z=z, mode=mode: Robe(sizes, optimizer, mem, z, mode,
                                                                hash_mode), backend="cpp")
-                  for mem, z in configs + [(sizes.small_block_array, sizes.small_block_size)]
+                  for mem, z in configs + [(sizes.robe_sizes[-1], sizes.small_block_size)]
                   for mode in ("dense", "fused")]
     return specs
 
@@ -362,7 +362,7 @@ def train_step(runner: Runner, spec: RowSpec, batch: Batch) -> Dict[str, float]:
 
 
 def run_specs(specs: Sequence[RowSpec], threads: Sequence[int], batches: Sequence[Batch],
-              sizes: Sizes, warmup: int, iters: int) -> List[Result]:
+              warmup: int, iters: int) -> List[Result]:
     """The rows of ``specs`` timed together, interleaved step by step, at each thread count;
     a row that cannot be built or fails is reported and the others go on."""
     results = [[Result(spec, k) for k in threads] for spec in specs]
@@ -591,7 +591,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                  for s in row_specs(sizes, opt, args.rows, HashMode.parse(args.hash))]
         small = [s for s in specs if s.floats <= INTERLEAVE_MAX_FLOATS]
         for group in [small] + [[s] for s in specs if s.floats > INTERLEAVE_MAX_FLOATS]:
-            results += run_specs(group, threads, batches, sizes, warmup, iters) if group else []
+            results += run_specs(group, threads, batches, warmup, iters) if group else []
     found = targets(fwd, results, threads, sizes)
     lines = header("CPU op benchmark: one training step of the pair model",
                    command_line("cpu_ops", argv), f"allocator: {allocator}",

@@ -234,8 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     result = {"command": command_line("quality_study", argv), "args": vars(args), "replicate": key,
               "rows": rows, "summary": summary(rows, key), "oracle": oracle,
               "seconds": time.perf_counter() - t0}
-    publish(os.path.join(args.out, f"{args.name}.md") if args.out else None, args.name,
-            markdown(result, argv), result)
+    publish(args.out, args.name, markdown(result, argv), result)
     if args.out and not real:
         plot(result, os.path.join(args.out, f"{args.name}.png"))
     return result

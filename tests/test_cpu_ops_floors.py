@@ -96,7 +96,7 @@ def test_interleaved_rows_report_a_failing_row_and_keep_the_others():
     floor = cpu_ops.RowSpec("floor-1", "floor", "sgd", "dense", 4096, None,
                             lambda: cpu_ops.Floor(sizes, "sgd", 4096), loss="sum")
     bad = cpu_ops.RowSpec("bad", "bad", "sgd", "dense", 4096, None, broken)
-    results = cpu_ops.run_specs([floor, bad], [1], batches, sizes, warmup=0, iters=2)
+    results = cpu_ops.run_specs([floor, bad], [1], batches, warmup=0, iters=2)
     assert [r.spec.key for r in results] == ["floor-1", "bad"]
     assert results[0].unavailable is None and results[0].phases["total"] > 0
     assert "read" in results[0].phases  # the floor's one read of a gradient, timed apart
