@@ -265,7 +265,8 @@ def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
     """Whether the forward kernel counts the input checks' problems (one launch less): when
     it reads every id, that is when it runs at all and every feature has a column (and the
     tuning does not ask for the summary kernel)."""
-    return current_tuning().count_in_forward and batch > 0 and output_dim > 0 and facts.min_dim > 0
+    return (current_tuning().count_in_forward and batch > 0 and output_dim > 0
+            and facts.min_dim > 0)
 
 
 def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: torch.Tensor,
