@@ -13,16 +13,16 @@ import argparse
 import ctypes
 import datetime
 import json
-import math
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, TypeVar
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, TypeVar
 
 import torch
+
+from robe_torchrec.machine import machine, machine_line
 
 K = TypeVar("K", bound=Hashable)
 Samples = Dict[str, List[float]]
@@ -104,59 +104,6 @@ class DeviceTimer:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / inner
-
-
-def nearest_rank(values: Sequence[float], pct: float) -> float:
-    """The nearest-rank percentile (as TorchRec's pipeline benchmark): the smallest value with
-    at least ``pct``% of the values at or below it."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(pct / 100.0 * len(ordered))) - 1]
-
-
-def _first_field(path: str, prefix: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)),
-                        None)
-    except OSError:
-        return None
-
-
-def version(module: str) -> str:
-    """A module's version, without importing it when it is not there already (a bare GPU
-    image has no torchrec, and a GPU check must not import it)."""
-    from importlib.metadata import PackageNotFoundError, version as installed
-
-    for name in ({"fbgemm_gpu": ["fbgemm-gpu-cpu"]}.get(module, []) + [module]):
-        try:
-            return installed(name)
-        except PackageNotFoundError:
-            pass
-    return "not installed"
-
-
-def machine() -> Dict[str, Any]:
-    """The machine and software stack a benchmark ran on (the fields of
-    ``robe_torchrec.pipelines.report.machine``, which this module cannot import: the GPU
-    check runs where torchrec is not installed)."""
-    mem_kib = _first_field("/proc/meminfo", "MemTotal")
-    return {"host": platform.node(), "platform": platform.platform(),
-            "cpu": (_first_field("/proc/cpuinfo", "model name") or platform.processor()
-                    or platform.machine()),
-            "logical_cpus": os.cpu_count(),
-            "memory_gib": round(int(mem_kib.split()[0]) / 2**20, 1) if mem_kib else None,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "torchrec": version("torchrec"), "fbgemm_gpu": version("fbgemm_gpu")}
-
-
-def machine_line(m: Optional[Dict[str, Any]] = None) -> str:
-    """One line for a report: the GPU and CPU, core count, and the versions."""
-    m = m or machine()
-    return (f"{m['gpu'] + ' GPU, ' if m['gpu'] else ''}{m['cpu']}, {m['logical_cpus']} CPUs "
-            f"({m['host']}), Python {m['python']}, torch {m['torch']}, torchrec {m['torchrec']}")
 
 
 def keep_freed_memory() -> str:

@@ -2,6 +2,9 @@
 reference on CUDA tensors, then timed at the paper's setting (:mod:`benchmarks.gpu_speed`),
 in one call and one results file. Needs torch and Triton only, so it runs on a bare GPU image.
 
+Speed: one id a bag and ``--ids-per-bag``, against the one-call full table and one
+``nn.EmbeddingBag`` call a table, then the paper's one-table setting.
+
 Checks: ``robe_torchrec.testing.op_checks.triton_checks`` and, on CUDA, ``gpu_checks`` (a
 random-configuration matrix, no host sync, CUDA graphs, a compiled TorchRec DLRM), each ok or
 FAILED with its error; exit status 0, 1 when one failed, 2 without a device. ``--cpu`` runs
@@ -74,6 +77,11 @@ def speed(args: argparse.Namespace, device: torch.device):
                                               reference_reps=2 if cpu else max(3, reps // 10))
         lines, results = lines + more, results + [result]
         print("\n".join(more[:20]), flush=True)
+    sizes = [1000, 4000] if cpu else [int(n) for n in args.single_table]
+    more, rows = gpu_speed.single_table(device, timer, reps, inner, sizes,
+                                        [10.0, 100.0] if cpu else [10, 100, 1000, 10000],
+                                        batch, dim, zs[0])
+    lines, results = lines + more, results + [{"scenario": "one table", "rows": rows}]
     if not cpu:
         lines.append(f"Peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB.")
     return lines, results
@@ -140,6 +148,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--matrix", type=int, default=24, help="random configurations (CUDA only)")
     p.add_argument("--ids-per-bag", type=int, default=20, help="ids a bag of the multi-hot rows")
     p.add_argument("--profile-launches", action="store_true", help="only the launches ncu profiles")
+    p.add_argument("--single-table", nargs="*", default=["4e6", "32e6", "256e6"], type=float,
+                   help="rows of the one-table rows (the paper's 4M to 256M)")
     return p.parse_args(argv)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,9 @@ def triton_path(device: torch.device):
     return contextlib.nullcontext() if device.type == "cuda" else cpu_backend("triton")
 
 
-def full_table_rows(lk: Lookup) -> List[Row]:
+def full_table_rows(lk: Lookup, per_table: bool = True) -> List[Row]:
+    """The main peer, one ``F.embedding_bag`` over the tables as one (what FBGEMM's TBE does
+    in one kernel), and the second, one ``nn.EmbeddingBag`` call a table sharing its rows."""
     s = lk.s
     table_ = torch.empty(sum(s.cardinalities), s.dim, device=lk.device).uniform_(-0.01, 0.01)
     # the gradient of bag (t, b) is columns [t*D, (t+1)*D) of sample b's output gradient
@@ -109,7 +111,25 @@ def full_table_rows(lk: Lookup) -> List[Row]:
         rows = bag_grad if s.ids_per_bag == 1 else bag_grad.index_select(0, lk.bag_of_id)
         table_.index_add_(0, lk.global_ids, rows, alpha=-HPARAMS[0])
 
-    return [Row("full table, one lookup (+ in-place SGD rows)", forward, train)]
+    rows = [Row("full table, one lookup (+ in-place SGD rows)", forward, train)]
+    if per_table:
+        bags = [torch.nn.EmbeddingBag.from_pretrained(table_[a:a + c], freeze=False,
+                                                      mode="sum", sparse=True)
+                for a, c in zip(lk.row_offsets, s.cardinalities)]
+        ids, offsets = lk.ids.view(len(bags), -1), lk.offsets[:s.batch]
+        grads = list(bag_grad.view(len(bags), s.batch, s.dim))
+
+        def forward_each():
+            return [bag(x, offsets) for bag, x in zip(bags, ids)]
+
+        def train_each():
+            for bag in bags:
+                bag.weight.grad = None
+            torch.autograd.backward(forward_each(), grads)
+
+        rows.append(Row(f"{len(bags)} x nn.EmbeddingBag (+ sparse backward)", forward_each,
+                        train_each))
+    return rows
 
 
 def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
@@ -247,3 +267,38 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
                     [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
                       "met" if t["met"] else "missed"] for t in found]), ""]
     return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
+
+
+def single_table(device: torch.device, timer: DeviceTimer, reps: int, inner: int,
+                 sizes: Sequence[int], compressions: Sequence[float], batch: int = 10240,
+                 dim: int = 128, z: int = 32) -> Tuple[List[str], List[Dict[str, object]]]:
+    """The paper's single-table setting (its appendix): one table, one id a bag, the plain
+    lookup beside ROBE-Z at each compression; forward ms, host us a call in brackets."""
+    lines = ["### One table (the paper's setting)", "",
+             f"Batch {batch}, dim {dim}, one id a bag, Z = {z}; forward ms (median of {reps} x "
+             f"{inner} calls), host us a call in brackets. The paper: plain lookup 0.12 ms, "
+             "ROBE-Z 0.27 ms on its GPU.", ""]
+    cells, results = [], []
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**34
+    for n in sizes:
+        lk = Lookup(Scenario(f"one table, {n} rows", batch, dim, [n], 1, [z], 1.0), device)
+        fits = n * dim * 4 < 0.6 * free
+        rows = full_table_rows(lk, per_table=False) if fits else []
+        for c in compressions:
+            weights, args = lk.robe(z, c)
+            rows.append(Row(f"ROBE-Z {c:g}x", lambda w=weights, a=args: _forward(w, a, device)))
+        time_rows(rows, timer, reps, inner, warmup=2)
+        medians = [(r.median("forward"), r.median("host") * 1e3) for r in rows]
+        cells.append([f"{n:,}", *([] if fits else ["n/a (over 60% of free memory)"]),
+                      *(f"{ms:.3f} ({us:.0f})" for ms, us in medians)])
+        results += [{**r.json(), "table_rows": n} for r in rows]
+        del lk, rows
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    heads = ["rows n", "plain lookup", *(f"ROBE-Z {c:g}x" for c in compressions)]
+    return lines + table(heads, cells) + [""], results
+
+
+def _forward(weights: torch.Tensor, args: tuple, device: torch.device) -> torch.Tensor:
+    with torch.no_grad(), triton_path(device):
+        return torch.ops.robe.forward(weights, *args)

@@ -117,7 +117,7 @@ def test_recorder_sees_kjt_ops() -> None:
     """The recorder that found the op list sees the op behind ``KeyedJaggedTensor.offsets``."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from benchmarks.gpu_torchrec.record_ops import FbgemmOpRecorder
+    from robe_torchrec.testing.fbgemm_cuda_shim import FbgemmOpRecorder
 
     kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.arange(5),
                                               torch.tensor([1, 2, 0, 2]))

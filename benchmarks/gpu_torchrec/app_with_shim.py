@@ -16,7 +16,7 @@ from robe_torchrec.testing import fbgemm_cuda_shim
 
 
 def main() -> None:
-    from benchmarks.gpu_torchrec.record_ops import FbgemmOpRecorder
+    from robe_torchrec.testing.fbgemm_cuda_shim import FbgemmOpRecorder
 
     fbgemm_cuda_shim.install()
     record_to, recorder = os.environ.get("ROBE_RECORD_FBGEMM_OPS"), FbgemmOpRecorder()

@@ -32,7 +32,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from benchmarks.common import table, version
+from benchmarks.common import table
+from robe_torchrec.machine import version
 from robe_torchrec.testing import fbgemm_cuda_shim
 
 # robe_torchrec.pipelines.compare spawns its ranks, which re-import this main module (as
@@ -125,7 +126,7 @@ def _spec():
 def part_shim(device: torch.device, sz: Dict[str, Any]) -> Dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-    from benchmarks.gpu_torchrec.record_ops import FbgemmOpRecorder
+    from robe_torchrec.testing.fbgemm_cuda_shim import FbgemmOpRecorder
     from robe_torchrec.distributed.spawn import run_ranks
 
     if SHIM_ERROR:
@@ -163,7 +164,7 @@ def part_shim(device: torch.device, sz: Dict[str, Any]) -> Dict[str, Any]:
 
 def _train(device: torch.device, sharding: str, name: str, options: Dict[str, Any],
            sz: Dict[str, Any]):
-    from benchmarks.gpu_torchrec.record_ops import FbgemmOpRecorder
+    from robe_torchrec.testing.fbgemm_cuda_shim import FbgemmOpRecorder
     from robe_torchrec.data.synthetic import SyntheticCriteo
     from robe_torchrec.pipelines import make_pipeline, run_to_end
     from robe_torchrec.pipelines.model import build_sharded_dlrm, gather_state

@@ -7,7 +7,8 @@ machine, a benchmark or a user's own CI can run them without the repository's te
 - :mod:`~robe_torchrec.testing.gpu_checks`: what only a CUDA device can show: a random
   configuration matrix, no host synchronisation, CUDA graph capture and replay.
 - :mod:`~robe_torchrec.testing.fbgemm_cuda_shim`: plain-PyTorch CUDA kernels for the few
-  FBGEMM sparse ops TorchRec calls, for a GPU machine that only has fbgemm-gpu-cpu.
+  FBGEMM sparse ops TorchRec calls, for a GPU machine that only has fbgemm-gpu-cpu, and
+  the recorder that lists the ops a piece of code calls.
 
 Nothing here runs on import: each module is imported where it is used.
 """

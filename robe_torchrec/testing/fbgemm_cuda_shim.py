@@ -1,11 +1,10 @@
 """CUDA kernels, in plain PyTorch, for the few ``fbgemm::`` sparse ops that TorchRec calls on
 our paths, for machines with a CUDA torch but only the CPU build of FBGEMM (fbgemm-gpu-cpu).
 
-Test-only: it lives outside the library's import path and nothing in ``robe_torchrec`` or
-``pipelines`` loads it. A real CUDA FBGEMM already has these kernels, and :func:`install`
+Test-only: nothing in ``robe_torchrec`` or its pipelines loads it. A real CUDA FBGEMM already has these kernels, and :func:`install`
 leaves any op that has a CUDA kernel alone, so loading it there changes nothing.
 
-The ops (:data:`SHIMMED_OPS`) are what :class:`benchmarks.gpu_torchrec.record_ops.FbgemmOpRecorder`
+The ops (:data:`SHIMMED_OPS`) are what :class:`FbgemmOpRecorder` (below)
 saw on CPU under torchrec 1.6.1 and 1.8.0: KJT offsets/lengths/permute/split/to_dict/concat and
 KeyedTensor regroup; DMP data-parallel and table-wise on 1 and 2 ranks; the plain, SparseDist,
 FusedSparseDist and SemiSync pipelines. Only ``asynchronous_complete_cumsum`` is reached by
@@ -27,10 +26,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _LIBRARY: Optional[torch.library.Library] = None
 _STATUS: Dict[str, str] = {}
@@ -132,3 +132,19 @@ def installed(rank: int = 0, world_size: int = 1) -> Dict[str, str]:
     ``run_ranks`` function, so a parent can ask a spawned rank whether it has the shim."""
     del rank, world_size
     return dict(_STATUS)
+
+
+class FbgemmOpRecorder(TorchDispatchMode):
+    """Records the name of every ``fbgemm::`` op dispatched inside it (not those an fbgemm op
+    calls from C++: they need no CUDA kernel of their own once the outer op has one). How
+    :data:`SHIMMED_OPS` was found, and how a torchrec upgrade that calls a new op shows up:
+    ``with FbgemmOpRecorder() as rec: ...``, then ``rec.ops`` against the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs: Optional[Dict[str, Any]] = None):
+        if func.namespace == "fbgemm":
+            self.ops.add(func._opname)
+        return func(*args, **(kwargs or {}))

@@ -61,7 +61,12 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
                 "pure-PyTorch ROBE-Z Z=4", "ROBE-Z Z=16 (+ fused Adagrad)",
                 "floor: L2 block reads + pooling, Z=16", "floor: output write"):
         assert row in rows, row
-    assert [s["scenario"] for s in check["speed"]] == ["1 id(s) a bag", "20 id(s) a bag"]
+    assert [s["scenario"] for s in check["speed"]] == ["1 id(s) a bag", "20 id(s) a bag",
+                                                       "one table"]
+    assert "3 x nn.EmbeddingBag (+ sparse backward)" in rows  # the second peer
+    one_table = {(r["table_rows"], r["name"]) for r in check["speed"][2]["rows"]}
+    assert {(1000, "full table, one lookup (+ in-place SGD rows)"),
+            (4000, "ROBE-Z 100x")} <= one_table
     assert "Z=4 forward / full-table forward" in {t["target"] for t in check["speed"][0]["targets"]}
     medians = json.loads(host.with_suffix(".json").read_text())["medians"]
     for row in ("op, no grad", "through the dispatcher twice", "wrapper, summary kernel",
