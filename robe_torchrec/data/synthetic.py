@@ -6,7 +6,7 @@ Two modes (``mode=``):
 
 * ``"realistic"``: per-feature power-law id popularity, ``P(id = r - 1) ~ r ** -s`` over
   ``N`` ids, with ``s`` and ``N`` fitted on 10,000 real Criteo rows
-  (``benchmarks/fit_synthetic.py``, docs/data.md); ``N`` scales with
+  (docs/data.md; the fit's script is in benchmarks/results/probes/); ``N`` scales with
   ``cardinality_scale / 0.01``. The hidden logit is a dense linear part, per-id effects
   whose spread falls with the id's rarity, and a rank-4 latent-factor interaction between
   every pair of features (each id's factor vector shrinks with rarity too), with the
@@ -49,7 +49,7 @@ from robe_torchrec.hashing import HashMode, block_starts, hash_params
 _EFFECT_RESOLUTION = 1 << 20
 MODES = ("realistic", "hard")
 
-#: realistic mode, fitted on the 10,000 real rows (benchmarks/fit_synthetic.py): power-law
+#: realistic mode, fitted on the 10,000 real rows (docs/data.md): power-law
 #: exponent and number of ids of each feature (the ids at ``cardinality_scale=0.01``)
 FITTED_EXPONENTS: List[float] = [
     1.8, 1.256, 0.881, 0.878, 2.406, 2.545, 0.687, 2.125, 6.578, 0.692, 0.775, 0.898, 0.815,

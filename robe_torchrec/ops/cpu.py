@@ -145,8 +145,8 @@ def build(name: str, sources: Union[str, Sequence[str]], directory: Optional[str
     """Build (or load, if up to date) the C++ files ``sources`` (a path or paths: translation
     units and the headers they include) as extension module ``name`` in ``directory``
     (default: :func:`build_directory`), with this package's flags and toolchain.
-    :func:`extension` builds the kernels with it; the kernel A/B benchmark builds another
-    revision's kernels with it."""
+    :func:`extension` builds the kernels with it, :func:`parts_extension` the benchmark's
+    profiling build."""
     if _find_compiler() is None:
         raise RuntimeError(
             "robe: the C++ CPU kernels need a C++ compiler to build, and none was found "
@@ -162,33 +162,29 @@ def build(name: str, sources: Union[str, Sequence[str]], directory: Optional[str
     # from another place (a checkout and a wheel install, two clones).
     # The copies keep their names, side by side: the .cpp files include the headers by name.
     sources = [sources] if isinstance(sources, str) else list(sources)
-    local_sources, python_module = [], False
+    local_sources = []
     for source in sources:
         local = os.path.join(directory, os.path.basename(source))
         _write_if_changed(local, source)
         if local.endswith(".cpp"):
             local_sources.append(local)
-            with open(local, encoding="utf-8") as f:
-                # kernels before the switch to TORCH_LIBRARY were a pybind11 module (kernel_ab builds old revisions)
-                python_module = python_module or "PYBIND11_MODULE" in f.read()
     # a finished build of exactly these sources, flags and torch: load it without ninja,
     # which would rebuild it for another checkout or environment (build.ninja holds paths)
     stamp, key = os.path.join(directory, f"{name}.built"), cache_key(sources)
     library = os.path.join(directory, f"{name}.so")
-    if not python_module and _read(stamp) == key and os.path.isfile(library):
+    if _read(stamp) == key and os.path.isfile(library):
         torch.ops.load_library(library)
         return getattr(torch.ops, name)
     with _interpreter_bin_first_on_path():
-        loaded = load(name=name, sources=local_sources, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                      build_directory=directory, is_python_module=python_module,
-                      verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
-    if not python_module:
-        tmp = f"{stamp}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(key)
-        os.replace(tmp, stamp)
+        load(name=name, sources=local_sources, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+             build_directory=directory, is_python_module=False,
+             verbose=bool(os.environ.get("ROBE_TORCHREC_VERBOSE_BUILD")))
+    tmp = f"{stamp}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(key)
+    os.replace(tmp, stamp)
     # the operators the library registered under its own namespace, called like module functions
-    return loaded if python_module else getattr(torch.ops, name)
+    return getattr(torch.ops, name)
 
 
 def _read(path: str) -> Optional[str]:

@@ -27,7 +27,6 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from robe_torchrec.compress import fit_from_checkpoint
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
-# dense_optimizer: also imported from here by benchmarks/distributed_step.py
 from robe_torchrec.dlrm import EmbeddingSummary, build_dlrm, dense_optimizer
 from robe_torchrec.dlrm import build_predict_model as _build_predict_model
 from robe_torchrec.train.checkpoint import (CheckpointError, SafeFileSystemReader,

@@ -278,10 +278,11 @@ void with_plan(const BackwardInputs& in, int64_t weights_numel, int64_t hash_mod
 // thread count. Past its limit the direct path zeroes and steps a gradient of the whole array
 // that no longer fits in cache, where the plan steps one cache-sized range at a time; below it
 // the plan's passes (write, bucket and read back a record of every block) cost more than they
-// save. The limits were measured with benchmarks/kernel_ab.py on one machine (a 2-core EPYC:
+// save. The limits were measured with the kernel A/B tool on one machine (a 2-core EPYC:
 // 512 KiB L2, 32 MiB L3), at 1 and 2 threads, float32, with the app's DLRM shapes and the pair
 // model; the numbers are in docs/benchmarks.md ("CPU kernel A/B history"). Other caches or
-// core counts may move them: rerun kernel_ab there before changing them.
+// core counts may move them: measure there before changing them (benchmarks/results/probes/
+// names the tool's last revision, which builds the kernels of two revisions side by side).
 //   1 thread: up to 12 MiB (the fused steps lost from 16 MB on).
 //   2 threads: up to 4 MiB (one thread zeroes and scatters, both share the fused step; taken
 //     further the direct scatter was no faster than the plan, and its fused step slower).

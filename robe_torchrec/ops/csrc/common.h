@@ -22,7 +22,7 @@
 //
 // Only the ATen headers used here and the op-registration header: <torch/extension.h>
 // (pybind11, the C++ frontend, every ATen operator) alone compiles in longer than the whole
-// kernel once did (benchmarks/results/build_time.md). Everything in these headers has
+// kernel once did (benchmarks/results/probes/build_time.md). Everything in these headers has
 // internal linkage (an anonymous namespace): each file compiles its own copy of what it uses.
 
 #pragma once
