@@ -601,14 +601,17 @@ def backward_fused_(
     step: int,
 ) -> None:
     optimizer = int(optimizer)
-    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     if optimizer == m.Optimizer.ADAM and deferred_checks.is_capturing():
         raise ValueError("robe: fused Adam cannot be captured in a CUDA graph: its bias "
                          "correction depends on the step, which a replay would repeat; "
                          "capture SGD, Adagrad or row-wise Adagrad, or leave the backward "
                          "out of the graph")
+    # the gradient goes to a buffer of its own: bad optimizer arguments raise below, before
+    # weights or state change; the layout (block_size included) is checked first, as the
+    # reference does
     grad, guard = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                                     table_meta, block_size, hash_mode, hash_params)
+    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     kernels = _kernels_for(weights.device)
     lr, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
     if optimizer == m.Optimizer.ADAM:

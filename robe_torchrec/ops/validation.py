@@ -365,7 +365,9 @@ def check_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: int,
 def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
                          optimizer: int, hparams: List[float], step: int, block_size: int) -> None:
     """The fused backward's optimizer arguments: a known optimizer, 5 hparams, contiguous
-    weights, and the state tensors that optimizer reads, of the right size and dtype."""
+    weights, and the state tensors that optimizer reads, of the right size and dtype. Call
+    it after :func:`check_static`, which checks ``block_size`` (the row-wise state's size
+    divides by it)."""
     if optimizer not in tuple(int(o) for o in m.Optimizer):
         raise ValueError(f"robe: unknown fused optimizer {optimizer}; optimizer must be 0 (sgd), "
                          "1 (adagrad), 2 (adam) or 3 (rowwise_adagrad)")
@@ -375,8 +377,6 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
     if not weights.is_contiguous():
         raise ValueError("robe: the fused backward updates weights in place; they must be "
                          "contiguous")
-    if block_size < 1:
-        raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
     rows = (m.rowwise_state_size(weights.numel(), block_size),)
     needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
               m.Optimizer.ADAM: (("state1", state1, weights.shape),

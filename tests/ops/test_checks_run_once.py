@@ -5,6 +5,7 @@ ones, and used to run the static ones twice."""
 import pytest
 import torch
 
+from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import reference, validation
 from robe_torchrec.testing.op_cases import random_case
 
@@ -43,3 +44,23 @@ def test_a_bad_block_size_is_still_refused_by_the_backward_checks():
     args[6] = 0  # block_size
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         validation.check_backward_inputs(*args)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("optimizer", [m.Optimizer.SGD, m.Optimizer.ROWWISE_ADAGRAD])
+def test_the_fused_backward_refuses_a_bad_block_size_before_any_write(impl, optimizer):
+    """The optimizer-argument checks leave ``block_size`` to the layout checks, which both
+    Python implementations run first: a bad one is still refused, with nothing written."""
+    from robe_torchrec.ops import triton_kernels
+
+    if impl == "triton" and not triton_kernels.interpreted():
+        pytest.skip("triton is imported without its interpreter in this process")
+    case = random_case(seed=14)
+    weights, state = case.weights.clone(), torch.zeros(4)
+    before = weights.clone()
+    backend = reference if impl == "reference" else triton_kernels
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        backend.backward_fused_(case.grad(), weights, state, state, case.values, case.offsets,
+                                case.per_sample_weights, case.table_meta, 0, case.hash_mode,
+                                case.hash_params, int(optimizer), [0.1, 1e-8, 0.9, 0.99, 0.0], 1)
+    assert torch.equal(weights, before)
