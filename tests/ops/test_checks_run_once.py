@@ -46,20 +46,21 @@ def test_a_bad_block_size_is_still_refused_by_the_backward_checks():
         validation.check_backward_inputs(*args)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "cpp"])
 @pytest.mark.parametrize("optimizer", [m.Optimizer.SGD, m.Optimizer.ROWWISE_ADAGRAD])
 def test_the_fused_backward_refuses_a_bad_block_size_before_any_write(impl, optimizer):
-    """The optimizer-argument checks leave ``block_size`` to the layout checks, which both
-    Python implementations run first: a bad one is still refused, with nothing written."""
-    from robe_torchrec.ops import triton_kernels
+    """The optimizer-argument checks leave ``block_size`` to the layout checks, which every
+    implementation runs first: a bad one is still refused, with nothing written."""
+    from robe_torchrec.ops import cpu_backend, triton_kernels
 
     if impl == "triton" and not triton_kernels.interpreted():
         pytest.skip("triton is imported without its interpreter in this process")
     case = random_case(seed=14)
     weights, state = case.weights.clone(), torch.zeros(4)
     before = weights.clone()
-    backend = reference if impl == "reference" else triton_kernels
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    backend = {"reference": reference, "triton": triton_kernels, "cpp": torch.ops.robe}[impl]
+    with pytest.raises((ValueError, RuntimeError), match="block_size must be >= 1"), \
+            cpu_backend("cpp" if impl == "cpp" else "reference"):
         backend.backward_fused_(case.grad(), weights, state, state, case.values, case.offsets,
                                 case.per_sample_weights, case.table_meta, 0, case.hash_mode,
                                 case.hash_params, int(optimizer), [0.1, 1e-8, 0.9, 0.99, 0.0], 1)

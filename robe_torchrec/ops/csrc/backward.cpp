@@ -487,8 +487,11 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
   }
   if (hparams.size() != 5) fail(cat("robe: hparams must hold 5 floats (lr, eps, beta1, beta2, weight_decay), got ", hparams.size()));
   if (!weights.is_contiguous()) fail("robe: the fused backward updates weights in place; they must be contiguous");
+  // the layout first (block_size included, which the row-wise state's size divides by), as
+  // the Python implementations do; it writes nothing
+  BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
+                                       hash_mode, hash_params, acc_st);
   const int64_t M = weights.numel();
-  if (block_size < 1) fail(cat("robe: block_size must be >= 1, got ", block_size));
   const int64_t rows = (M + block_size - 1) / block_size;  // row-wise Adagrad's state entries
   auto check_state = [&](const at::Tensor& s, const char* name, int64_t numel) {
     check_cpu(s, name);
@@ -502,8 +505,6 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
   if (optimizer == OPT_ROWWISE_ADAGRAD) check_state(state1, "state1", rows);
   if (optimizer == OPT_ADAM && step < 1) fail(cat("robe: Adam needs step >= 1, got ", step));
   const HParams hp{hparams[0], hparams[1], hparams[2], hparams[3], hparams[4]};
-  BackwardInputs in = prepare_backward(grad_output, weights, values, offsets, psw, table_meta, block_size,
-                                       hash_mode, hash_params, acc_st);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wst, "robe_backward_fused", [&] {
     using W = scalar_t;
     using T = at::opmath_type<W>;
