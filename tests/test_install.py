@@ -26,6 +26,7 @@ import robe_torchrec
 from robe_torchrec import installation, quiet
 from robe_torchrec.installation import CHANGES
 from robe_torchrec.torchrec_compat import SHARD_IMPLEMENTATIONS
+from tests.ops.test_torch_only import HIDE_TORCHREC
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,16 +142,7 @@ def test_the_check_sees_import_time_changes():
                      "setattr(torchrec, 'y', 2)"], found
 
 
-_WITHOUT_TORCHREC = r"""
-import importlib.abc, sys
-
-class RefuseTorchrec(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torchrec", "fbgemm_gpu"):
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
-        return None
-
-sys.meta_path.insert(0, RefuseTorchrec())
+_WITHOUT_TORCHREC = HIDE_TORCHREC + r"""
 import robe_torchrec
 import robe_torchrec.ops
 print("install:", robe_torchrec.install())

@@ -13,7 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r"""
+#: the start of a script run in a fresh process where torchrec and fbgemm_gpu cannot be
+#: imported (a bare GPU image)
+HIDE_TORCHREC = r"""
 import importlib.abc, sys
 
 class RefuseTorchrec(importlib.abc.MetaPathFinder):
@@ -23,6 +25,9 @@ class RefuseTorchrec(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, RefuseTorchrec())
+"""
+
+SCRIPT = HIDE_TORCHREC + r"""
 import robe_torchrec
 import robe_torchrec.ops
 from robe_torchrec.ops import reference, triton_kernels
