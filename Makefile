@@ -19,7 +19,7 @@ TR16_STAMP := $(TR16_VENV)/.robe-installed
 # the tests that depend on which torchrec release is installed
 TR16_TESTS := tests/distributed tests/pipelines tests/test_torchrec_compat.py
 
-.PHONY: setup setup-tr16 demo test test-main test-tr16 test-fast bench compare quality clean
+.PHONY: setup setup-tr16 demo test test-main test-slow test-tr16 bench compare quality clean
 
 setup: $(STAMP)
 
@@ -46,18 +46,19 @@ $(TR16_STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m robe_torchrec.train
 
-# the whole suite on the pinned stack, then the torchrec-dependent tests on torchrec 1.6.1
-test: test-main test-tr16
+# the main suite, then the slow tests (multi-process runs, subprocess apps, benchmarks' CPU
+# modes), both on the pinned stack, then the torchrec-dependent tests on torchrec 1.6.1
+test: test-main test-slow test-tr16
 
 # two workers for the machine's two cores; tests/conftest.py groups them by file
 test-main: setup
-	$(PY) -m pytest tests -q -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m "not slow" --durations=15
+
+test-slow: setup
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m slow --durations=15
 
 test-tr16: setup-tr16
 	$(TR16_PY) -m pytest $(TR16_TESTS) -q -n 2 --dist loadgroup --durations=10
-
-test-fast: setup
-	$(PY) -m pytest tests -q -n 2 --dist loadgroup -m "not slow"
 
 bench: setup
 	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
