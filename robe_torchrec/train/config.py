@@ -27,8 +27,6 @@ from omegaconf import DictConfig
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec
-# config_dir: the app's Hydra config folder (a checkout, an editable install or a wheel)
-from robe_torchrec.hydra_configs import config_dir  # noqa: F401
 from robe_torchrec.train.schema import AppConfig, ConfigError, typed
 
 #: the fields of RobeConfig and DLRMSpec under the app's keys, so their errors name what to set
