@@ -844,14 +844,21 @@ def test_low_precision_fused_step(dtype, code, backward_path):
                             torch.zeros(size, dtype=dtype), *rest)
 
 
-@pytest.mark.parametrize("op", ["backward_dense", "per_sample_weights_grad"])
+@pytest.mark.parametrize("op", ["backward_dense", "per_sample_weights_grad", "backward_fused_"])
 def test_backward_kernels_refuse_integer_weights(op):
-    """The C++ backward ops check their weights' dtype themselves (the Python wrapper checks
-    it first; this is the extension called directly)."""
+    """The C++ backward ops check their weights' dtype themselves, one check for all three
+    (the Python wrapper checks it first; this is the extension called directly)."""
     case = random_case(seed=3)
     layout = (int(case.block_size), int(case.hash_mode), [int(p) for p in case.hash_params])
     weights = case.weights.to(torch.int32)
-    psw = (case.per_sample_weights,) if op == "backward_dense" else ()
     with pytest.raises(ValueError, match="weights must be a floating point tensor, got Int"):
-        getattr(cpu.extension(), op)(case.grad(), weights, case.values, case.offsets, *psw,
-                                     case.table_meta, *layout)
+        if op == "backward_fused_":
+            state = torch.zeros(0)
+            cpu.extension().backward_fused_(case.grad(), weights, state, state, case.values,
+                                            case.offsets, case.per_sample_weights,
+                                            case.table_meta, *layout, int(Optimizer.SGD),
+                                            [0.1, 0.0, 0.9, 0.999, 0.0], 1)
+        else:
+            psw = (case.per_sample_weights,) if op == "backward_dense" else ()
+            getattr(cpu.extension(), op)(case.grad(), weights, case.values, case.offsets,
+                                         *psw, case.table_meta, *layout)

@@ -475,10 +475,7 @@ void backward_fused_(const at::Tensor& grad_output, at::Tensor weights, at::Tens
                      const at::Tensor& table_meta, int64_t block_size, int64_t hash_mode,
                      const std::vector<int64_t>& hash_params, int64_t optimizer,
                      const std::vector<double>& hparams, int64_t step) {
-  const at::ScalarType wst = weights.scalar_type();
-  if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
-    fail(cat("robe: the fused backward supports float32, float64, float16 and bfloat16 weights, got ", wst));
-  }
+  const at::ScalarType wst = checked_weights_dtype(weights);
   const at::ScalarType acc_st = acc_type_of(wst);
   if (optimizer != OPT_SGD && optimizer != OPT_ADAGRAD && optimizer != OPT_ADAM &&
       optimizer != OPT_ROWWISE_ADAGRAD) {

@@ -199,8 +199,8 @@ void raise_loop_errors(const LoopErrors& err, const index_t* offs, const index_t
 
 at::ScalarType acc_type_of(at::ScalarType w) { return w == at::kDouble ? at::kDouble : at::kFloat; }
 
-// The backward ops' weights, refused unless floating point (the forward checks its own in
-// parse_layout); returns their dtype.
+// The backward ops' weights (the fused one's included), refused unless floating point (the
+// forward checks its own in parse_layout); returns their dtype.
 at::ScalarType checked_weights_dtype(const at::Tensor& weights) {
   const at::ScalarType wst = weights.scalar_type();
   if (wst != at::kFloat && wst != at::kDouble && wst != at::kHalf && wst != at::kBFloat16) {
