@@ -32,6 +32,9 @@ VARIANTS = {"": {}, "one pass": {"two_pass_mean_bag": float("inf")},
             "one pass, ids 4 a step": {"two_pass_mean_bag": float("inf"), "tile": 512},
             "two-pass, ids 16 a step": {"two_pass_tile": 2048},
             "two-pass, 4 warps": {"num_warps": 4}}
+#: timed at every bag length (and run in the CPU mode): the weight gradient summed in a fixed
+#: order, what torch.use_deterministic_algorithms(True) selects on CUDA
+ALWAYS = {"deterministic backward": {"deterministic_backward": True}}
 
 
 def run_checks(device: str, quick: bool, only: Optional[str],
@@ -72,7 +75,7 @@ def speed(args: argparse.Namespace, device: torch.device):
     for per_bag in (1, args.ids_per_bag):
         s = gpu_speed.Scenario(f"{per_bag} id(s) a bag", batch, dim, cards, per_bag, zs,
                                compression)
-        variants = VARIANTS if per_bag > 1 and not cpu else {"": {}}
+        variants = {**(VARIANTS if per_bag > 1 and not cpu else {"": {}}), **ALWAYS}
         more, result = gpu_speed.run_scenario(s, device, timer, reps, inner, warmup, variants,
                                               reference_reps=2 if cpu else max(3, reps // 10))
         lines, results = lines + more, results + [result]

@@ -15,6 +15,8 @@ set -u
 out=${1:?OUT_DIR}; card=${2:?CARD}; commit=${3:?COMMIT}
 mkdir -p "$out" /tmp/robe_pipelines
 export PYTHONUNBUFFERED=1
+# cuBLAS is deterministic only with a fixed workspace (the deterministic DLRM check)
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     >"$out/pip.log" 2>&1 || echo "wheels did not install: see pip.log"

@@ -16,7 +16,8 @@ here does the same and is kept for code that passes it (everything takes either 
 
 The state follows the array: its tensors are kept in the array's accumulation dtype (float32
 for float32/float16/bfloat16 arrays, float64 for float64) on its device, and converted when
-``module.to(...)`` moved or cast the array since the last step.
+``module.to(...)`` moved or cast the array since the last step. ``step`` stays on the CPU, as
+``torch.optim`` keeps it, unless ``capturable=True`` (see :class:`RobeFusedOptimizer`).
 
 Example::
 
@@ -28,7 +29,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torchrec.optim
@@ -82,7 +83,9 @@ _TUNABLE = {
     Optimizer.ADAM: {"lr", "eps", "betas", "weight_decay"},
     Optimizer.ROWWISE_ADAGRAD: {"lr", "eps", "weight_decay", "initial_accumulator_value"},
 }
-_IGNORED = {"foreach", "fused", "differentiable", "capturable"}
+_IGNORED = {"foreach", "fused", "differentiable"}
+# kwargs honoured for every optimizer that takes them (see RobeFusedOptimizer)
+_FLAGS = {"capturable"}
 
 
 def in_backward_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -116,7 +119,7 @@ def resolve_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict
         raise ValueError(f"robe_torchrec: no fused kernel for {module}.{name}; "
                          f"supported: {SUPPORTED_NAMES}")
     for key, value in kwargs.items():
-        if key in _IGNORED or key in _TUNABLE[kind]:
+        if key in _IGNORED or key in _FLAGS or key in _TUNABLE[kind]:
             continue
         if key in _FIXED_DEFAULTS[kind]:
             if value != _FIXED_DEFAULTS[kind][key]:
@@ -136,6 +139,16 @@ class RobeFusedOptimizer(FusedOptimizer):
     State keys follow ``torch.optim`` / torchrec: Adagrad ``sum``; Adam ``exp_avg``,
     ``exp_avg_sq``; row-wise Adagrad ``sum`` of ``ceil(M / block_size)`` rows; all keep
     ``step``. ``block_size`` (the layout's) is needed by row-wise Adagrad only.
+
+    ``step`` is a float32 scalar tensor on the CPU, as ``torch.optim`` keeps it, unless the
+    kwargs say ``capturable=True`` (as ``torch.optim.Adam(..., capturable=True)``): then it
+    lives on the array's device (and follows it), and on CUDA it is counted there and read
+    by the kernel, never by the host. That is what lets a CUDA graph capture fused Adam
+    (each replay takes the next step; with a CPU step Adam refuses to be captured), and
+    what spares a data-parallel array's update a host read of the count. Row-wise Adagrad
+    takes the flag too (its count then also stays on the device); ``torch.optim.SGD`` and
+    ``Adagrad`` do not take it (their constructors refuse it, as they would without ROBE).
+    On the CPU both kinds of step give the same numbers.
     """
 
     def __init__(
@@ -153,6 +166,7 @@ class RobeFusedOptimizer(FusedOptimizer):
                              "(RobeFusedOptimizer(..., block_size=layout.block_size))")
         self.optimizer_class = optimizer_class
         self.block_size = block_size
+        self.capturable = bool(optimizer_kwargs.get("capturable", False))
         # a 2-D stand-in: torchrec's RowWiseAdagrad cannot be built on a 1-D tensor
         defaults = optimizer_class([torch.zeros(1, 1)], **optimizer_kwargs).defaults
         group: Dict[str, Any] = {"params": [param]}
@@ -167,10 +181,10 @@ class RobeFusedOptimizer(FusedOptimizer):
         elif self.kind == Optimizer.ADAM:
             state["exp_avg"] = torch.zeros(param.shape, **acc)
             state["exp_avg_sq"] = torch.zeros(param.shape, **acc)
-        if self.kind != Optimizer.SGD:
-            state["step"] = torch.tensor(0.0)
-        super().__init__({param_key: param}, {param: state}, [group])
         self._param = param
+        if self.kind != Optimizer.SGD:
+            state["step"] = torch.tensor(0.0, device=self._step_device())
+        super().__init__({param_key: param}, {param: state}, [group])
 
     def step(self, closure: Any = None) -> None:
         pass
@@ -211,19 +225,32 @@ class RobeFusedOptimizer(FusedOptimizer):
             return state["exp_avg"], state["exp_avg_sq"]
         return empty, empty
 
+    def _step_device(self) -> torch.device:
+        """Where ``step`` lives: the array's device when capturable, else the CPU."""
+        return self._param.device if self.capturable else torch.device("cpu")
+
     def _follow_param(self) -> None:
         """Convert the state after ``module.to(dtype/device)`` changed the array (the op needs
-        them alike); ``step`` stays the CPU scalar ``torch.optim`` keeps."""
+        them alike), and put ``step`` where it lives (:meth:`_step_device`; a loaded or
+        carried step may come from elsewhere)."""
         state = self.param_state
         dtype, device = accumulation_dtype(self._param.dtype), self._param.device
         for key, value in state.items():
             if key != "step" and (value.dtype != dtype or value.device != device):
                 state[key] = value.to(dtype=dtype, device=device)
+        step = state.get("step")
+        if step is not None and step.device != self._step_device():
+            state["step"] = step.to(self._step_device())
 
-    def advance_step(self) -> int:
-        """Count one more update and return its 1-based number (Adam's bias correction)."""
+    def advance_step(self) -> Union[int, torch.Tensor]:
+        """Count one more update and return its 1-based number (Adam's bias correction): an
+        int, or the count tensor itself when it lives off the CPU (capturable), which
+        reading would make the host wait for the device."""
         state = self.param_state
         if "step" not in state:
             return 1
-        state["step"] += 1
-        return int(state["step"].item())
+        step = state["step"]
+        step += 1
+        if step.device.type != "cpu":
+            return step
+        return int(step.item())

@@ -212,6 +212,7 @@ def test_compiled_dense_training_equals_eager():
     (torch.optim.SGD, {"lr": 0.1}),
     (torch.optim.Adagrad, {"lr": 0.1}),
     (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "capturable": True}),  # the step on the array's device
 ])
 def test_compiled_fused_training_equals_eager(cls, kwargs):
     """The in-backward optimizer applied before any eager step, then compiled."""

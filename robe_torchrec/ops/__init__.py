@@ -297,13 +297,34 @@ def counted_backward_fused_(
     scalar step tensor (``None``: an optimizer without one; the count is then 1).
 
     The count stays a tensor up to here, so a compiled backward carries it as data instead
-    of reading it on the host; the int the kernels take is read inside this op."""
+    of reading it on the host. A step on the CPU (``torch.optim``'s default) is read inside
+    this op and passed on as an int (:func:`_counted_on_host`). A step on the CUDA weights'
+    device (a capturable optimizer's) is advanced and read there by the Triton kernels
+    (:func:`robe_torchrec.ops.triton_kernels.counted_backward_fused_`): nothing waits for
+    the device, and a CUDA graph replays the count too, which fused Adam needs."""
+    _counted_on_host(grad_output, weights, state1, state2, step, optimizer, hparams, values,
+                     offsets, per_sample_weights, table_meta, block_size, hash_mode,
+                     hash_params)
+
+
+def _counted_on_host(grad_output, weights, state1, state2, step, optimizer, hparams,
+                     *lookup) -> None:
+    """Advance ``step`` (if any), read it on the host and run ``robe::backward_fused_`` with
+    it; ``lookup`` is ``values`` to ``hash_params`` in the op's order."""
     count = 1
     if step is not None:
         step += 1
         count = int(step)
-    backward_fused_(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
-                    table_meta, block_size, hash_mode, hash_params, optimizer, hparams, count)
+    backward_fused_(grad_output, weights, state1, state2, *lookup, optimizer, hparams, count)
+
+
+@counted_backward_fused_.register_kernel("cuda")
+def _counted_backward_fused_cuda(grad_output, weights, state1, state2, step, *rest) -> None:
+    """A count on the weights' device stays there; one on the CPU is read as on the CPU."""
+    if step is not None and step.device == weights.device:
+        _cuda_impl().counted_backward_fused_(grad_output, weights, state1, state2, step, *rest)
+    else:
+        _counted_on_host(grad_output, weights, state1, state2, step, *rest)
 
 
 @counted_backward_fused_.register_fake

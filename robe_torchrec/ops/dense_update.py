@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple, Union
 
 import torch
 from torch.optim.adagrad import adagrad
@@ -39,13 +39,19 @@ def apply_dense_update_(
     state2: torch.Tensor,
     optimizer: int,
     hparams: List[float],
-    step: int,
+    step: Union[int, torch.Tensor],
     block_size: int = 0,
 ) -> None:
     """One step of SGD / Adagrad / Adam / row-wise Adagrad on ``weights`` in place, with the
     state tensors the fused kernel takes (Adagrad and row-wise Adagrad: ``state1`` = ``sum``;
     Adam: ``exp_avg``, ``exp_avg_sq``; unused ones may be empty). ``step`` is the 1-based
-    number of this update; ``block_size`` the length of a row-wise Adagrad row."""
+    number of this update, an int or a scalar tensor holding it; ``block_size`` the length
+    of a row-wise Adagrad row.
+
+    A ``step`` tensor off the CPU (a capturable optimizer's count on the GPU) is never read
+    on the host: Adam then runs ``torch.optim``'s ``capturable=True`` step, as
+    ``torch.optim.Adam(..., capturable=True)`` does, whose bias correction is computed on
+    the device in float32 (the int step's is float64, as without ``capturable``)."""
     work = weights.to(accumulation_dtype(weights.dtype))
     _step(work, grad.to(work.dtype), state1, state2, optimizer, hparams, step, block_size)
     if work is not weights:
@@ -53,11 +59,25 @@ def apply_dense_update_(
             weights.copy_(work)
 
 
+def _state_steps(step: Union[int, torch.Tensor],
+                 optimizer: int) -> Tuple[List[torch.Tensor], bool]:
+    """``torch.optim``'s ``state_steps`` for this update and its ``capturable``.
+
+    torch.optim counts the step itself: it gets the count before this update, in a scratch
+    tensor, since the caller's optimizer already advanced its own counter. A count off the
+    CPU stays there (reading it would wait for the device): Adam takes it as a capturable
+    step; Adagrad's and row-wise Adagrad's count only scales ``lr_decay``, fixed at 0 here,
+    so a host stand-in gives their numbers (1: past torchrec's first-step note)."""
+    if not isinstance(step, torch.Tensor) or step.device.type == "cpu":
+        return [torch.tensor(float(step) - 1.0)], False
+    if optimizer == Optimizer.ADAM:
+        return [step.detach().to(torch.float32) - 1.0], True
+    return [torch.tensor(1.0)], False
+
+
 def _step(weights, grad, state1, state2, optimizer, hparams, step, block_size) -> None:
     lr, eps, beta1, beta2, weight_decay = hparams
-    # torch.optim counts the step itself: hand it the count before this update, in a
-    # scratch tensor, since the caller's optimizer already advanced its own counter
-    steps = [torch.tensor(float(step - 1))]
+    steps, capturable = _state_steps(step, optimizer)
     with torch.no_grad():
         if optimizer == Optimizer.SGD:
             sgd([weights], [grad], [None], foreach=False, weight_decay=weight_decay, momentum=0.0,
@@ -68,7 +88,7 @@ def _step(weights, grad, state1, state2, optimizer, hparams, step, block_size) -
         elif optimizer == Optimizer.ADAM:
             adam([weights], [grad], [state1], [state2], [], steps, foreach=False, amsgrad=False,
                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-                 maximize=False)
+                 maximize=False, capturable=capturable)
         elif optimizer == Optimizer.ROWWISE_ADAGRAD:
             _rowwise_adagrad(weights, grad, state1, steps, block_size, lr=lr,
                              weight_decay=weight_decay, lr_decay=0.0, eps=eps, maximize=False)

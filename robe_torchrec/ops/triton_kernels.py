@@ -26,7 +26,7 @@ from robe_torchrec.ops import deferred_checks
 from robe_torchrec.ops import meta as m
 # the kernels, attributes of this module (see the module's docstring)
 from robe_torchrec.ops.triton.backward import (  # noqa: F401
-    _backward_kernel, _backward_short_bags_kernel, _psw_grad_kernel)
+    _backward_kernel, _backward_short_bags_kernel, _gather_gradient_kernel, _psw_grad_kernel)
 from robe_torchrec.ops.triton.common import _TRITON_IMPORT_ERROR, tl
 from robe_torchrec.ops.triton.forward import (  # noqa: F401
     _forward_kernel, _forward_short_bags_kernel, _hash_starts_kernel, _input_summary_kernel)
@@ -524,11 +524,79 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
                    values.numel(), offsets.numel() - 1, _is_interpreted(kernels))
     guard_args, guard_constants = _guard_args(guard, grad)
+    if _deterministic_scatter(weights.device):
+        _gather_gradient(grad, grad_output, values, offsets, per_sample_weights, table_meta,
+                         block_size, hash_mode, params, tiles, guard_args, guard_constants)
+        return grad, guard
     _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel), tiles,
                        grad_output, weights, grad, values, offsets, per_sample_weights,
                        table_meta, output_dim, block_size, hash_mode, params, guard_args,
                        guard_constants)
     return grad, guard
+
+
+def _deterministic_scatter(device: torch.device) -> bool:
+    """Whether the weight gradient is summed in a fixed order (:func:`_gather_gradient`)
+    instead of with float atomics: on CUDA under ``torch.use_deterministic_algorithms``,
+    or anywhere when the tuning asks for it (tests; the interpreter's atomics run in order
+    anyway)."""
+    return current_tuning().deterministic_backward or (
+        device.type == "cuda" and torch.are_deterministic_algorithms_enabled())
+
+
+#: pairs whose block has no column (a feature narrower than the widest) sort past every tile
+_NO_KEY = 2**62
+#: elements of the weight gradient a gather program owns
+_GATHER_TILE = 128
+
+
+def _gather_gradient(grad: torch.Tensor, grad_output: torch.Tensor, values: torch.Tensor,
+                     offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                     table_meta: torch.Tensor, block_size: int, hash_mode: int,
+                     params: List[int], tiles: _Tiles, guard_args: tuple,
+                     guard_constants: dict) -> None:
+    """The weight gradient into ``grad``, the same sums as the atomic kernels but in an
+    order fixed by the inputs alone, so that two runs agree bit for bit: every (id, block)
+    pair's block start hashed once (the two-pass forward's first pass), the pairs sorted by
+    the first element their block writes (stable: ties in pair order), then one program a
+    tile of ``grad`` adds, pair after pair, the blocks that reach the tile. Every step is
+    deterministic on CUDA (a stable sort, binary searches, elementwise ops), none waits for
+    the device, and each pair's contribution is the one the atomic kernels add."""
+    device = grad.device
+    num_features = table_meta.shape[1]
+    num_bags = offsets.numel() - 1
+    if num_bags == 0:  # no bag holds an id (bad offsets the guard reports): no gradient
+        return
+    batch = num_bags // num_features
+    num_blocks = tiles.num_blocks
+    meta = _meta_on(table_meta, device)
+    starts = _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode, params,
+                          tiles, grad)
+    # each id's bag; offsets already checked, or the guard discards what bad ones give
+    bounds = offsets.to(torch.int64)
+    position = torch.arange(values.numel(), device=device)
+    bag = torch.searchsorted(bounds[1:], position, right=True).clamp_(max=max(num_bags - 1, 0))
+    feature = bag // max(batch, 1)
+    first_col = torch.arange(num_blocks, device=device) * block_size
+    lanes = (meta[m.DIM][feature][:, None] - first_col).clamp_(max=block_size)
+    keys = torch.where(lanes > 0, meta[m.W_OFFSET][feature][:, None] + starts, _NO_KEY)
+    grad_output = _dense(grad_output)
+    row = (bag - feature * batch) * grad_output.shape[1] + meta[m.OUT_OFFSET][feature]
+    src = row[:, None] + first_col
+    size = (bounds[bag + 1] - bounds[bag]).clamp_(min=1)
+    mean = meta[m.POOLING][feature] == int(m.Pooling.MEAN)
+    divisor = torch.where(mean, size, 1).to(grad.dtype)
+    sorted_keys, order = torch.sort(keys.view(-1), stable=True)
+    num_tiles = _cdiv(grad.numel(), _GATHER_TILE)
+    tile_start = torch.arange(num_tiles, device=device) * _GATHER_TILE
+    pair_bounds = torch.searchsorted(
+        sorted_keys, torch.cat([tile_start - (block_size - 1), tile_start + _GATHER_TILE]))
+    psw = per_sample_weights
+    _kernels_for(device)._gather_gradient_kernel[(num_tiles,)](
+        grad_output, grad_output if psw is None else _dense(psw), sorted_keys, order, src,
+        lanes, divisor, pair_bounds, grad, grad.numel(), num_tiles, *guard_args,
+        NUM_BLOCKS=num_blocks, HAS_PSW=psw is not None, ACC=_acc_dtype(grad),
+        TILE=_GATHER_TILE, **guard_constants)
 
 
 def backward_dense(
@@ -600,25 +668,92 @@ def backward_fused_(
     hparams: List[float],
     step: int,
 ) -> None:
+    """Scatter the gradient into ``weights`` and apply the optimizer in place; ``step`` is
+    the 1-based number of this update, Adam's bias correction computed from it here."""
     optimizer = int(optimizer)
     if optimizer == m.Optimizer.ADAM and deferred_checks.is_capturing():
-        raise ValueError("robe: fused Adam cannot be captured in a CUDA graph: its bias "
-                         "correction depends on the step, which a replay would repeat; "
-                         "capture SGD, Adagrad or row-wise Adagrad, or leave the backward "
-                         "out of the graph")
+        raise ValueError("robe: fused Adam cannot be captured in a CUDA graph with its step "
+                         "on the host: its bias correction depends on the step, which a "
+                         "replay would repeat; pass capturable=True to torch.optim.Adam (the "
+                         "step is then counted on the device, each replay takes the next), "
+                         "or leave the backward out of the graph")
+    _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
+                  table_meta, block_size, hash_mode, hash_params, optimizer, hparams, step)
+
+
+def counted_backward_fused_(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    state1: torch.Tensor,
+    state2: torch.Tensor,
+    step: Optional[torch.Tensor],
+    optimizer: int,
+    hparams: List[float],
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> None:
+    """``robe::counted_backward_fused_`` for a step count kept on the weights' device (a
+    capturable optimizer's; ``None``: an optimizer without one, the count is 1).
+
+    The count is advanced by a tensor op and read by the optimizer kernel, never by the
+    host: nothing waits for the device, and a CUDA graph that captured this call takes
+    the next step at each replay (Adam included, which :func:`backward_fused_` refuses
+    to capture)."""
+    if step is None:
+        backward_fused_(grad_output, weights, state1, state2, values, offsets,
+                        per_sample_weights, table_meta, block_size, hash_mode, hash_params,
+                        optimizer, hparams, 1)
+        return
+    _check_device_step(step, weights)
+    step += 1
+    _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
+                  table_meta, block_size, hash_mode, hash_params, int(optimizer), hparams, step)
+
+
+def _check_device_step(step: torch.Tensor, weights: torch.Tensor) -> None:
+    """A device step count is one number on the weights' device."""
+    _same_device(weights.device, step=step)
+    if step.numel() != 1:
+        raise ValueError(f"robe: the step count must hold one number, got shape "
+                         f"{tuple(step.shape)}")
+
+
+def _adam_step_args(optimizer: int, hparams: List[float], step, unused: torch.Tensor):
+    """The optimizer kernel's ``(step_size, bias2_sqrt, beta1, step_ptr)`` and its
+    ``STEP_ON_DEVICE``: Adam's bias corrections computed here from an int ``step``, or left
+    to the kernel, which reads a step tensor (``unused`` stands in for a pointer it does
+    not read)."""
+    lr, _, beta1, beta2, _ = (float(h) for h in hparams)
+    on_device = optimizer == m.Optimizer.ADAM and isinstance(step, torch.Tensor)
+    step_size, bias2_sqrt = 0.0, 1.0
+    if optimizer == m.Optimizer.ADAM and not on_device:
+        step_size = -lr / (1.0 - beta1 ** step)
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    return ((step_size, bias2_sqrt, beta1, step if on_device else unused),
+            dict(STEP_ON_DEVICE=on_device))
+
+
+def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
+                  table_meta, block_size, hash_mode, hash_params, optimizer: int,
+                  hparams: List[float], step) -> None:
+    """The fused backward's checks, scatter and optimizer launch; ``step`` is the int
+    count of this update, or a tensor on the weights' device that already holds it."""
     # the gradient goes to a buffer of its own: bad optimizer arguments raise below, before
     # weights or state change; the layout (block_size included) is checked first, as the
     # reference does
     grad, guard = _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                                     table_meta, block_size, hash_mode, hash_params)
-    check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
+    # a device count is not read here (that would wait for the device): it is >= 1 once
+    # advanced from a count that started at 0
+    host_step = 1 if isinstance(step, torch.Tensor) else step
+    check_optimizer_args(weights, state1, state2, optimizer, hparams, host_step, block_size)
     kernels = _kernels_for(weights.device)
     lr, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
-    if optimizer == m.Optimizer.ADAM:
-        step_size = -lr / (1.0 - beta1 ** step)
-        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    else:
-        step_size, bias2_sqrt = 0.0, 1.0
     numel = weights.numel()
     if numel == 0:
         return
@@ -634,11 +769,13 @@ def backward_fused_(
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
+    step_args, step_constants = _adam_step_args(optimizer, hparams, step, grad)
     kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
-        lr, eps, beta2, weight_decay, 1.0 - beta1, step_size, bias2_sqrt, *guard_args,
+        lr, eps, beta2, weight_decay, 1.0 - beta1, *step_args, *guard_args,
         OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
         COMPUTE=_acc_dtype(weights), GUARDED=guard_constants["GUARDED"], BLOCK=_OPTIM_BLOCK,
+        **step_constants,
     )
 
 

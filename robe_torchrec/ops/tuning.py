@@ -56,6 +56,10 @@ class TritonTuning:
     #: (one launch less); False: the summary kernel counts them first, as it once did
     #: (what a benchmark of the host's time per call sets this against)
     count_in_forward: bool = True
+    #: the weight gradient summed in a fixed order, bitwise the same from run to run,
+    #: instead of with float atomics (CUDA does this under
+    #: ``torch.use_deterministic_algorithms(True)`` whatever this says)
+    deterministic_backward: bool = False
 
 
 _current = TritonTuning()

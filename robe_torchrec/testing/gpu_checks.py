@@ -14,8 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +26,7 @@ from robe_torchrec.ops import raise_pending_checks
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
+from robe_torchrec.ops.tuning import tuned
 
 from robe_torchrec.testing.op_cases import OpCase, random_case
 from robe_torchrec.testing.op_checks import (OPTIMIZERS, check_backward_dense, check_forward, check_fused,
@@ -77,12 +80,15 @@ def check_adjoint(case: OpCase) -> None:
 
 
 def check_matrix_case(seed: int, device: str = "cuda") -> None:
-    """Every op of one random configuration against the reference: forward, the dense and
-    per-sample-weight gradients, each fused optimizer, and the adjoint identity."""
+    """Every op of one random configuration against the reference: forward, the dense
+    gradient (with atomics and summed in a fixed order), the per-sample-weight gradient,
+    each fused optimizer, and the adjoint identity."""
     _, case = matrix_case(seed)
     case = case.to(device)
     check_forward(case)
     check_backward_dense(case)
+    with tuned(deterministic_backward=True):
+        check_backward_dense(case)
     if case.per_sample_weights is not None:
         check_per_sample_weights_grad(case)
     check_adjoint(case)
@@ -113,10 +119,19 @@ def _integer_grad(case: OpCase, seed: int) -> torch.Tensor:
     return torch.randint(-3, 4, (case.batch, case.output_dim), generator=g).float().cuda()
 
 
-def _fused_step(case: OpCase, weights, state, grad, optimizer: Optimizer, hparams):
-    torch.ops.robe.backward_fused_(grad, weights, *state, case.values, case.offsets,
-                                   case.per_sample_weights, case.table_meta, case.block_size,
-                                   case.hash_mode, case.hash_params, int(optimizer), hparams, 1)
+def _fused_step(case: OpCase, weights, state, grad, optimizer: Optimizer, hparams,
+                step: Optional[torch.Tensor] = None):
+    """One fused step: ``robe::backward_fused_`` at step 1, or, given a ``step`` tensor,
+    ``robe::counted_backward_fused_`` advancing it (on the device: a capturable
+    optimizer's count; on the CPU: torch.optim's default)."""
+    lookup = (case.values, case.offsets, case.per_sample_weights, case.table_meta,
+              case.block_size, case.hash_mode, case.hash_params)
+    if step is None:
+        torch.ops.robe.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams,
+                                       1)
+    else:
+        torch.ops.robe.counted_backward_fused_(grad, weights, *state, step, int(optimizer),
+                                               hparams, *lookup)
 
 
 def check_no_host_sync() -> None:
@@ -186,6 +201,54 @@ def check_graph_forward() -> None:
     raise_pending_checks()
 
 
+@dataclasses.dataclass
+class _FusedRun:
+    """The tensors one run of a graph check writes: its own copy of the case's weights (the
+    ids are the case's, shared), the optimizer state and, for a counted run, the step
+    count on the device (a capturable optimizer's)."""
+    case: OpCase
+    state: List[torch.Tensor]
+    step: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, case: OpCase, optimizer: Optimizer, counted: bool) -> "_FusedRun":
+        device = case.weights.device
+        return cls(OpCase(**{**case.__dict__, "weights": case.weights.clone()}),
+                   fused_states(case, optimizer),
+                   torch.zeros((), device=device) if counted else None)
+
+    def take_step(self, grad: torch.Tensor, optimizer: Optimizer, hparams) -> None:
+        """Forward (whose input checks the backward reuses), then the fused step."""
+        torch.ops.robe.forward(self.case.weights, *self.case.forward_args()[1:])
+        _fused_step(self.case, self.case.weights, self.state, grad, optimizer, hparams,
+                    self.step)
+
+    def written(self) -> List[Tuple[str, torch.Tensor]]:
+        named = [("weights", self.case.weights), ("state1", self.state[0]),
+                 ("state2", self.state[1])]
+        return named + ([("step", self.step)] if self.step is not None else [])
+
+
+def _replays_equal_eager(name: str, case: OpCase, optimizer: Optimizer, hparams,
+                         counted: bool) -> Tuple[torch.cuda.CUDAGraph, _FusedRun]:
+    """Capture a forward and fused step on one copy of ``case``, take the same steps
+    eagerly on another, and check that three replays on new gradients leave every tensor
+    bitwise equal to eager's. Returns the graph and its run."""
+    static_grad = _integer_grad(case, 0)
+    graphed = _FusedRun.of(case, optimizer, counted)
+    eager = _FusedRun.of(case, optimizer, counted)
+    graph, _ = _capture(lambda: graphed.take_step(static_grad, optimizer, hparams))
+    eager.take_step(static_grad, optimizer, hparams)  # as the warm-up inside _capture
+    for seed in (1, 2, 3):
+        static_grad.copy_(_integer_grad(case, seed))
+        graph.replay()
+        eager.take_step(static_grad, optimizer, hparams)
+        for (what, a), (_, b) in zip(graphed.written(), eager.written()):
+            assert torch.equal(a, b), f"{name}: {what} after replay {seed} differs from eager"
+    raise_pending_checks()
+    return graph, graphed
+
+
 def check_graph_fused_backward() -> None:
     """Forward and fused backward (SGD, Adagrad, row-wise Adagrad) captured together replay
     bitwise equal to eager over three steps; bad ids copied in before a replay change no
@@ -193,30 +256,8 @@ def check_graph_fused_backward() -> None:
     for name in ("sgd", "adagrad", "rowwise_adagrad"):
         optimizer, hparams = OPTIMIZERS[name]
         case = _graph_case()
-        static_grad = _integer_grad(case, 0)
-        graphed_w, eager_w = case.weights.clone(), case.weights.clone()
-        graphed_state, eager_state = fused_states(case, optimizer), fused_states(case, optimizer)
-        graphed_case = OpCase(**{**case.__dict__, "weights": graphed_w})
-
-        def step():
-            torch.ops.robe.forward(graphed_w, *graphed_case.forward_args()[1:])
-            _fused_step(graphed_case, graphed_w, graphed_state, static_grad, optimizer,
-                        hparams)
-
-        # the warm-up inside _capture takes one step: eager takes it too
-        graph, _ = _capture(step)
-        eager_case = OpCase(**{**case.__dict__, "weights": eager_w})
-        torch.ops.robe.forward(eager_w, *eager_case.forward_args()[1:])
-        _fused_step(eager_case, eager_w, eager_state, static_grad, optimizer, hparams)
-        for seed in (1, 2, 3):
-            static_grad.copy_(_integer_grad(case, seed))
-            graph.replay()
-            torch.ops.robe.forward(eager_w, *eager_case.forward_args()[1:])
-            _fused_step(eager_case, eager_w, eager_state, static_grad, optimizer, hparams)
-            assert torch.equal(graphed_w, eager_w), f"{name}: replay {seed} differs from eager"
-            for a, b in zip(graphed_state, eager_state):
-                assert torch.equal(a, b), f"{name}: state after replay {seed} differs"
-        raise_pending_checks()
+        graph, graphed = _replays_equal_eager(name, case, optimizer, hparams, counted=False)
+        graphed_w = graphed.case.weights
         kept = graphed_w.clone()
         case.values[-1] = 10**9  # out of range: the replay's forward counts it
         graph.replay()
@@ -232,21 +273,109 @@ def check_graph_fused_backward() -> None:
         raise_pending_checks()  # the next good replay reads clean again
 
 
+def check_graph_capturable_adam() -> None:
+    """Forward and fused Adam with its step on the device (``capturable=True``) captured
+    together: each of three replays takes the next step, bitwise equal to eager calls
+    (weights, both moments and the step count)."""
+    optimizer, hparams = OPTIMIZERS["adam"]
+    _, graphed = _replays_equal_eager("capturable adam", _graph_case(), optimizer, hparams,
+                                      counted=True)
+    assert graphed.step is not None and float(graphed.step) == 4, (
+        f"the warm-up and 3 replays counted {float(graphed.step)} steps")
+
+
+def check_dense_capturable_adam() -> None:
+    """The data-parallel update (:func:`~robe_torchrec.ops.dense_update.apply_dense_update_`)
+    with the step on the device: three steps bitwise equal to
+    ``torch.optim.Adam(capturable=True, foreach=False)``, and no host synchronisation
+    (the count is never read on the host). Needs torchrec (row-wise Adagrad's step)."""
+    from robe_torchrec.ops.dense_update import apply_dense_update_
+
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(1000, generator=g).cuda()
+    grads = [torch.randn(1000, generator=g).cuda() for _ in range(3)]
+    optimizer, hparams = OPTIMIZERS["adam"]
+    lr, eps, beta1, beta2, weight_decay = hparams
+    param = weights.clone().requires_grad_(True)
+    stock = torch.optim.Adam([param], lr=lr, betas=(beta1, beta2), eps=eps,
+                             weight_decay=weight_decay, capturable=True, foreach=False)
+    ours, state = weights.clone(), [torch.zeros_like(weights), torch.zeros_like(weights)]
+    step = torch.zeros((), device="cuda")
+    for grad in grads:
+        param.grad = grad.clone()
+        stock.step()
+        step += 1
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            apply_dense_update_(ours, grad, *state, int(optimizer), hparams, step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(ours, param.detach()), "the dense capturable Adam differs from torch's"
+    assert torch.equal(state[0], stock.state[param]["exp_avg"])
+    assert torch.equal(state[1], stock.state[param]["exp_avg_sq"])
+
+
 def check_graph_refuses_adam() -> None:
+    """Fused Adam with its step on the host (an int, or torch.optim's CPU step tensor) is
+    refused under capture, pointing at ``capturable=True``."""
     case = _graph_case()
     optimizer, hparams = OPTIMIZERS["adam"]
     state = fused_states(case, optimizer)
     grad = _integer_grad(case, 0)
     weights = case.weights.clone()
     _fused_step(case, weights, state, grad, optimizer, hparams)  # warm
-    graph = torch.cuda.CUDAGraph()
+    for host_step in (None, torch.zeros(())):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                _fused_step(case, weights, state, grad, optimizer, hparams, host_step)
+            refused = False
+        except ValueError as exc:
+            refused = "Adam cannot be captured" in str(exc) and "capturable=True" in str(exc)
+        assert refused, f"fused Adam was captured with a frozen step (step={host_step})"
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block (ops without a
+    deterministic kernel warn instead of raising: the check is about the bits)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        with torch.cuda.graph(graph):
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def check_deterministic_backward() -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` the dense gradient and a fused
+    Adagrad step of a case where blocks collide everywhere (about 0.7M (id, block) pairs on
+    4,096 floats) give the same bits three times over; the atomic kernels' runs are compared too,
+    for the record."""
+    case = random_case(seed=11, dims=[128, 64], batch=4096, max_bag=60, block_size=32,
+                       memory_size=4096, weighted=True, empty_fraction=0.0).to("cuda")
+    grad = case.grad()
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+
+    def runs():
+        dense = [torch.ops.robe.backward_dense(*case.backward_args(grad)) for _ in range(3)]
+        fused = []
+        for _ in range(3):
+            weights, state = case.weights.clone(), fused_states(case, optimizer)
             _fused_step(case, weights, state, grad, optimizer, hparams)
-        refused = False
-    except ValueError as exc:
-        refused = "Adam cannot be captured" in str(exc)
-    assert refused, "fused Adam was captured with a frozen step"
+            fused.append(weights)
+        return dense, fused
+
+    atomic_dense, _ = runs()
+    with _deterministic_algorithms():
+        dense, fused = runs()
+    raise_pending_checks()
+    differ = not all(torch.equal(atomic_dense[0], d) for d in atomic_dense[1:])
+    print(f"    atomic backward runs differ: {differ}", flush=True)
+    assert all(torch.equal(dense[0], d) for d in dense[1:]), "ordered gradients differ"
+    assert all(torch.equal(fused[0], w) for w in fused[1:]), "ordered fused steps differ"
+    torch.testing.assert_close(dense[0], atomic_dense[0], rtol=1e-4, atol=1e-2)
 
 
 def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
@@ -257,7 +386,9 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
     checks += [("no_host_sync", check_no_host_sync),
                ("graph_forward", check_graph_forward),
                ("graph_fused_backward", check_graph_fused_backward),
-               ("graph_refuses_adam", check_graph_refuses_adam)]
+               ("graph_capturable_adam", check_graph_capturable_adam),
+               ("graph_refuses_adam", check_graph_refuses_adam),
+               ("deterministic_backward", check_deterministic_backward)]
     return checks
 
 
@@ -308,10 +439,21 @@ def check_compiled_dlrm(steps: int = 20) -> None:
     assert worst <= noise + 1e-5, (eager, compiled)
 
 
+def check_deterministic_dlrm(steps: int = 20) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` two eager runs of the DLRM train
+    to the same losses, bit for bit (the ROBE backward sums in a fixed order; cuBLAS
+    needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which benchmarks/gpu_session.sh sets)."""
+    with _deterministic_algorithms():
+        first, second = _dlrm_losses(False, steps), _dlrm_losses(False, steps)
+    assert first == second, (first, second)
+
+
 def torchrec_gpu_checks() -> List[Tuple[str, Callable[[], None]]]:
     """The checks that need torchrec on the GPU (none when it is not importable)."""
     import importlib.util
 
     if importlib.util.find_spec("torchrec") is None:
         return []
-    return [("compiled_dlrm_reduce_overhead", check_compiled_dlrm)]
+    return [("dense_capturable_adam", check_dense_capturable_adam),
+            ("deterministic_dlrm", check_deterministic_dlrm),
+            ("compiled_dlrm_reduce_overhead", check_compiled_dlrm)]

@@ -92,6 +92,14 @@ def _run_ops(case) -> None:
                            case.per_sample_weights, case.table_meta, case.block_size,
                            case.hash_mode, case.hash_params, int(optimizer),
                            [0.1, 1e-8, 0.9, 0.999, 0.0], 1)
+    # Adam's step counted on the device (capturable): the kernel computes its bias
+    # correction itself, in float64 (exp2, log2)
+    state = torch.zeros(weights.shape, dtype=acc)
+    tk.counted_backward_fused_(grad, weights, state, state.clone(), torch.zeros(()),
+                               int(m.Optimizer.ADAM), [0.1, 1e-8, 0.9, 0.999, 0.0],
+                               case.values, case.offsets, case.per_sample_weights,
+                               case.table_meta, case.block_size, case.hash_mode,
+                               case.hash_params)
     tk.block_starts(case.values, -(-max(case.table_meta[m.DIM].tolist()) // case.block_size),
                     int(case.table_meta[m.W_SIZE, 0]), case.block_size, case.hash_mode,
                     case.hash_params)

@@ -21,6 +21,7 @@ from robe_torchrec.ops import defer_checks, raise_pending_checks  # noqa: E402
 from robe_torchrec.ops import meta as m  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.deferred_checks import DeferredCheckError  # noqa: E402
+from robe_torchrec.ops.tuning import tuned  # noqa: E402
 
 from robe_torchrec.testing.op_cases import OpCase, case_matrix, random_case  # noqa: E402
 from robe_torchrec.testing.op_checks import OPTIMIZERS, check_deferred_bad_input, fused_states  # noqa: E402
@@ -104,10 +105,18 @@ def test_the_next_call_raises_an_earlier_problem():
     raise_pending_checks()
 
 
-def test_backward_that_cannot_wait_writes_nothing_on_bad_input(lagging_device, summaries):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_that_cannot_wait_writes_nothing_on_bad_input(lagging_device, summaries,
+                                                                deterministic):
     """The device lags: the fused backward of the same inputs does not wait for the
     forward's answer; its kernels read the counts on the device and write nothing, weights
-    and state stay as they were, and the problem raises at the next read."""
+    and state stay as they were, and the problem raises at the next read. The same with
+    the gradient summed in a fixed order (the deterministic backward)."""
+    with tuned(deterministic_backward=deterministic):
+        _writes_nothing_on_bad_input(summaries)
+
+
+def _writes_nothing_on_bad_input(summaries):
     case = bad_ids(weighted_case())
     optimizer, hparams = OPTIMIZERS["adagrad"]
     weights, state = case.weights.clone(), fused_states(case, optimizer)
@@ -206,14 +215,16 @@ def test_the_forward_kernel_counts_its_own_checks_unless_it_skips_ids(summaries,
     assert [kind for kind, _ in summaries] == ["summary"]
 
 
-def test_backward_without_a_forward_guards_its_writes(lagging_device):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_without_a_forward_guards_its_writes(lagging_device, deterministic):
     """No forward checked these inputs: the backward runs the summary kernel, does not
     wait for it, writes nothing on bad input, and the problem raises at the next read."""
     case = weighted_case()
     offsets = case.offsets.clone()
     offsets[1] = offsets[2] + 1
     case = OpCase(**{**case.__dict__, "offsets": offsets})
-    assert not tk.backward_dense(*case.backward_args(case.grad())).any()
+    with tuned(deterministic_backward=deterministic):
+        assert not tk.backward_dense(*case.backward_args(case.grad())).any()
     with pytest.raises(DeferredCheckError, match="offsets decrease at bag"):
         raise_pending_checks()
 

@@ -34,5 +34,7 @@ Accumulation is in float32 (float64 for float64 weights), and so is the pooled o
 and bfloat16 weights are read as stored and give a float32 output; the fused update steps them
 in float32 and writes them back rounded, with float32 optimizer state. Gradients are scattered with
 ``tl.atomic_add``: float32 atomics on the GPU make ``backward_dense`` (and the fused update)
-non-deterministic in the last bits.
+non-deterministic in the last bits, unless the gradient is summed in a fixed order
+(:func:`~robe_torchrec.ops.triton.backward._gather_gradient_kernel`: on CUDA under
+``torch.use_deterministic_algorithms(True)``, or with ``TritonTuning.deterministic_backward``).
 """

@@ -107,3 +107,37 @@ def _psw_grad_kernel(
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)
         dot = tl.where(_inputs_clean(guard_ptr, GUARDED), _div_rn(dot, divisor), 0.0)
         tl.store(out_ptr + i, dot.to(out_ptr.dtype.element_ty), mask=id_mask)
+
+
+@triton.jit
+def _gather_gradient_kernel(
+    grad_out_ptr, psw_ptr, keys_ptr, order_ptr, src_ptr, lanes_ptr, divisor_ptr, bounds_ptr,
+    grad_w_ptr, numel, num_tiles, guard_ptr,
+    NUM_BLOCKS: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
+    GUARDED: tl.constexpr, TILE: tl.constexpr,
+):
+    """grad_w[j] for ``TILE`` consecutive elements ``j``, summed without atomics in a fixed
+    order: the (id, block) pairs sorted by their block's first element (``keys_ptr``, ties
+    in pair order, ``order_ptr`` their pair numbers ``i * NUM_BLOCKS + blk``), one pair at
+    a time. The pairs whose block reaches the tile lie in ``bounds_ptr[tile],
+    bounds_ptr[num_tiles + tile]``. Pair ``q`` adds ``grad_out[src[q] + r] / divisor[i] *
+    psw[i]`` to element ``key + r`` for ``r < lanes[q]``, the contribution the atomic
+    kernels add; 0 everywhere where the guard finds the inputs bad."""
+    tile = tl.program_id(0).to(tl.int64)
+    j = tile * TILE + tl.arange(0, TILE).to(tl.int64)
+    lo = tl.load(bounds_ptr + tile)
+    hi = tl.load(bounds_ptr + num_tiles + tile)
+    hi = tl.where(_inputs_clean(guard_ptr, GUARDED), hi, lo)
+    acc = tl.zeros([TILE], dtype=ACC)
+    for p in range(lo, hi):
+        q = tl.load(order_ptr + p)
+        rel = j - tl.load(keys_ptr + p)
+        lanes = tl.load(lanes_ptr + q)
+        i = q // NUM_BLOCKS
+        mask = (rel >= 0) & (rel < lanes)
+        grad = tl.load(grad_out_ptr + tl.load(src_ptr + q) + rel, mask=mask, other=0.0)
+        contrib = _div_rn(grad.to(ACC), tl.load(divisor_ptr + i))
+        if HAS_PSW:
+            contrib = contrib * tl.load(psw_ptr + i).to(ACC)
+        acc += tl.where(mask, contrib, 0.0)
+    tl.store(grad_w_ptr + j, acc, mask=j < numel)

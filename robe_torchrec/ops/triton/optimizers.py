@@ -9,14 +9,21 @@ from robe_torchrec.ops.triton.bags import _inputs_clean
 def _optimizer_kernel(
     w_ptr, grad_ptr, state1_ptr, state2_ptr, numel,
     lr: tl.float64, eps: tl.float64, beta2: tl.float64, weight_decay: tl.float64,
-    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64, guard_ptr,
+    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64,
+    beta1: tl.float64, step_ptr, guard_ptr,
     OPTIMIZER: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    GUARDED: tl.constexpr, BLOCK: tl.constexpr,
+    GUARDED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One dense SGD / Adagrad / Adam step, elementwise, with torch.optim's formulas
     (see ``reference.apply_optimizer_``). Scalars arrive as float64 and are rounded to
     COMPUTE once, as torch rounds its Python-float scalars: ``lerp_weight = 1 - beta1``,
-    ``step_size = -lr / (1 - beta1**step)``, ``bias2_sqrt = sqrt(1 - beta2**step)``."""
+    ``step_size = -lr / (1 - beta1**step)``, ``bias2_sqrt = sqrt(1 - beta2**step)``.
+
+    With ``STEP_ON_DEVICE`` Adam's step is the count at ``step_ptr`` (a capturable
+    optimizer's, counted on the device, so that a CUDA graph's replays each take the next
+    step): ``step_size`` and ``bias2_sqrt`` are computed here, in float64, from it and
+    ``lr``, ``beta1``, ``beta2`` (see :func:`_adam_bias_corrections`); otherwise the host
+    computed them and ``beta1`` and ``step_ptr`` are unused."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < tl.where(_inputs_clean(guard_ptr, GUARDED), numel, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
@@ -31,6 +38,8 @@ def _optimizer_kernel(
         denom = _sqrt_rn(state) + tl.full([], eps, COMPUTE)
         w = w + tl.full([], -lr, COMPUTE) * _div_rn(g, denom)
     else:
+        if STEP_ON_DEVICE:
+            step_size, bias2_sqrt = _adam_bias_corrections(step_ptr, lr, beta1, beta2)
         # exp_avg.lerp_(grad, 1 - beta1): torch's two-sided lerp formula
         exp_avg = tl.load(state1_ptr + i, mask=mask, other=0.0).to(COMPUTE)
         weight = tl.full([], lerp_weight, COMPUTE)
@@ -48,6 +57,29 @@ def _optimizer_kernel(
         denom = denom + tl.full([], eps, COMPUTE)
         w = w + tl.full([], step_size, COMPUTE) * _div_rn(exp_avg, denom)
     tl.store(w_ptr + i, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adam_bias_corrections(step_ptr, lr, beta1, beta2):
+    """``(-lr / (1 - beta1**step), sqrt(1 - beta2**step))`` in float64, ``step`` read from
+    ``step_ptr`` (any float or integer dtype): what the host computes in Python floats for
+    an int step, to a few float64 ulps (see :func:`_pow`). The division and the square root
+    round as IEEE's, as Python's do."""
+    step = tl.load(step_ptr).to(tl.float64)
+    lr = tl.full([], lr, tl.float64)  # the interpreter passes Python floats: keep float64
+    bias1 = 1.0 - _pow(tl.full([], beta1, tl.float64), step)
+    bias2 = 1.0 - _pow(tl.full([], beta2, tl.float64), step)
+    return _div_rn(-lr, bias1), _sqrt_rn(bias2)
+
+
+@triton.jit
+def _pow(base, exponent):
+    """``base ** exponent`` for a float64 ``0 < base < 1``, as ``exp2(exponent * log2(base))``
+    (the interpreter has no libdevice ``pow``). Its relative error is about
+    ``|exponent * log2(base)|`` float64 ulps, so its absolute error stays within an ulp of 1
+    or so: what ``1 - base**exponent``, the bias correction, sees
+    (``tests/ops/test_capturable_adam.py`` compares it with Python's ``**``)."""
+    return tl.exp2(exponent * tl.log2(base))
 
 
 @triton.jit
