@@ -31,6 +31,7 @@ from triton.runtime import jit
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import triton_kernels as tk
+from robe_torchrec.ops.tuning import tuned
 from robe_torchrec.testing.op_cases import random_case
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -82,6 +83,8 @@ def _run_ops(case) -> None:
     # inputs no forward checked: the backward launches the summary kernel of its own
     tk.backward_dense(grad, weights, case.values.clone(), case.offsets.clone(),
                       *case.backward_args(grad)[4:])
+    with tuned(deterministic_backward=True):  # the gradient summed in a fixed order
+        tk.backward_dense(grad, *case.backward_args(grad)[1:])
     if case.per_sample_weights is not None:
         tk.per_sample_weights_grad(grad, *case.psw_grad_args(grad)[1:])
     for optimizer in m.Optimizer:
