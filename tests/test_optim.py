@@ -232,3 +232,63 @@ def test_state_follows_module_to_float64(cls):
         assert opt.param_state[key].dtype == torch.float64
     torch.testing.assert_close(opt.param_state[keys[0]], state1, rtol=1e-12, atol=1e-12)
     assert int(opt.param_state["step"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# capturable=True through apply_optimizer_in_backward (the Triton path with its step on the
+# device: tests/ops/test_capturable_adam.py)
+# ---------------------------------------------------------------------------------------
+
+CAPTURABLE_STEPS = 3
+
+
+def _train(module: RobeEmbeddingBagCollection, steps: int, first_seed: int = 0) -> None:
+    for seed in range(first_seed, first_seed + steps):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(0, 4, (8,), generator=g)
+        values = torch.randint(0, 300, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=values,
+                                                  lengths=lengths)
+        (module(kjt).values() - 0.5).square().sum().backward()
+
+
+def _adam_module(capturable: bool) -> RobeEmbeddingBagCollection:
+    module = _module()
+    apply_optimizer_in_backward(torch.optim.Adam, [module.weight],
+                                {"lr": 0.01, "capturable": capturable})
+    return module
+
+
+def test_module_trains_as_without_capturable():
+    plain, capturable = _adam_module(False), _adam_module(True)
+    _train(plain, CAPTURABLE_STEPS)
+    _train(capturable, CAPTURABLE_STEPS)
+    assert not torch.equal(plain.weight, _module().weight)
+    assert torch.equal(capturable.weight, plain.weight)
+    state, plain_state = capturable.fused_optimizer.param_state, plain.fused_optimizer.param_state
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key], plain_state[key])
+    assert state["step"].device == capturable.weight.device and float(state["step"]) == CAPTURABLE_STEPS
+
+
+@pytest.mark.parametrize("saved_capturable", [True, False])
+def test_state_dict_round_trip(saved_capturable):
+    """A capturable optimizer's state loads into a capturable or a plain one (and a plain
+    one's into a capturable one): the step keeps the loading optimizer's place, and both
+    then train alike."""
+    saved = _adam_module(saved_capturable)
+    _train(saved, 2)
+    for capturable in (True, False):
+        loaded = _adam_module(capturable)
+        loaded.load_state_dict(saved.state_dict())
+        loaded.fused_optimizer.load_state_dict(saved.fused_optimizer.state_dict())
+        step = loaded.fused_optimizer.param_state["step"]
+        assert float(step) == 2
+        assert step.device == (loaded.weight.device if capturable else torch.device("cpu"))
+        reference = _adam_module(saved_capturable)
+        reference.load_state_dict(saved.state_dict())
+        reference.fused_optimizer.load_state_dict(saved.fused_optimizer.state_dict())
+        _train(loaded, 1, first_seed=2)
+        _train(reference, 1, first_seed=2)
+        assert torch.equal(loaded.weight, reference.weight)
+        assert float(loaded.fused_optimizer.param_state["step"]) == 3

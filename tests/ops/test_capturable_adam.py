@@ -1,7 +1,7 @@
 """Adam (and row-wise Adagrad) with ``capturable=True``: the step count kept on the array's
 device, advanced there and read by the Triton optimizer kernel, never by the host (what a
 CUDA graph needs to replay fused Adam). On CPU tensors the Triton path runs in Triton's
-interpreter; the module-level path (C++ kernel, host count) must train as without the flag.
+interpreter. The module-level path (C++ kernel) is tested in ``tests/test_optim.py``.
 The capture itself is checked on a GPU (``check_graph_capturable_adam`` in
 ``robe_torchrec/testing/gpu_checks.py``)."""
 import os
@@ -17,11 +17,7 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
-from torchrec.optim import apply_optimizer_in_backward  # noqa: E402
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
-from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.dense_update import apply_dense_update_  # noqa: E402
 from robe_torchrec.ops.meta import Optimizer  # noqa: E402
@@ -227,68 +223,3 @@ def test_dense_update_takes_a_cpu_step_tensor_as_its_int():
         apply_dense_update_(by_tensor, grad, *states[1], int(Optimizer.ADAM), hparams,
                             torch.tensor(float(count)))
     assert torch.equal(by_int, by_tensor)
-
-
-# ---------------------------------------------------------------------------------------
-# the module path: apply_optimizer_in_backward(..., {"capturable": True})
-# ---------------------------------------------------------------------------------------
-
-def _module() -> RobeEmbeddingBagCollection:
-    torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=1000,
-                                 feature_names=["f1"]),
-              EmbeddingBagConfig(name="t2", embedding_dim=6, num_embeddings=300,
-                                 feature_names=["f2"])]
-    return RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=1001, block_size=4))
-
-
-def _train(module: RobeEmbeddingBagCollection, steps: int, first_seed: int = 0) -> None:
-    for seed in range(first_seed, first_seed + steps):
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(0, 4, (8,), generator=g)
-        values = torch.randint(0, 300, (int(lengths.sum()),), generator=g)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=values,
-                                                  lengths=lengths)
-        (module(kjt).values() - 0.5).square().sum().backward()
-
-
-def _adam_module(capturable: bool) -> RobeEmbeddingBagCollection:
-    module = _module()
-    apply_optimizer_in_backward(torch.optim.Adam, [module.weight],
-                                {"lr": 0.01, "capturable": capturable})
-    return module
-
-
-def test_module_trains_as_without_capturable():
-    plain, capturable = _adam_module(False), _adam_module(True)
-    _train(plain, STEPS)
-    _train(capturable, STEPS)
-    assert not torch.equal(plain.weight, _module().weight)
-    assert torch.equal(capturable.weight, plain.weight)
-    state, plain_state = capturable.fused_optimizer.param_state, plain.fused_optimizer.param_state
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(state[key], plain_state[key])
-    assert state["step"].device == capturable.weight.device and float(state["step"]) == STEPS
-
-
-@pytest.mark.parametrize("saved_capturable", [True, False])
-def test_state_dict_round_trip(saved_capturable):
-    """A capturable optimizer's state loads into a capturable or a plain one (and a plain
-    one's into a capturable one): the step keeps the loading optimizer's place, and both
-    then train alike."""
-    saved = _adam_module(saved_capturable)
-    _train(saved, 2)
-    for capturable in (True, False):
-        loaded = _adam_module(capturable)
-        loaded.load_state_dict(saved.state_dict())
-        loaded.fused_optimizer.load_state_dict(saved.fused_optimizer.state_dict())
-        step = loaded.fused_optimizer.param_state["step"]
-        assert float(step) == 2
-        assert step.device == (loaded.weight.device if capturable else torch.device("cpu"))
-        reference = _adam_module(saved_capturable)
-        reference.load_state_dict(saved.state_dict())
-        reference.fused_optimizer.load_state_dict(saved.fused_optimizer.state_dict())
-        _train(loaded, 1, first_seed=2)
-        _train(reference, 1, first_seed=2)
-        assert torch.equal(loaded.weight, reference.weight)
-        assert float(loaded.fused_optimizer.param_state["step"]) == 3
