@@ -5,8 +5,9 @@ calls run with every Triton launch stubbed (``triton_kernels.stubbed_launches``)
 tensors (checks deferred as on CUDA) or, ``--cuda``, on a GPU, whose ``launched`` rows add the
 launcher back. Rows, microseconds a call: the wrapper, also with the checks in the summary
 kernel (``tuned(count_in_forward=False)``); the op without and with autograd, its backward,
-the fused step; a second trip through the dispatcher; the host's speed (a same-schema op
-returning its input, ``torch.add``, 1000 Python additions). Rows interleaved, 1 thread::
+the fused step (through the ops, and calling the wrappers); a second trip through the
+dispatcher; the host's speed (a same-schema op returning its input, ``torch.add``, 1000
+Python additions). Rows interleaved, 1 thread::
 
     python -m benchmarks.host_overhead --out benchmarks/results
 """
@@ -80,11 +81,11 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
         weights.grad = None
         torch.ops.robe.forward(weights, *flat).backward(grad)
 
-    def fused_step():
-        torch.ops.robe.forward(plain, *flat)
-        torch.ops.robe.backward_fused_(grad, plain, state, state.new_empty(0), ids, offsets,
-                                       None, meta, BLOCK_SIZE, int(HashMode.REFERENCE), params,
-                                       int(Optimizer.ADAGRAD), [0.01, 1e-8, 0.9, 0.999, 0.0], 1)
+    def fused_step(ops=torch.ops.robe):
+        ops.forward(plain, *flat)
+        ops.backward_fused_(grad, plain, state, state.new_empty(0), ids, offsets, None, meta,
+                            BLOCK_SIZE, int(HashMode.REFERENCE), params,
+                            int(Optimizer.ADAGRAD), [0.01, 1e-8, 0.9, 0.999, 0.0], 1)
 
     def twice():
         with torch._C._AutoDispatchBelowAutograd():
@@ -95,6 +96,7 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
             "op, no grad": on_path(lambda: torch.ops.robe.forward(weights, *flat)),
             "op, with grad": on_path(lambda: torch.ops.robe.forward(weights, *flat), True),
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
+            "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
             "through the dispatcher twice": on_path(twice)}
     rows.update({"op of the same schema returning its input": lambda: identity(plain, *flat),
                  "torch.add of 4-element tensors": lambda: torch.add(small, small),

@@ -51,7 +51,8 @@ import contextlib
 import functools
 import importlib
 import os
-from typing import Callable, Iterator, List, Optional
+import warnings
+from typing import Callable, Iterator, Tuple
 
 import torch
 from torch import Tensor
@@ -94,12 +95,12 @@ def _cuda_impl():
     return _module_for("triton")
 
 
-#: the ``robe`` namespace. The lookup ops are defined with ``torch.library.define`` and their
-#: kernels registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call
-#: then goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call
-#: Python layer (an aliasing check, a TorchDynamo guard): 13 us of host time a call on a
-#: quiet CPU core (``benchmarks/results/host_overhead.md``), and a GPU forward at the paper's
-#: setting waits on its host.
+#: the ``robe`` namespace. Every op is defined with ``torch.library.define`` and its kernels
+#: registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call then
+#: goes from the dispatcher straight to the kernel, without ``custom_op``'s per-call Python
+#: layer (an aliasing check, a TorchDynamo guard): 13 us of host time a forward on a quiet
+#: CPU core (``benchmarks/results/history/host_overhead_9bc96fe.md``), and a GPU forward at
+#: the paper's setting waits on its host.
 _LIB = torch.library.Library("robe", "FRAGMENT")
 
 
@@ -193,7 +194,7 @@ _FORWARD = torch.ops.robe.forward.default
 #: with or without ADInplaceOrView, a fallthrough for this op), and the implementation the
 #: dispatcher would reach from there: calling it directly saves a second trip through the
 #: dispatcher, 5.6 of the 43.1 us a no-grad Triton forward's host work took on a CPU core
-#: (launches stubbed, benchmarks/results/host_overhead.md)
+#: (launches stubbed, benchmarks/results/history/host_overhead_9bc96fe.md)
 _PLAIN_KEYS = {
     keys.raw_repr(): impl
     for backend, impl in ((torch._C.DispatchKey.CPU, _cpu_impl),
@@ -206,7 +207,7 @@ _PLAIN_KEYS = {
 # rebuilds the schema's argument list for each of the op's ten arguments on every call
 # (torch._library.utils.fill_defaults): recording the graph took 50 us a call that way
 # against 20 us with this kernel, on a CPU core where the Triton wrapper's own host work
-# took 27 us (benchmarks/results/host_overhead.md)
+# took 27 us (benchmarks/results/history/host_overhead_9bc96fe.md)
 _LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 
 
@@ -236,106 +237,117 @@ _define("per_sample_weights_grad(Tensor grad_output, Tensor weights, Tensor valu
 # robe::backward_fused_, robe::counted_backward_fused_
 # ---------------------------------------------------------------------------------------
 #
-# The ops that write their arguments stay ``torch.library.custom_op``s: it bumps the version
-# of every tensor they write (autograd and the input checks' caches see the change) and
-# tells torch.compile what they mutate. They run once per backward, not per lookup.
+# The ops that write their arguments: the schema marks what they write (``Tensor(a!)``, what
+# torch.compile functionalizes), and their ADInplaceOrView kernel bumps the version of every
+# tensor they wrote (autograd and the input checks' caches see the change), as
+# ``torch.library.custom_op`` does but without its generic layer, which rebuilt the 14-argument
+# list on every call (``torch._library.utils.fill_defaults``, about 55 us a call under
+# cProfile). A fused step (forward and fused backward ops) now takes 112 us of host time
+# against 70 us calling the implementations directly, launches stubbed on a CPU core
+# (benchmarks/results/host_overhead.md); behind custom_op it took 201 us, in a run where the
+# forward's wrapper took 27 us against 19 us now (results/history/host_overhead_9bc96fe.md).
 
-@torch.library.custom_op("robe::backward_fused_", mutates_args=("weights", "state1", "state2"))
-def backward_fused_(
-    grad_output: Tensor,
-    weights: Tensor,
-    state1: Tensor,
-    state2: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Optional[Tensor],
-    table_meta: Tensor,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-    optimizer: int,
-    hparams: List[float],
-    step: int,
-) -> None:
-    raise NotImplementedError(f"robe::backward_fused_ has no kernel for device {weights.device}")
+def _define_mutating(schema: str, written: Tuple[str, ...],
+                     cpu_kernel: Callable[..., None], cuda_kernel: Callable[..., None]) -> None:
+    """Define ``robe::<schema>``, an op that writes the arguments named in ``written`` and
+    returns nothing: its CPU and CUDA kernels, a fake kernel, and the version bump."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    op = getattr(torch.ops.robe, name).default
+    positions = [i for i, arg in enumerate(op._schema.arguments) if arg.name in written]
+    assert len(positions) == len(written), (schema, written)
+
+    # past this key a plain CPU or CUDA tensor has only its backend key left: call its kernel
+    # directly (no second trip through the dispatcher); anything else (meta or fake tensors,
+    # a dispatch mode) dispatches again
+    plain = {torch._C.DispatchKeySet(key).raw_repr(): kernel
+             for key, kernel in ((torch._C.DispatchKey.CPU, cpu_kernel),
+                                 (torch._C.DispatchKey.CUDA, cuda_kernel))}
+
+    def write_and_bump(keyset, *args):
+        below = keyset & torch._C._after_ADInplaceOrView_keyset
+        kernel = plain.get(below.raw_repr())
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            if kernel is not None:
+                kernel(*args)
+            else:
+                op.redispatch(below, *args)
+        for i in positions:
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+
+    torch.library.impl(f"robe::{name}", "cpu", cpu_kernel, lib=_LIB)
+    torch.library.impl(f"robe::{name}", "cuda", cuda_kernel, lib=_LIB)
+    torch.library.register_fake(f"robe::{name}", lambda *args: None, lib=_LIB)
+    with warnings.catch_warnings():  # torch warns once that this key takes a kernel
+        warnings.filterwarnings("ignore", message="Warning only once for all operators")
+        _LIB.impl(name, write_and_bump, "ADInplaceOrView", with_keyset=True)
 
 
-@backward_fused_.register_kernel("cpu")
 def _backward_fused_cpu(*args) -> None:
     _cpu_impl().backward_fused_(*args)
 
 
-@backward_fused_.register_kernel("cuda")
 def _backward_fused_cuda(*args) -> None:
     _cuda_impl().backward_fused_(*args)
 
 
-@backward_fused_.register_fake
-def _backward_fused_fake(*args) -> None:
-    return None
+_define_mutating(
+    "backward_fused_(Tensor grad_output, Tensor(a1!) weights, Tensor(a2!) state1, "
+    "Tensor(a3!) state2, Tensor values, Tensor offsets, Tensor? per_sample_weights, "
+    "Tensor table_meta, SymInt block_size, SymInt hash_mode, SymInt[] hash_params, "
+    "SymInt optimizer, float[] hparams, SymInt step) -> ()",
+    ("weights", "state1", "state2"), _backward_fused_cpu, _backward_fused_cuda)
 
 
-@torch.library.custom_op("robe::counted_backward_fused_",
-                         mutates_args=("weights", "state1", "state2", "step"))
-def counted_backward_fused_(
-    grad_output: Tensor,
-    weights: Tensor,
-    state1: Tensor,
-    state2: Tensor,
-    step: Optional[Tensor],
-    optimizer: int,
-    hparams: List[float],
-    values: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Optional[Tensor],
-    table_meta: Tensor,
-    block_size: int,
-    hash_mode: int,
-    hash_params: List[int],
-) -> None:
-    """``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's
-    scalar step tensor (``None``: an optimizer without one; the count is then 1).
-
-    The count stays a tensor up to here, so a compiled backward carries it as data instead
-    of reading it on the host. A step on the CPU (``torch.optim``'s default) is read inside
-    this op and passed on as an int (:func:`_counted_on_host`). A step on the CUDA weights'
-    device (a capturable optimizer's) is advanced and read there by the Triton kernels
-    (:func:`robe_torchrec.ops.triton_kernels.counted_backward_fused_`): nothing waits for
-    the device, and a CUDA graph replays the count too, which fused Adam needs."""
-    _counted_on_host(grad_output, weights, state1, state2, step, optimizer, hparams, values,
-                     offsets, per_sample_weights, table_meta, block_size, hash_mode,
-                     hash_params)
-
-
-def _counted_on_host(grad_output, weights, state1, state2, step, optimizer, hparams,
-                     *lookup) -> None:
-    """Advance ``step`` (if any), read it on the host and run ``robe::backward_fused_`` with
-    it; ``lookup`` is ``values`` to ``hash_params`` in the op's order."""
+def _counted_on_host(implementation, grad_output, weights, state1, state2, step, optimizer,
+                     hparams, *lookup) -> None:
+    """Advance ``step`` (if any), read it on the host and run ``implementation``'s
+    ``backward_fused_`` with it; ``lookup`` is ``values`` to ``hash_params`` in the op's
+    order."""
     count = 1
     if step is not None:
         step += 1
         count = int(step)
-    backward_fused_(grad_output, weights, state1, state2, *lookup, optimizer, hparams, count)
+    implementation.backward_fused_(grad_output, weights, state1, state2, *lookup, optimizer,
+                                   hparams, count)
 
 
-@counted_backward_fused_.register_kernel("cuda")
+def _counted_backward_fused_cpu(*args) -> None:
+    _counted_on_host(_cpu_impl(), *args)
+
+
 def _counted_backward_fused_cuda(grad_output, weights, state1, state2, step, *rest) -> None:
     """A count on the weights' device stays there; one on the CPU is read as on the CPU."""
     if step is not None and step.device == weights.device:
         _cuda_impl().counted_backward_fused_(grad_output, weights, state1, state2, step, *rest)
     else:
-        _counted_on_host(grad_output, weights, state1, state2, step, *rest)
+        _counted_on_host(_cuda_impl(), grad_output, weights, state1, state2, step, *rest)
 
 
-@counted_backward_fused_.register_fake
-def _counted_backward_fused_fake(*args) -> None:
-    return None
+#: ``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's scalar
+#: step tensor (``None``: an optimizer without one; the count is then 1). The count stays a
+#: tensor up to here, so a compiled backward carries it as data instead of reading it on the
+#: host. A step on the CPU (``torch.optim``'s default) is read inside this op and passed on
+#: as an int (:func:`_counted_on_host`). A step on the CUDA weights' device (a capturable
+#: optimizer's) is advanced and read there by the Triton kernels
+#: (:func:`robe_torchrec.ops.triton_kernels.counted_backward_fused_`): nothing waits for the
+#: device, and a CUDA graph replays the count too, which fused Adam needs.
+_define_mutating(
+    "counted_backward_fused_(Tensor grad_output, Tensor(a1!) weights, Tensor(a2!) state1, "
+    "Tensor(a3!) state2, Tensor(a4!)? step, SymInt optimizer, float[] hparams, "
+    "Tensor values, Tensor offsets, Tensor? per_sample_weights, Tensor table_meta, "
+    "SymInt block_size, SymInt hash_mode, SymInt[] hash_params) -> ()",
+    ("weights", "state1", "state2", "step"), _counted_backward_fused_cpu,
+    _counted_backward_fused_cuda)
 
 
 # the ops as module attributes (torch.ops.robe.<name>), as ``robe_torchrec.ops.<name>``
 forward = torch.ops.robe.forward
 backward_dense = torch.ops.robe.backward_dense
 per_sample_weights_grad = torch.ops.robe.per_sample_weights_grad
+backward_fused_ = torch.ops.robe.backward_fused_
+counted_backward_fused_ = torch.ops.robe.counted_backward_fused_
 
 
 __all__ = [

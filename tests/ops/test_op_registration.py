@@ -88,6 +88,80 @@ def test_opcheck_fused_backward():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def _fused_args(case, optimizer=Optimizer.ADAGRAD):
+    grad = case.grad()
+    state1, state2 = torch.zeros_like(case.weights), torch.zeros_like(case.weights)
+    return (grad, case.weights, state1, state2, case.values, case.offsets, None,
+            case.table_meta, case.block_size, case.hash_mode, case.hash_params,
+            int(optimizer), [1e-2, 1e-8, 0.9, 0.999, 0.0], 1)
+
+
+def test_opcheck_counted_fused_backward():
+    case = random_case(4)
+    grad, weights, state1, state2, *lookup, optimizer, hparams, _ = _fused_args(
+        case, Optimizer.ADAM)
+    args = (grad, weights, state1, state2, torch.tensor(0.0), optimizer, hparams, *lookup)
+    torch.library.opcheck(torch.ops.robe.counted_backward_fused_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fused_ops_bump_the_versions_of_what_they_write():
+    """Autograd and the input checks' caches see the in-place update: the version of every
+    tensor the op writes goes up, the others' do not move."""
+    case = random_case(8)
+    args = _fused_args(case)
+    versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+    torch.ops.robe.backward_fused_(*args)
+    written = {1, 2, 3}
+    for i, (arg, before) in enumerate(zip(args, versions)):
+        if isinstance(arg, torch.Tensor):
+            assert (arg._version > before) == (i in written), i
+    step = torch.tensor(0.0)
+    grad, weights, state1, state2, *lookup, optimizer, hparams, _ = args
+    before = [t._version for t in (weights, state1, state2, step, grad)]
+    torch.ops.robe.counted_backward_fused_(grad, weights, state1, state2, step, optimizer,
+                                           hparams, *lookup)
+    after = [t._version for t in (weights, state1, state2, step, grad)]
+    assert [a > b for a, b in zip(after, before)] == [True, True, True, True, False]
+    assert float(step) == 1
+
+
+def test_fused_op_goes_straight_to_the_kernel_only_for_plain_tensors():
+    """Past its version bump robe::backward_fused_ calls the CPU kernel directly for plain
+    tensors, and dispatches again for meta tensors (the fake kernel) and under a dispatch
+    mode, which must see the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    op = torch.ops.robe.backward_fused_.default
+    redispatched = []
+    original = torch._ops.OpOverload.redispatch
+
+    def spy(self, *args, **kwargs):
+        redispatched.append(self)
+        return original(self, *args, **kwargs)
+
+    case = random_case(9)
+    args = _fused_args(case)
+    with mock.patch.object(torch._ops.OpOverload, "redispatch", spy):
+        torch.ops.robe.backward_fused_(*args)
+        assert op not in redispatched
+        torch.ops.robe.backward_fused_(*[a.to("meta") if isinstance(a, torch.Tensor) else a
+                                         for a in args])
+        assert redispatched.count(op) == 1
+        with Seen() as mode:
+            torch.ops.robe.backward_fused_(*args)
+        assert redispatched.count(op) == 2 and op in mode.ops
+
+
 def test_torch_compile_traces_forward_and_backward():
     case = random_case(5)
     weights = case.weights.clone().requires_grad_(True)
