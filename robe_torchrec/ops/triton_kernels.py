@@ -34,8 +34,9 @@ from robe_torchrec.ops.triton.hash import _block_starts_kernel  # noqa: F401
 from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
 from robe_torchrec.ops.tuning import current as current_tuning
-from robe_torchrec.ops.validation import (IdCheck, check_backward_inputs, check_data,
-                                          check_layout, check_optimizer_args, meta_facts)
+from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
+                                          check_data_summarized, check_layout,
+                                          check_optimizer_args, meta_facts)
 
 #: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
 POISON_EMPTY = os.environ.get("ROBE_TRITON_POISON", "0") == "1"
@@ -269,11 +270,43 @@ def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
             and facts.min_dim > 0)
 
 
+class _BackwardPlan(NamedTuple):
+    """What a backward op derives on the host from its static layout, once per layout
+    (:func:`_backward_plan`)."""
+    meta_cpu: torch.Tensor
+    id_check: IdCheck
+    params: List[int]
+    tiles: "_Tiles"
+
+
+def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block_size,
+                   hash_mode, hash_params) -> _BackwardPlan:
+    """The checked static layout of a backward call and its tiles, from the cache when an
+    earlier call had the same layout (see :func:`_forward_plan`)."""
+    key = ("backward", grad_output.dtype, grad_output.shape, grad_output.device,
+           *_tensor_facts(weights, values, offsets, psw), block_size, hash_mode,
+           tuple(hash_params), current_tuning())
+
+    def build() -> _BackwardPlan:
+        _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
+                     per_sample_weights=psw)
+        meta_cpu, id_check = check_backward_layout(grad_output, weights, values, offsets, psw,
+                                                   table_meta, block_size, hash_mode,
+                                                   hash_params)
+        output_dim = grad_output.shape[1]
+        tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
+                       values.numel(), offsets.numel() - 1,
+                       _is_interpreted(_kernels_for(weights.device)))
+        return _BackwardPlan(meta_cpu, id_check, _hash_args(hash_params), tiles)
+
+    return _cached_plan(table_meta, key, build)
+
+
 def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: torch.Tensor,
                      offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                      table_meta: torch.Tensor, block_size: int, hash_mode: int,
                      hash_params: List[int]):
-    """The backward ops' checks, without waiting for the device: ``(meta_cpu, guard)``.
+    """The backward ops' checks, without waiting for the device: ``(plan, guard)``.
 
     ``guard`` is ``None`` when the inputs are known to pass (a problem raises here), else
     four problem counts on the device that the backward's kernels read before writing
@@ -296,9 +329,11 @@ def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: t
             return True
         return not any(problems.tolist())  # read at once; bad input raises its message
 
-    meta_cpu = check_backward_inputs(grad_output, weights, values, offsets, per_sample_weights,
-                                     table_meta, block_size, hash_mode, hash_params, summarize)
-    return meta_cpu, (guards[0] if guards else None)
+    plan = _backward_plan(grad_output, weights, values, offsets, per_sample_weights,
+                          table_meta, block_size, hash_mode, hash_params)
+    check_data_summarized(values, offsets, per_sample_weights, table_meta, plan.meta_cpu,
+                          plan.id_check, summarize)
+    return plan, (guards[0] if guards else None)
 
 
 def _guard_args(guard: Optional[torch.Tensor], any_tensor: torch.Tensor):
@@ -331,36 +366,51 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
     when an earlier call had the same layout: the same ``table_meta`` (and version), the same
     dtypes, shapes, devices and scalar arguments, the same tuning. A module calls with the
     same layout every step, and re-deriving it is most of a GPU forward's host time."""
+    key = (*_tensor_facts(weights, values, offsets, psw), output_dim, block_size, hash_mode,
+           tuple(hash_params), bounds_check, current_tuning())
+
+    def build() -> _ForwardPlan:
+        kernels = _kernels_for(weights.device)
+        _same_device(weights.device, values=values, offsets=offsets, per_sample_weights=psw)
+        meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
+                                          block_size, hash_mode, hash_params, bounds_check)
+        num_bags = offsets.numel() - 1
+        batch = num_bags // table_meta.shape[1]
+        facts = meta_facts(meta_cpu, block_size, output_dim)
+        counted = _counts_in_kernel(batch, output_dim, facts)
+        tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
+                       _is_interpreted(kernels))
+        if counted:
+            check_constants = dict(CHECK=True, **_id_check_constants(id_check))
+            key_limit = _key_limit_arg(id_check)
+        else:  # the kernel never touches the problem counts
+            check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
+        return _ForwardPlan(meta_cpu, id_check, _hash_args(hash_params), batch, counted,
+                            facts.covers_output, tiles, check_constants, key_limit)
+
+    return _cached_plan(table_meta, key, build)
+
+
+def _tensor_facts(weights, values, offsets, psw) -> tuple:
+    """The dtypes, shapes and devices of a call's tensors: what a plan depends on."""
+    return (weights.dtype, weights.shape, weights.device, values.dtype, values.shape,
+            values.device, offsets.dtype, offsets.shape, offsets.device,
+            None if psw is None else (psw.dtype, psw.shape, psw.device))
+
+
+def _cached_plan(table_meta: torch.Tensor, key: tuple, build):
+    """``build()``, remembered under ``table_meta`` (its version) and ``key``: a module
+    calls with the same layout every step. An inference ``table_meta`` has no version to key
+    on, so its plan is built every time."""
     try:
         version = table_meta._version
-    except RuntimeError:  # an inference tensor: no version to key on, so no cache
-        version = None
-    key = (version, weights.dtype, weights.shape, weights.device, values.dtype, values.shape,
-           values.device, offsets.dtype, offsets.shape, offsets.device,
-           None if psw is None else (psw.dtype, psw.shape, psw.device), output_dim,
-           block_size, hash_mode, tuple(hash_params), bounds_check, current_tuning())
-    plans = _PLANS.get(table_meta) if version is not None else None
+    except RuntimeError:
+        return build()
+    key = (version, *key)
+    plans = _PLANS.get(table_meta)
     plan = None if plans is None else plans.get(key)
-    if plan is not None:
-        return plan
-    kernels = _kernels_for(weights.device)
-    _same_device(weights.device, values=values, offsets=offsets, per_sample_weights=psw)
-    meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
-                                      block_size, hash_mode, hash_params, bounds_check)
-    num_bags = offsets.numel() - 1
-    batch = num_bags // table_meta.shape[1]
-    facts = meta_facts(meta_cpu, block_size, output_dim)
-    counted = _counts_in_kernel(batch, output_dim, facts)
-    tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
-                   _is_interpreted(kernels))
-    if counted:
-        check_constants, key_limit = dict(CHECK=True, **_id_check_constants(id_check)), \
-            _key_limit_arg(id_check)
-    else:  # the kernel never touches the problem counts
-        check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
-    plan = _ForwardPlan(meta_cpu, id_check, _hash_args(hash_params), batch, counted,
-                        facts.covers_output, tiles, check_constants, key_limit)
-    if version is not None:
+    if plan is None:
+        plan = build()
         if plans is None:
             plans = _PLANS[table_meta] = {}
         if len(plans) >= _MAX_PLANS:
@@ -510,19 +560,14 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
     """Checks, then the dense weight gradient in the accumulation dtype (fp32 / fp64), and
     the guard the checks left (see :func:`_backward_checks`): all zeros if it fails."""
     kernels = _kernels_for(weights.device)
-    _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
-                 per_sample_weights=per_sample_weights)
-    meta_cpu, guard = _backward_checks(grad_output, weights, values, offsets,
-                                       per_sample_weights, table_meta, block_size, hash_mode,
-                                       hash_params)
+    plan, guard = _backward_checks(grad_output, weights, values, offsets, per_sample_weights,
+                                   table_meta, block_size, hash_mode, hash_params)
     output_dim = grad_output.shape[1]
-    params = _hash_args(hash_params)
+    params, tiles = plan.params, plan.tiles
     acc = m.accumulation_dtype(weights.dtype)
     grad = torch.zeros(weights.shape, dtype=acc, device=weights.device)  # atomics add into it
     if values.numel() == 0:
         return grad, guard
-    tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
-                   values.numel(), offsets.numel() - 1, _is_interpreted(kernels))
     guard_args, guard_constants = _guard_args(guard, grad)
     if _deterministic_scatter(weights.device):
         _gather_gradient(grad, grad_output, values, offsets, per_sample_weights, table_meta,
@@ -626,21 +671,17 @@ def per_sample_weights_grad(
     hash_params: List[int],
 ) -> torch.Tensor:
     kernels = _kernels_for(weights.device)
-    _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets)
-    meta_cpu, guard = _backward_checks(grad_output, weights, values, offsets, None,
-                                       table_meta, block_size, hash_mode, hash_params)
+    plan, guard = _backward_checks(grad_output, weights, values, offsets, None, table_meta,
+                                   block_size, hash_mode, hash_params)
     num_features = table_meta.shape[1]
-    batch = (offsets.numel() - 1) // num_features
+    num_bags = offsets.numel() - 1
+    batch = num_bags // num_features
     output_dim = grad_output.shape[1]
-    params = _hash_args(hash_params)
+    params, tiles = plan.params, plan.tiles
     # every value lies in exactly one bag (offsets were checked), so every entry is written
     out = _empty(values.numel(), dtype=weights.dtype, device=weights.device)
     if values.numel() == 0:
         return out
-    num_bags = offsets.numel() - 1
-    tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
-                   values.numel(), num_bags,
-                   _is_interpreted(kernels))
     guard_args, guard_constants = _guard_args(guard, out)
     kernels._psw_grad_kernel[(num_bags,)](
         grad_output.contiguous(), weights.contiguous(), values.contiguous(),

@@ -95,6 +95,28 @@ def check_backward_inputs(
     ``output_dim`` and ids unbounded (the forward checked them against ``num_embeddings``;
     any id hashes inside its array, so memory safety does not need that check again).
     Returns ``table_meta`` on the CPU."""
+    meta_cpu, id_check = check_backward_layout(grad_output, weights, values, offsets,
+                                               per_sample_weights, table_meta, block_size,
+                                               hash_mode, hash_params)
+    check_data_summarized(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check,
+                          summarize)
+    return meta_cpu
+
+
+def check_backward_layout(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    table_meta: torch.Tensor,
+    block_size: int,
+    hash_mode: int,
+    hash_params: List[int],
+) -> Tuple[torch.Tensor, "IdCheck"]:
+    """The checks of :func:`check_backward_inputs` that read no data, as
+    :func:`check_layout` for the forward: ``(table_meta on the CPU, what ids are checked
+    against)``."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     if grad_output.dim() != 2 or grad_output.shape[0] != batch:
@@ -102,9 +124,8 @@ def check_backward_inputs(
                          f"{tuple(grad_output.shape)}")
     if not grad_output.dtype.is_floating_point:
         raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
-    return _check_after_static(weights, values, offsets, per_sample_weights, table_meta,
-                               grad_output.shape[1], block_size, hash_mode, hash_params,
-                               int(m.BoundsCheck.UNBOUNDED), summarize)
+    return _layout_after_static(weights, offsets, table_meta, grad_output.shape[1], block_size,
+                                hash_mode, hash_params, int(m.BoundsCheck.UNBOUNDED))
 
 
 def check_inputs(
@@ -143,11 +164,22 @@ def _check_after_static(weights: torch.Tensor, values: torch.Tensor, offsets: to
     # between, and running check_static twice on one call would repeat its checks
     meta_cpu, id_check = _layout_after_static(weights, offsets, table_meta, output_dim,
                                               block_size, hash_mode, hash_params, bounds_check)
+    check_data_summarized(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check,
+                          summarize)
+    return meta_cpu
+
+
+def check_data_summarized(values: torch.Tensor, offsets: torch.Tensor,
+                          per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
+                          meta_cpu: torch.Tensor, id_check: "IdCheck",
+                          summarize: Optional["Summarize"]) -> None:
+    """The data-dependent checks: ``summarize``'s one answer when it has one and it is
+    clean (or will be reported later), else :func:`check_data` (raises the first
+    problem)."""
     if summarize is not None and summarize(values, offsets, per_sample_weights, table_meta,
                                            meta_cpu, id_check):
-        return meta_cpu
+        return
     check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
-    return meta_cpu
 
 
 def check_layout(

@@ -65,3 +65,46 @@ def test_the_fused_backward_refuses_a_bad_block_size_before_any_write(impl, opti
                                 case.per_sample_weights, case.table_meta, 0, case.hash_mode,
                                 case.hash_params, int(optimizer), [0.1, 1e-8, 0.9, 0.99, 0.0], 1)
     assert torch.equal(weights, before)
+
+
+@pytest.fixture
+def layout_calls(monkeypatch):
+    """How often the Triton wrappers check a forward's and a backward's static layout."""
+    from robe_torchrec.ops import triton_kernels
+
+    calls = []
+    for name in ("check_layout", "check_backward_layout"):
+        check = getattr(triton_kernels, name)
+
+        def counted(*args, _check=check, _name=name, **kwargs):
+            calls.append(_name)
+            return _check(*args, **kwargs)
+
+        monkeypatch.setattr(triton_kernels, name, counted)
+    return calls
+
+
+def test_the_triton_wrappers_check_a_layout_once(layout_calls):
+    """A module calls with the same layout every step: the Triton wrappers check it at the
+    first call and remember it, until ``table_meta`` changes in place or a shape does; a
+    change that breaks the layout is still refused. Launches stubbed: nothing runs."""
+    from robe_torchrec.ops import defer_checks, triton_kernels
+
+    case = random_case(seed=15)
+    grad = case.grad()
+    with triton_kernels.stubbed_launches(), defer_checks(False):
+        for _ in range(3):
+            triton_kernels.forward(*case.forward_args())
+            triton_kernels.backward_dense(*case.backward_args(grad))
+            triton_kernels.per_sample_weights_grad(*case.psw_grad_args(grad))
+        assert layout_calls == ["check_layout", "check_backward_layout"]
+        case.table_meta[m.POOLING, 0] = 1 - case.table_meta[m.POOLING, 0]  # in place
+        triton_kernels.forward(*case.forward_args())
+        triton_kernels.backward_dense(*case.backward_args(grad))
+        assert layout_calls[2:] == ["check_layout", "check_backward_layout"]
+        wider = torch.cat([grad, grad[:, :1]], dim=1)  # an output with a column to spare
+        triton_kernels.backward_dense(*case.backward_args(wider))
+        assert layout_calls[4:] == ["check_backward_layout"]
+        case.table_meta[m.DIM, 0] += 10**6  # past the output: refused at once
+        with pytest.raises(ValueError):
+            triton_kernels.backward_dense(*case.backward_args(grad))
