@@ -92,15 +92,17 @@ def speed(args: argparse.Namespace, device: torch.device):
 
 def profile_launches(ids_per_bag: int, block_size: int = 32) -> None:
     """The launches Nsight Compute profiles: forward and fused SGD at the paper's setting,
-    one id a bag and ``ids_per_bag``, each launch variant of the forward twice (the first
-    call compiles; ncu skips nothing by itself)."""
+    one id a bag (also with the deterministic backward) and ``ids_per_bag``, each twice (the
+    first call compiles; ncu skips nothing by itself)."""
     from benchmarks.gpu_speed import HPARAMS, Lookup, Scenario
     from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
     from robe_torchrec.ops import raise_pending_checks
     from robe_torchrec.ops.meta import Optimizer
     from robe_torchrec.ops.tuning import tuned
 
-    for per_bag, variants in ((1, [{}]), (ids_per_bag, [{}, {"two_pass_mean_bag": 0.0}])):
+    # 14 launches at one id a bag (the second variant: hash, pool, ordered gradient, step),
+    # 10 at several (two passes each way): the 24 the profile takes
+    for per_bag, variants in ((1, [{}, {"deterministic_backward": True}]), (ids_per_bag, [{}])):
         lk = Lookup(Scenario("profile", 10240, 128, list(CRITEO_KAGGLE_CARDINALITIES), per_bag,
                              [block_size], 1000.0), torch.device("cuda"))
         weights, args = lk.robe(block_size)

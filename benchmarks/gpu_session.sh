@@ -37,8 +37,9 @@ rm -rf /tmp/robe_pipelines/*_app
 tar czf "$out/pipelines_$card.tgz" -C /tmp/robe_pipelines .
 if command -v ncu >/dev/null; then
   timeout 60 ncu --csv --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats \
     --section Occupancy --section LaunchStats --launch-count 24 \
-    -k regex:"forward|backward|hash_starts|optimizer" \
+    -k regex:"forward|backward|hash_starts|gather|optimizer" \
     python3 -m benchmarks.gpu_check --profile-launches \
     >"$out/ncu_$card.csv" 2>"$out/ncu.log" || failed=$((failed + 1))
 fi
