@@ -84,8 +84,7 @@ def test_opcheck_fused_backward():
     args = (grad, case.weights, state1, state2, case.values, case.offsets, None, case.table_meta,
             case.block_size, case.hash_mode, case.hash_params, int(Optimizer.ADAM),
             [1e-2, 1e-8, 0.9, 0.999, 0.0], 1)
-    torch.library.opcheck(torch.ops.robe.backward_fused_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.robe.backward_fused_.default, args)  # every test
 
 
 def _fused_args(case, optimizer=Optimizer.ADAGRAD):
@@ -101,8 +100,7 @@ def test_opcheck_counted_fused_backward():
     grad, weights, state1, state2, *lookup, optimizer, hparams, _ = _fused_args(
         case, Optimizer.ADAM)
     args = (grad, weights, state1, state2, torch.tensor(0.0), optimizer, hparams, *lookup)
-    torch.library.opcheck(torch.ops.robe.counted_backward_fused_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.robe.counted_backward_fused_.default, args)
 
 
 def test_fused_ops_bump_the_versions_of_what_they_write():
