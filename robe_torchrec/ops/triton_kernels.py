@@ -764,12 +764,12 @@ def _check_device_step(step: torch.Tensor, weights: torch.Tensor) -> None:
                          f"{tuple(step.shape)}")
 
 
-def _adam_step_args(optimizer: int, hparams: List[float], step, unused: torch.Tensor):
+def _adam_step_args(optimizer: int, lr: float, beta1: float, beta2: float, step,
+                    unused: torch.Tensor):
     """The optimizer kernel's ``(step_size, bias2_sqrt, beta1, step_ptr)`` and its
     ``STEP_ON_DEVICE``: Adam's bias corrections computed here from an int ``step``, or left
     to the kernel, which reads a step tensor (``unused`` stands in for a pointer it does
     not read)."""
-    lr, _, beta1, beta2, _ = (float(h) for h in hparams)
     on_device = optimizer == m.Optimizer.ADAM and isinstance(step, torch.Tensor)
     step_size, bias2_sqrt = 0.0, 1.0
     if optimizer == m.Optimizer.ADAM and not on_device:
@@ -810,7 +810,7 @@ def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sam
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
-    step_args, step_constants = _adam_step_args(optimizer, hparams, step, grad)
+    step_args, step_constants = _adam_step_args(optimizer, lr, beta1, beta2, step, grad)
     kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
         lr, eps, beta2, weight_decay, 1.0 - beta1, *step_args, *guard_args,
