@@ -33,8 +33,10 @@ VARIANTS = {"": {}, "one pass": {"two_pass_mean_bag": float("inf")},
             "two-pass, ids 16 a step": {"two_pass_tile": 2048},
             "two-pass, 4 warps": {"num_warps": 4}}
 #: timed at every bag length (and run in the CPU mode): the weight gradient summed in a fixed
-#: order, what torch.use_deterministic_algorithms(True) selects on CUDA
-ALWAYS = {"deterministic backward": {"deterministic_backward": True}}
+#: order, what torch.use_deterministic_algorithms(True) selects on CUDA; every launch through
+#: JITFunction.run, as before the cached launches (the host time they save)
+ALWAYS = {"deterministic backward": {"deterministic_backward": True},
+          "launched via JITFunction.run": {"cached_launch": False}}
 
 
 def run_checks(device: str, quick: bool, only: Optional[str],

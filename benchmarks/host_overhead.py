@@ -7,7 +7,10 @@ launcher back. Rows, microseconds a call: the wrapper, also with the checks in t
 kernel (``tuned(count_in_forward=False)``); the op without and with autograd, its backward,
 the fused step (through the ops, and calling the wrappers); a second trip through the
 dispatcher; the host's speed (a same-schema op returning its input, ``torch.add``, 1000
-Python additions). Rows interleaved, 1 thread::
+Python additions). Where Triton can compile for NVIDIA GPUs (no GPU needed), the
+``launched`` rows run four of them with the launches made down to Triton's C launcher, which
+a stand-in driver replaces (:mod:`robe_torchrec.testing.recorded_launches`): the cached
+launch the ops use, and ``JITFunction.run``. Rows interleaved, 1 thread::
 
     python -m benchmarks.host_overhead --out benchmarks/results
 """
@@ -15,9 +18,10 @@ Python additions). Rows interleaved, 1 thread::
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
@@ -29,6 +33,8 @@ from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_
 from robe_torchrec.ops.tuning import tuned
 
 FEATURES, DIM, BLOCK_SIZE, MEMORY = 26, 128, 32, 65536
+#: the rows also timed with their launches made (by a stand-in driver)
+LAUNCHED = ("wrapper", "op, no grad", "op + backward", "fused step")
 #: kept alive here: a library's registrations last as long as the object
 _LIBRARIES: List[torch.library.Library] = []
 
@@ -105,28 +111,63 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
 
 
 def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
-            sync: Callable[[], None]) -> Dict[str, List[float]]:
-    """``reps`` samples of each row (microseconds per call), rows interleaved."""
-    for fn in rows.values():  # warm-up: caches of checked metadata, first-call work
-        for _ in range(3):
-            fn()
-
-    def sample(fn: Callable[[], object]) -> Callable[[int], object]:
-        def run(it: int) -> None:
-            for _ in range(per_sample):
+            sync: Callable[[], None],
+            contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
+            ) -> Dict[str, List[float]]:
+    """``reps`` samples of each row (microseconds per call), rows interleaved; a row named in
+    ``contexts`` runs each sample inside that context (its cost spread over the calls)."""
+    contexts = contexts or {}
+    for name, fn in rows.items():  # warm-up: caches of checked metadata, first-call work
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(3):
                 fn()
+
+    def sample(name: str, fn: Callable[[], object]) -> Callable[[int], object]:
+        def run(it: int) -> None:
+            with contexts.get(name, contextlib.nullcontext)():
+                for _ in range(per_sample):
+                    fn()
         return run
 
     gc.collect()
     gc.disable()  # as timeit: a collection would land on whichever call triggers it
     try:
-        samples = interleaved({name: sample(fn) for name, fn in rows.items()}, reps,
+        samples = interleaved({name: sample(name, fn) for name, fn in rows.items()}, reps,
                               before=lambda name: sync())
     finally:
         gc.enable()
     sync()
     raise_pending_checks()
     return {name: [s / per_sample * 1e6 for s in v["wall"]] for name, v in samples.items()}
+
+
+def can_compile() -> bool:
+    """Whether this process's Triton compiles for NVIDIA GPUs (no GPU needed)."""
+    if triton_kernels.interpreted():
+        return False
+    import triton
+    return "nvidia" in getattr(triton.backends, "backends", {})
+
+
+@contextlib.contextmanager
+def launching(on_cpu: bool, cached: bool):
+    """The ops' launches made (``on_cpu``: on CPU tensors, for a stand-in driver), cached
+    or through ``JITFunction.run``."""
+    with (triton_kernels.launch_on_cpu_tensors() if on_cpu else contextlib.nullcontext()), \
+            tuned(cached_launch=cached):
+        yield
+
+
+def with_launched(rows: Dict[str, Callable[[], object]], cuda: bool):
+    """``rows`` (run with launches stubbed) and the :data:`LAUNCHED` ones again with their
+    launches made, cached and through ``JITFunction.run``; with the context of each row."""
+    contexts = {name: triton_kernels.stubbed_launches for name in rows}
+    rows = dict(rows)
+    for name in LAUNCHED:
+        for cached, suffix in ((True, "launched"), (False, "launched via JITFunction.run")):
+            rows[f"{name}, {suffix}"] = rows[name]
+            contexts[f"{name}, {suffix}"] = functools.partial(launching, not cuda, cached)
+    return rows, contexts
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
@@ -143,13 +184,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = calls(device, args.batch)
-        with triton_kernels.stubbed_launches():
-            samples = measure(rows, args.reps, args.calls, sync)
-        if args.cuda:  # the same calls with their kernels launched
-            samples.update({f"{name}, launched": v for name, v in measure(
-                {n: rows[n] for n in ("wrapper", "op, no grad")}, args.reps, args.calls,
-                sync).items()})
+        rows, contexts = calls(device, args.batch), None
+        recording = contextlib.nullcontext()
+        if args.cuda or can_compile():
+            rows, contexts = with_launched(rows, args.cuda)
+        if not args.cuda and contexts:  # the first launch of a variant compiles it
+            from robe_torchrec.testing.recorded_launches import recorded_launches
+            recording = recorded_launches(keep=False)
+        with recording:
+            samples = measure(rows, args.reps, args.calls, sync, contexts)
     finally:
         torch.set_num_threads(threads)
     med = {name: statistics.median(v) for name, v in samples.items()}
@@ -160,8 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                    f"setting: {device.type} tensors, batch {args.batch}, {FEATURES} features of "
                    f"dim {DIM}, one id a bag, Z = {BLOCK_SIZE}, array {MEMORY:,} floats; checks "
                    f"deferred; 1 thread; {args.reps} samples of {args.calls} calls, interleaved")
-    lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launcher "
-              "and the driver (but in the `launched` rows).", ""]
+    lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launch "
+              "path and the driver. The `launched` rows add the launch path: on CPU down to "
+              "Triton's C launcher (a stand-in driver records each launch there), with "
+              "`--cuda` the real launcher and driver.", ""]
     lines += table(["row", "median", "lower quartile"],
                    [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples])
     result = {"command": command_line("host_overhead", argv), "device": device.type,

@@ -10,6 +10,7 @@ from benchmarks import host_overhead
 from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import reference, triton_kernels
 from robe_torchrec.ops.meta import build_table_meta
+from tests.compiled_triton import run_compiled
 
 
 def _lookup():
@@ -29,6 +30,19 @@ def test_every_row_is_timed(tmp_path):
     assert all(v > 0 for v in result["medians"].values())
     assert all(len(v) == 2 for v in result["samples_us"].values())
     assert result["device"] == "cpu" and result["machine"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_launched_rows_compare_cached_with_jit_launches(tmp_path):
+    """In a process whose Triton compiles, the benchmark also times four rows with their
+    launches made by a stand-in driver, cached and through ``JITFunction.run``."""
+    out = tmp_path / "out"
+    run_compiled(["-m", "benchmarks.host_overhead", "--reps", "2", "--calls", "1", "--batch",
+                  "8", "--out", str(out)], tmp_path / "cache")
+    medians = json.loads((out / "host_overhead.json").read_text())["medians"]
+    for row in host_overhead.LAUNCHED:
+        assert medians[f"{row}, launched"] > 0
+        assert medians[f"{row}, launched via JITFunction.run"] > 0
 
 
 @pytest.mark.skipif(not triton_kernels.interpreted(), reason="needs Triton's interpreter")

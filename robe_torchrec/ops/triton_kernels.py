@@ -33,6 +33,7 @@ from robe_torchrec.ops.triton.forward import (  # noqa: F401
 from robe_torchrec.ops.triton.hash import _block_starts_kernel  # noqa: F401
 from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
+from robe_torchrec.ops.triton_launch import CachedLaunch
 from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
                                           check_data_summarized, check_layout,
@@ -62,8 +63,11 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-#: what :func:`_kernels_for` returns while :func:`stubbed_launches` is active
-_launch_stub = None
+#: what :func:`_kernels_for` returns while :func:`stubbed_launches` or
+#: :func:`launch_on_cpu_tensors` is active
+_launch_override = None
+#: the kernels of :func:`stubbed_launches`, made at its first use
+_NO_LAUNCHES = None
 
 
 @contextlib.contextmanager
@@ -72,27 +76,49 @@ def stubbed_launches():
     tensors then need no interpreter): a call does all of its host work (checks, launch
     plan, allocations, dispatch) and none on the device, so its outputs hold garbage. For
     benchmarks of the host's time per call; Triton's launcher is what is left out."""
-    global _launch_stub
-    previous = _launch_stub
-    module = sys.modules[__name__]
-    _launch_stub = types.SimpleNamespace(**{name: _NoLaunch() for name in dir(module)
-                                            if name.endswith("_kernel")})
+    global _launch_override, _NO_LAUNCHES
+    previous = _launch_override
+    if _NO_LAUNCHES is None:
+        module = sys.modules[__name__]
+        _NO_LAUNCHES = types.SimpleNamespace(**{name: _NoLaunch() for name in dir(module)
+                                                if name.endswith("_kernel")})
+    _launch_override = _NO_LAUNCHES
     try:
         yield
     finally:
-        _launch_stub = previous
+        _launch_override = previous
+
+
+@contextlib.contextmanager
+def launch_on_cpu_tensors():
+    """Inside the block CPU tensors get the launches of CUDA ones (compiled kernels, cached
+    launches): for a stand-in driver that compiles and records launches instead of making
+    them (:mod:`robe_torchrec.testing.recorded_launches`); a real one would take host
+    pointers for device pointers."""
+    if interpreted():
+        raise RuntimeError("robe: launch_on_cpu_tensors needs compiled kernels: unset "
+                           "TRITON_INTERPRET before triton is first imported")
+    global _launch_override
+    previous = _launch_override
+    _launch_override = _cached_launches()
+    try:
+        yield
+    finally:
+        _launch_override = previous
 
 
 def _kernels_for(device: torch.device):
-    """This module, once checked that its kernels can run on ``device``.
+    """The kernels, as attributes, once checked that they can run on ``device``: on CUDA
+    each wrapped in a :class:`~robe_torchrec.ops.triton_launch.CachedLaunch` (the launch
+    without ``JITFunction.run``'s per-call work), under the interpreter this module.
 
     Triton decides when a kernel is decorated (at import) whether it is compiled or
     interpreted (``TRITON_INTERPRET``), and ``triton.language`` itself is imported one way or
     the other; a process cannot mix the two reliably. So CPU tensors need the whole process
     in interpreter mode: ``TRITON_INTERPRET=1`` set before triton is first imported.
     """
-    if _launch_stub is not None:
-        return _launch_stub
+    if _launch_override is not None:
+        return _launch_override
     if _TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(
             "robe: the Triton kernels need the `triton` package, which failed to import "
@@ -100,7 +126,7 @@ def _kernels_for(device: torch.device):
         )
     module = sys.modules[__name__]
     if device.type == "cuda":
-        return module
+        return _cached_launches()
     if device.type == "cpu" and _is_interpreted(module):
         return module
     raise RuntimeError(
@@ -108,6 +134,20 @@ def _kernels_for(device: torch.device):
         f"interpreter (set TRITON_INTERPRET=1 before triton is first imported); got "
         f"{device.type} tensors with the kernels compiled"
     )
+
+
+#: every kernel of this module wrapped in a CachedLaunch, made at the first CUDA call
+_CACHED_LAUNCHES = None
+
+
+def _cached_launches() -> types.SimpleNamespace:
+    global _CACHED_LAUNCHES
+    if _CACHED_LAUNCHES is None:
+        module = sys.modules[__name__]
+        _CACHED_LAUNCHES = types.SimpleNamespace(**{
+            name: CachedLaunch(getattr(module, name)) for name in dir(module)
+            if name.endswith("_kernel")})
+    return _CACHED_LAUNCHES
 
 
 def _next_pow2(x: int) -> int:

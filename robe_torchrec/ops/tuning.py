@@ -60,6 +60,9 @@ class TritonTuning:
     #: instead of with float atomics (CUDA does this under
     #: ``torch.use_deterministic_algorithms(True)`` whatever this says)
     deterministic_backward: bool = False
+    #: a compiled kernel variant is launched without ``JITFunction.run``'s per-call work
+    #: (:mod:`robe_torchrec.ops.triton_launch`); False: every launch goes through it
+    cached_launch: bool = True
 
 
 _current = TritonTuning()

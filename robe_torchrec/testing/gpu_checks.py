@@ -383,6 +383,43 @@ def check_deterministic_backward() -> None:
     torch.testing.assert_close(dense[0], atomic_dense[0], rtol=1e-4, atol=1e-2)
 
 
+def check_cached_launches() -> None:
+    """The ops launched cached (the default) and through ``JITFunction.run`` give the same
+    bits: forward, the gradient summed in a fixed order, a fused Adagrad step; once every
+    variant is compiled, no cached launch goes through ``JITFunction.run``."""
+    from unittest import mock
+
+    from triton.runtime.jit import JITFunction
+
+    case = _graph_case()
+    grad = _integer_grad(case, seed=3)
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+
+    def ops():
+        weights, state = case.weights.clone(), fused_states(case, optimizer)
+        _fused_step(case, weights, state, grad, optimizer, hparams)
+        with tuned(deterministic_backward=True):
+            dense = torch.ops.robe.backward_dense(*case.backward_args(grad))
+        return [torch.ops.robe.forward(*case.forward_args()), dense, weights, *state]
+
+    with tuned(cached_launch=False):
+        want = ops()
+    ops()  # remembers the variants
+    jit_runs = []
+    original = JITFunction.run
+
+    def counted(fn, *args, **kwargs):
+        jit_runs.append(fn.fn.__name__)
+        return original(fn, *args, **kwargs)
+
+    with mock.patch.object(JITFunction, "run", counted):
+        got = ops()
+    raise_pending_checks()
+    assert not jit_runs, f"cached launches went through JITFunction.run: {jit_runs}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"output {i} differs between cached and JIT launches"
+
+
 def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
     """``(name, check)`` of the CUDA-only checks: ``matrix`` random configurations, then
     the synchronisation and graph checks."""
@@ -393,7 +430,8 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
                ("graph_fused_backward", check_graph_fused_backward),
                ("graph_capturable_adam", check_graph_capturable_adam),
                ("graph_refuses_adam", check_graph_refuses_adam),
-               ("deterministic_backward", check_deterministic_backward)]
+               ("deterministic_backward", check_deterministic_backward),
+               ("cached_launches", check_cached_launches)]
     return checks
 
 

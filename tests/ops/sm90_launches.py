@@ -56,7 +56,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return _compiled[key]
 
 
-def _scenarios() -> List[dict]:
+def scenarios() -> List[dict]:
     """Shapes whose integer arguments take the values Triton treats apart: 1 (features,
     batch, ids, output width, rows, array span), multiples of 16, and neither."""
     out = []
@@ -75,7 +75,7 @@ def _scenarios() -> List[dict]:
     return out
 
 
-def _run_ops(case) -> None:
+def run_ops(case) -> None:
     weights, acc = case.weights, m.accumulation_dtype(case.weights.dtype)
     tk.forward(*case.forward_args())
     grad = torch.zeros(case.batch, case.output_dim, dtype=acc)
@@ -112,7 +112,7 @@ def main() -> int:
     assert not tk._is_interpreted(tk), "unset TRITON_INTERPRET: this compiles the kernels"
     jit.JITFunction.run = _compile_only
     tk._kernels_for = lambda device: tk  # CPU tensors stand in for CUDA ones: nothing runs
-    variants = itertools.product(_scenarios(), (HashMode.REFERENCE, HashMode.MIX),
+    variants = itertools.product(scenarios(), (HashMode.REFERENCE, HashMode.MIX),
                                  (False, True))
     for i, (shape, mode, weighted) in enumerate(variants):
         index_dtype = torch.int32 if i % 2 else torch.int64
@@ -122,7 +122,7 @@ def main() -> int:
         label = (f"{shape} hash={mode.name.lower()} weighted={weighted} ids={index_dtype} "
                  f"weights={dtype}")
         try:
-            _run_ops(case)
+            run_ops(case)
         except Exception as exc:  # name the shape, then fail
             print(f"FAILED on {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
             raise

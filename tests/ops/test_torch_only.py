@@ -69,6 +69,7 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     assert [s["scenario"] for s in check["speed"]] == ["1 id(s) a bag", "20 id(s) a bag",
                                                        "one table"]
     assert "3 x nn.EmbeddingBag (+ sparse backward)" in rows  # the second peer
+    assert any("launched via JITFunction.run" in row for row in rows), sorted(rows)
     one_table = {(r["table_rows"], r["name"]) for r in check["speed"][2]["rows"]}
     assert {(1000, "full table, one lookup (+ in-place SGD rows)"),
             (4000, "ROBE-Z 100x")} <= one_table

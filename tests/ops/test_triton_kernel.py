@@ -26,6 +26,7 @@ from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
 from robe_torchrec.ops.validation import check_inputs, check_layout  # noqa: E402
 
+from tests.compiled_triton import run_compiled  # noqa: E402
 from robe_torchrec.testing.op_cases import ROWWISE_CASES, case_matrix, fused_steps, random_case  # noqa: E402
 from robe_torchrec.testing.op_checks import (  # noqa: E402
     assert_close, check_backward_dense, check_forward, check_per_sample_weights_grad)
@@ -478,23 +479,8 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     variant the host wrappers launch on shapes that hit Triton's specialisations (one
     feature, batch 1, width 1, span 1, multiples of 16; every dtype, hash and optimizer)
     for an H100 target: the launcher's own binder, Triton front end, LLVM and ptxas, no
-    GPU (``tests/ops/sm90_launches.py``). In a fresh process (a process that imported
-    triton.language interpreted cannot compile) with an empty cache (no cache hits)."""
-    import subprocess
-
-    import triton
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_launches"], env=env,
-                            cwd=root, capture_output=True, text=True, timeout=900)
-    if "cannot find" in result.stderr and "ptxas" in result.stderr:  # pragma: no cover
-        pytest.skip("ptxas unavailable")
-    assert result.returncode == 0, result.stderr[-4000:]
+    GPU (``tests/ops/sm90_launches.py``)."""
+    result = run_compiled(["-m", "tests.ops.sm90_launches"], tmp_path)
     compiled = result.stdout.splitlines()
     # a one-feature, batch-1 launch really was specialised (the crash this guards against)
     assert any("'num_features': 1" in line for line in compiled)
@@ -502,6 +488,17 @@ def test_every_launch_compiles_for_sm90(tmp_path):
                    "_backward_short_bags_kernel", "_psw_grad_kernel", "_optimizer_kernel",
                    "_rowwise_adagrad_kernel", "_block_starts_kernel", "_input_summary_kernel"):
         assert any(line.startswith(f"compiled {kernel} ") for line in compiled), kernel
+
+
+@pytest.mark.slow
+def test_cached_launches_match_jit_launches(tmp_path):
+    """Launches that skip ``JITFunction.run`` once a variant is compiled get, for every op
+    and on ids at an address Triton specialises differently, the compiled variant and the
+    arguments ``JITFunction.run`` gives them (``tests/ops/cached_launches.py``: a stand-in
+    driver compiles for sm_90 and records the launches)."""
+    result = run_compiled(["-m", "tests.ops.cached_launches"], tmp_path)
+    agreed = [line for line in result.stdout.splitlines() if line.startswith("scenario")]
+    assert len(agreed) == 5 and "not 16-byte aligned" in agreed[-1], result.stdout
 
 
 # ---------------------------------------------------------------------------------------

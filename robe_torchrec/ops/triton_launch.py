@@ -1,0 +1,119 @@
+"""Launch compiled Triton kernels with a fraction of ``kernel[grid](...)``'s host work.
+
+``JITFunction.run`` redoes at every launch what only changes with the kernel variant: it
+reads Triton's knobs, binds and specialises the arguments, turns the specialisation and
+options into a cache-key string, checks that every global constant the kernel reads is
+unchanged (``tl.constexpr.__ne__`` on each: the hash kernels read 13 of them), and only then
+calls the variant's launcher. Measured with the launcher stubbed, that is 20-40 us a launch
+on a 2-core VM, as much as all of the rest of a forward call's host work; on a GPU machine's
+host it is more (benchmarks/results/host_overhead.md).
+
+:class:`CachedLaunch` keeps what a variant needs: a launch still binds and specialises the
+arguments, with the binder Triton generates for the kernel (so the variant chosen, which
+depends on argument values, alignment included, is Triton's own choice), then looks the
+compiled variant up by that specialisation and calls its launcher the way ``JITFunction.run``
+does. A variant's first launch goes through ``JITFunction.run``, which compiles it, and is
+remembered. Left out: the key string and the global-constant check (the kernels' globals
+are constants of their modules). Triton's launch hooks still run (a profiler's); with a
+pre-run hook on the kernel or a stage-inspection hook, every launch goes through
+``JITFunction.run``. Runtime knobs that change compilation (``TRITON_DEBUG``...) are read
+when a variant is first compiled.
+
+The launcher's calling convention (every parameter, constants included, in signature
+order) is that of Triton 3.6 to 3.9; other versions, and :func:`~robe_torchrec.ops.tuning.
+tuned` ``(cached_launch=False)``, launch through ``JITFunction.run``.
+``tests/ops/cached_launches.py`` checks, with a stand-in CUDA driver and kernels compiled
+for sm_90, that every launch of the ops gets the same variant and arguments both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Sequence, Tuple
+
+from robe_torchrec.ops.tuning import current as current_tuning
+
+try:
+    import triton
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+except ImportError:  # pragma: no cover - the kernels' own import reports it
+    triton = None
+
+#: Triton versions whose launcher convention this module follows (checked in their source)
+SUPPORTED = (3, 6) <= tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 10) \
+    if triton is not None else False
+
+#: variants kept per kernel before starting over (a module sees a few layouts)
+_MAX_VARIANTS = 256
+
+
+def _hooks_block_caching(fn: "JITFunction") -> bool:
+    """Whether something observes or changes launches in a way only ``JITFunction.run``
+    honours: a pre-run hook on the kernel, or a stage-inspection hook (a specialisation
+    entry of its own)."""
+    return bool(fn.pre_run_hooks) or getattr(knobs.runtime, "add_stages_inspection_hook",
+                                             None) is not None
+
+
+class CachedLaunch:
+    """``fn[grid](*args, **constants)`` with the variant found without ``JITFunction.run``
+    once it has been compiled. Indexing by a grid returns the launch, as for ``fn``."""
+
+    def __init__(self, fn: "JITFunction"):
+        self.fn = fn
+        #: device index -> Triton's binder for the device's target
+        self._binders: Dict[int, Callable] = {}
+        #: (device, specialisation, options) -> compiled variant
+        self._variants: Dict[Tuple, object] = {}
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+        return lambda *args, **constants: self.launch(grid, args, constants)
+
+    def launch(self, grid: Sequence[int], args: tuple, constants: dict) -> None:
+        active = driver.active
+        device = active.get_current_device()
+        binder = self._binders.get(device)
+        if binder is None or not current_tuning().cached_launch or \
+                _hooks_block_caching(self.fn):
+            self._launch_and_remember(device, grid, args, constants)
+            return
+        bound, specialization, options = binder(*args, **constants)
+        key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self._variants.get(key)
+        if kernel is None:
+            self._launch_and_remember(device, grid, args, constants)
+            return
+        stream = active.get_current_stream(device)
+        values = bound.values()
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                   stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *values),
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+    def _launch_and_remember(self, device: int, grid, args: tuple, constants: dict) -> None:
+        """Launch through ``JITFunction.run`` (compiling the variant if new) and remember the
+        variant it ran under its specialisation."""
+        kernel = self.fn[grid](*args, **constants)
+        if kernel is None or not SUPPORTED or _hooks_block_caching(self.fn):
+            return
+        binder = self._binders.get(device)
+        if binder is None:
+            backend = make_backend(driver.active.get_current_target())
+            binder = self._binders[device] = create_function_from_signature(
+                self.fn.signature, self.fn.params, backend)
+        _, specialization, options = binder(*args, **constants)
+        key = (device, tuple(specialization), tuple(options.items()))
+        try:
+            hash(key)
+        except TypeError:  # a constant Triton can use but not hash: never cached
+            return
+        if len(self._variants) >= _MAX_VARIANTS:
+            self._variants.clear()
+        self._variants[key] = kernel
+
+    @property
+    def variants(self) -> int:
+        """How many compiled variants a launch can find without ``JITFunction.run``."""
+        return len(self._variants)

@@ -1,0 +1,119 @@
+"""Check, without a GPU, that the cached launches (:mod:`robe_torchrec.ops.triton_launch`)
+give every launch of the ops the compiled variant and the arguments ``JITFunction.run``
+gives it.
+
+A stand-in CUDA driver (:mod:`robe_torchrec.testing.recorded_launches`) compiles the
+kernels for sm_90 and records each launch instead of making it. Every scenario runs all the
+ops' host wrappers (those of ``tests/ops/sm90_launches.py``) on CPU tensors standing in for
+CUDA ones three times: through ``JITFunction.run`` only, once more cached (which remembers
+the variants), and cached again, where no launch may reach ``JITFunction.run``. The first
+and the last must record the same launches: the same compiled variant object, grid,
+stream, and arguments (tensors by dtype, shape, strides and 16-byte alignment, which Triton
+specialises on; the rest by value). One scenario passes ids at an address that is not
+16-byte aligned, after an aligned run of the same shape: a different variant, which a
+cache keyed on anything less than Triton's specialisation would miss.
+
+``tests/ops/test_triton_kernel.py`` runs it in a fresh process; it exits non-zero on the
+first difference, naming the scenario and the launch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+import torch
+from triton.runtime import jit
+
+from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import triton_kernels as tk
+from robe_torchrec.ops.tuning import tuned
+from robe_torchrec.testing.op_cases import random_case
+from robe_torchrec.testing.recorded_launches import Launch, recorded_launches
+from tests.ops.sm90_launches import run_ops, scenarios
+
+_jit_runs = 0
+
+
+def _counting(run):
+    def counted(self, *args, **kwargs):
+        global _jit_runs
+        _jit_runs += 1
+        return run(self, *args, **kwargs)
+    return counted
+
+
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.stride(),
+                value.data_ptr() % 16 == 0)
+    return value
+
+
+def _summary(launch: Launch) -> str:
+    return (f"variant {id(launch.variant):#x}, grid {launch.grid}, stream {launch.stream}, "
+            f"args {[_described(a) for a in launch.args]}")
+
+
+def _recorded(case) -> List[Launch]:
+    with recorded_launches() as launches, tk.launch_on_cpu_tensors():
+        run_ops(case)
+    return launches
+
+
+def _misaligned(case):
+    """``case`` with its ids and offsets 8 bytes past a 16-byte boundary."""
+    for name in ("values", "offsets"):
+        tensor = getattr(case, name)
+        pad = 8 // tensor.element_size()
+        view = torch.zeros(tensor.numel() + pad, dtype=tensor.dtype)[pad:]
+        view.copy_(tensor)
+        assert view.data_ptr() % 16 == 8
+        setattr(case, name, view)
+    return case
+
+
+def check(label: str, case) -> List[Launch]:
+    global _jit_runs
+    with tuned(cached_launch=False):
+        through_jit = _recorded(case)
+    _recorded(case)  # remembers the variants
+    _jit_runs = 0
+    cached = _recorded(case)
+    if _jit_runs:
+        raise AssertionError(f"{label}: {_jit_runs} cached launches went through "
+                             "JITFunction.run")
+    if len(cached) != len(through_jit):
+        raise AssertionError(f"{label}: {len(cached)} launches cached, {len(through_jit)} "
+                             "through JITFunction.run")
+    for i, (want, got) in enumerate(zip(through_jit, cached)):
+        same = (want.variant is got.variant and want.grid == got.grid
+                and want.stream == got.stream
+                and [_described(a) for a in want.args] == [_described(a) for a in got.args])
+        if not same:
+            raise AssertionError(f"{label}: launch {i} ({want.name}) differs:\n"
+                                 f"  JITFunction.run: {_summary(want)}\n"
+                                 f"  cached: {_summary(got)}")
+    print("scenario", label, f"{len(cached)} launches agree", flush=True)
+    return cached
+
+
+def main() -> int:
+    assert not tk.interpreted(), "unset TRITON_INTERPRET: this compiles the kernels"
+    jit.JITFunction.run = _counting(jit.JITFunction.run)
+    shapes = scenarios()
+    picked = [shapes[0], shapes[1], shapes[6], shapes[8]]  # 1 and 16 bags, long bags
+    for i, shape in enumerate(picked):
+        mode = (HashMode.REFERENCE, HashMode.MIX)[i % 2]
+        case = random_case(seed=i, hash_mode=int(mode), weighted=i % 2 == 1,
+                           index_dtype=(torch.int64, torch.int32)[i // 2 % 2], **shape)
+        aligned = check(f"{shape} hash={mode.name.lower()}", case)
+    misaligned = check(f"{shape} ids not 16-byte aligned", _misaligned(case))
+    if all(a.variant is b.variant for a, b in zip(aligned, misaligned)):
+        raise AssertionError("misaligned ids launched the aligned variants: the scenario "
+                             "tests nothing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
