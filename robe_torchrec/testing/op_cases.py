@@ -71,8 +71,10 @@ def random_case(
     pooling: Optional[List[int]] = None,
     num_rows: Optional[List[int]] = None,
     empty_fraction: float = 0.2,
+    fixed_bags: bool = False,
 ) -> OpCase:
-    """A case with mixed dims, empty bags and random bag sizes in ``[0, max_bag]``."""
+    """A case with mixed dims, empty bags and random bag sizes in ``[0, max_bag]``
+    (``fixed_bags``: ``max_bag`` ids in every bag not emptied)."""
     g = torch.Generator().manual_seed(seed)
     dims = dims or [8, 5, 16, 3]
     num_features = len(dims)
@@ -87,7 +89,8 @@ def random_case(
         weight_offsets = [sum(weight_sizes[:t]) for t in range(num_features)]
         row_offsets = [0] * num_features
         total = sum(weight_sizes)
-    lengths = torch.randint(0, max_bag + 1, (num_features * batch,), generator=g)
+    lengths = (torch.full((num_features * batch,), max_bag) if fixed_bags else
+               torch.randint(0, max_bag + 1, (num_features * batch,), generator=g))
     lengths[torch.rand(lengths.shape, generator=g) < empty_fraction] = 0
     values = torch.cat([
         torch.randint(0, num_rows[t], (int(lengths[t * batch:(t + 1) * batch].sum()),), generator=g)

@@ -6,8 +6,9 @@ target, stream 0), so ``kernel[grid](...)`` binds, specialises and compiles exac
 that GPU (Triton ships ``ptxas``), and the compiled kernel's launcher, instead of calling
 the CUDA driver, records what it was given. The ops' host wrappers run on CPU tensors
 standing in for CUDA ones (``triton_kernels.launch_on_cpu_tensors``). What this shows: the
-host's whole path down to Triton's C launcher (how long it takes, what it passes); what it
-cannot: anything the device does.
+host's whole path down to Triton's C launcher (how long it takes, what it passes), and what
+an H100 would refuse when loading or launching a kernel (shared memory, threads, grid
+size); what it cannot: anything the device does.
 
 Needs a process in which Triton is not interpreted (``TRITON_INTERPRET`` unset before the
 first import of triton) and no real CUDA driver was used: Triton keeps per-device state
@@ -34,8 +35,9 @@ from triton.runtime import driver
 
 #: the stand-in device's target: an H100
 SM90 = GPUTarget("cuda", 90, 32)
-#: what an H100 gives a program: shared memory (bytes) and threads
+#: what an H100 gives a program: shared memory (bytes) and threads; and a grid's limits
 _MAX_SHARED, _MAX_THREADS = 232448, 1024
+_MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
 @dataclasses.dataclass
@@ -71,24 +73,35 @@ class _StandInDriver:
 _recording: Optional[Tuple[List[Optional[Launch]], bool]] = None
 
 
+def h100_refusal(kernel) -> Optional[str]:
+    """Why an H100 would refuse to load compiled ``kernel`` (a ``CompiledKernel``): more
+    shared memory or threads than it gives a program; None if it would not."""
+    shared, warps = kernel.metadata.shared, kernel.metadata.num_warps
+    if shared > _MAX_SHARED or warps * SM90.warp_size > _MAX_THREADS:
+        return (f"{kernel.name} needs {shared} bytes of shared memory and {warps} warps: an "
+                f"H100 gives a program {_MAX_SHARED} bytes and {_MAX_THREADS} threads")
+    return None
+
+
 def _init_handles(kernel) -> None:
-    """``CompiledKernel._init_handles`` for the stand-in: check what loading the binary on
+    """``CompiledKernel._init_handles`` for the stand-in: refuse what loading the binary on
     an H100 would, and give the kernel a launcher that records."""
     if kernel.module is not None:
         return
-    if kernel.metadata.shared > _MAX_SHARED or \
-            kernel.metadata.num_warps * SM90.warp_size > _MAX_THREADS:
-        raise RuntimeError(f"{kernel.name} needs {kernel.metadata.shared} bytes of shared "
-                           f"memory and {kernel.metadata.num_warps} warps: more than an H100 "
-                           "gives a program")
+    refusal = h100_refusal(kernel)
+    if refusal:
+        raise RuntimeError(refusal)
 
     def launcher(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
                  enter_hook, exit_hook, *args) -> None:
         if _recording is None:
             raise RuntimeError(f"{kernel.name} launched outside recorded_launches()")
+        grid = (grid_x, grid_y, grid_z)
+        if any(not 0 <= g <= limit for g, limit in zip(grid, _MAX_GRID)):
+            raise RuntimeError(f"{kernel.name} launched on grid {grid}: CUDA allows at most "
+                               f"{_MAX_GRID}")
         launches, keep = _recording
-        launches.append(Launch(kernel.name, kernel, (grid_x, grid_y, grid_z), stream, args)
-                        if keep else None)
+        launches.append(Launch(kernel.name, kernel, grid, stream, args) if keep else None)
 
     kernel.module, kernel.function, kernel._run = "stand-in", id(kernel), launcher
 

@@ -8,7 +8,8 @@ kernels in, specialises nothing, so a kernel can pass every interpreted test and
 fail to compile for a one-feature model. This script runs the real host wrappers of
 :mod:`robe_torchrec.ops.triton_kernels` on CPU tensors with ``JITFunction.run`` replaced by
 "bind the arguments as the launcher does, then compile for sm_90 and do not launch": the
-same specialisation code, the same compile pipeline, only the launch left out.
+same specialisation code, the same compile pipeline, only the launch left out. A variant that
+needs more shared memory or threads than an H100 gives a program fails too.
 
 ``tests/ops/test_triton_kernel.py`` runs it in a fresh process (a process that imported
 ``triton.language`` interpreted cannot compile). It prints one ``compiled`` line per
@@ -24,7 +25,6 @@ from typing import Dict, List
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime import jit
 
@@ -33,8 +33,9 @@ from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.tuning import tuned
 from robe_torchrec.testing.op_cases import random_case
+from robe_torchrec.testing.recorded_launches import SM90, h100_refusal
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGET = SM90
 _BACKEND = make_backend(TARGET)
 _compiled: Dict[str, object] = {}
 
@@ -50,6 +51,9 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
                                                                 specialization, options)
         _compiled[key] = triton.compile(ASTSource(self, signature, constexprs, attrs),
                                         target=TARGET, options=options.__dict__)
+        refusal = h100_refusal(_compiled[key])
+        if refusal:
+            raise RuntimeError(refusal)
         constants = {self.arg_names[path[0]]: value for path, value in constexprs.items()
                      if self.arg_names[path[0]].islower()}
         print("compiled", self.fn.__name__, constants, flush=True)
