@@ -38,12 +38,11 @@ try:
     from triton.compiler import make_backend
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction, create_function_from_signature
-except ImportError:  # pragma: no cover - the kernels' own import reports it
-    triton = None
 
-#: Triton versions whose launcher convention this module follows (checked in their source)
-SUPPORTED = (3, 6) <= tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 10) \
-    if triton is not None else False
+    #: Triton versions whose launcher convention this module follows (read in their source)
+    SUPPORTED = (3, 6) <= tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 10)
+except (ImportError, ValueError):  # no Triton (its kernels' import says so), or another one
+    SUPPORTED = False
 
 #: variants kept per kernel before starting over (a module sees a few layouts)
 _MAX_VARIANTS = 256
@@ -72,6 +71,9 @@ class CachedLaunch:
         return lambda *args, **constants: self.launch(grid, args, constants)
 
     def launch(self, grid: Sequence[int], args: tuple, constants: dict) -> None:
+        if not SUPPORTED:
+            self.fn[grid](*args, **constants)
+            return
         active = driver.active
         device = active.get_current_device()
         binder = self._binders.get(device)
@@ -96,7 +98,7 @@ class CachedLaunch:
         """Launch through ``JITFunction.run`` (compiling the variant if new) and remember the
         variant it ran under its specialisation."""
         kernel = self.fn[grid](*args, **constants)
-        if kernel is None or not SUPPORTED or _hooks_block_caching(self.fn):
+        if kernel is None or _hooks_block_caching(self.fn):
             return
         binder = self._binders.get(device)
         if binder is None:

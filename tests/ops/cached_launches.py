@@ -11,7 +11,9 @@ and the last must record the same launches: the same compiled variant object, gr
 stream, and arguments (tensors by dtype, shape, strides and 16-byte alignment, which Triton
 specialises on; the rest by value). One scenario passes ids at an address that is not
 16-byte aligned, after an aligned run of the same shape: a different variant, which a
-cache keyed on anything less than Triton's specialisation would miss.
+cache keyed on anything less than Triton's specialisation would miss. Then: a pre-run hook
+on a kernel still runs at each of its launches, and at the paper's scale (batch 10240, 26
+tables) the launches agree too and every grid fits CUDA's limits.
 
 ``tests/ops/test_triton_kernel.py`` runs it in a fresh process; it exits non-zero on the
 first difference, naming the scenario and the launch.
@@ -120,6 +122,31 @@ def check(label: str, case: OpCase, ops: Callable[[OpCase], None] = run_ops) -> 
     return cached
 
 
+def check_pre_run_hooks(case: OpCase) -> None:
+    """A pre-run hook on a kernel (a profiler's, say) is honoured: its launches then go
+    through ``JITFunction.run``, which runs the hook."""
+    seen = []
+
+    def hook(*args, **kwargs):
+        seen.append(1)
+
+    kernels = (tk._forward_kernel, tk._forward_short_bags_kernel)
+    for kernel in kernels:
+        kernel.add_pre_run_hook(hook)
+    try:
+        with recorded_launches() as launches, tk.launch_on_cpu_tensors():
+            tk.forward(*case.forward_args())
+    finally:
+        for kernel in kernels:
+            kernel.pre_run_hooks.remove(hook)
+    hooked = [launch for launch in launches
+              if launch.name in ("_forward_kernel", "_forward_short_bags_kernel")]
+    if not hooked or len(seen) != len(hooked):
+        raise AssertionError(f"a forward with a pre-run hook: {len(seen)} hook calls, "
+                             f"{len(hooked)} launches of the hooked kernels")
+    print("scenario pre-run hook honoured", flush=True)
+
+
 def main() -> int:
     assert not tk.interpreted(), "unset TRITON_INTERPRET: this compiles the kernels"
     jit.JITFunction.run = _counting(jit.JITFunction.run)
@@ -134,6 +161,7 @@ def main() -> int:
     if all(a.variant is b.variant for a, b in zip(aligned, misaligned)):
         raise AssertionError("misaligned ids launched the aligned variants: the scenario "
                              "tests nothing")
+    check_pre_run_hooks(case)
     for ids_per_bag in (1, 20):
         check(f"paper scale, {ids_per_bag} id(s) a bag", paper_case(ids_per_bag), paper_ops)
     return 0
