@@ -3,7 +3,8 @@ the 26 Criteo Kaggle tables, ids uniform, SUM, float32), one id a bag and severa
 op (its checks included, deferred as on CUDA; training = forward + ``robe::backward_fused_``)
 against the full-table lookup TorchRec users have (the 26 tables as one table in one
 ``F.embedding_bag``, its training row an in-place SGD row update) and the floors: writing the
-output, and reading and pooling every block from starts hashed beforehand. With several ids
+output, and reading and pooling every block from starts hashed beforehand (by our kernel,
+and by ``F.embedding_bag`` over the array as a table of blocks). With several ids
 a bag, launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared. Rows are
 timed round-robin (:class:`benchmarks.common.DeviceTimer`), medians, host time beside them.
 """
@@ -173,7 +174,23 @@ def floor_rows(lk: Lookup, z: int, output: bool) -> List[Row]:
         rows.append(Row(f"floor: L2 block reads + pooling, Z={z}",
                         lambda: triton_kernels.forward_from_starts(
                             weights, values, offsets, meta, output_dim, lk.s.dim, z, starts)))
+        rows.append(block_bag_row(lk, z, weights, starts))
     return rows
+
+
+def block_bag_row(lk: Lookup, z: int, weights: torch.Tensor, starts: torch.Tensor) -> Row:
+    """PyTorch's own gather-and-pool on the same reads: ``F.embedding_bag`` over the array
+    seen as a ``[M / Z, Z]`` table, one bag per (bag, block of the row) holding the blocks
+    its ids hash to, moved down to a multiple of Z (an unaligned block can touch one more
+    32-byte sector). The output stays in (block, bag) order: a floor, not a drop-in."""
+    num_bags, per_bag = lk.offsets.numel() - 1, lk.s.ids_per_bag
+    num_blocks = starts.shape[1]
+    table_ = weights[:weights.numel() // z * z].view(-1, z)
+    rows_of = (starts.long() // z).clamp(max=table_.shape[0] - 1)
+    indices = rows_of.view(num_bags, per_bag, num_blocks).transpose(1, 2).reshape(-1)
+    bag_offsets = torch.arange(num_bags * num_blocks, device=lk.device) * per_bag
+    return Row(f"floor: F.embedding_bag of the same blocks, [M/Z, Z] table, Z={z}",
+               lambda: F.embedding_bag(indices, table_, bag_offsets, mode="sum"))
 
 
 def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, warmup: int) -> None:

@@ -64,7 +64,8 @@ def test_ops_and_gpu_check_without_torchrec(tmp_path):
     rows = {r["name"] for scenario in check["speed"] for r in scenario["rows"]}
     for row in ("full table, one lookup (+ in-place SGD rows)", "ROBE-Z Z=4 (+ fused SGD)",
                 "pure-PyTorch ROBE-Z Z=4", "ROBE-Z Z=16 (+ fused Adagrad)",
-                "floor: L2 block reads + pooling, Z=16", "floor: output write"):
+                "floor: L2 block reads + pooling, Z=16", "floor: output write",
+                "floor: F.embedding_bag of the same blocks, [M/Z, Z] table, Z=16"):
         assert row in rows, row
     assert [s["scenario"] for s in check["speed"]] == ["1 id(s) a bag", "20 id(s) a bag",
                                                        "one table"]
