@@ -158,12 +158,13 @@ def launching(on_cpu: bool, cached: bool):
         yield
 
 
-def with_launched(rows: Dict[str, Callable[[], object]], cuda: bool):
-    """``rows`` (run with launches stubbed) and the :data:`LAUNCHED` ones again with their
-    launches made, cached and through ``JITFunction.run``; with the context of each row."""
+def with_launched(rows: Dict[str, Callable[[], object]], cuda: bool, launched: bool):
+    """``rows``, run with launches stubbed, and (``launched``) the :data:`LAUNCHED` ones
+    again with their launches made, cached and through ``JITFunction.run``; with the context
+    of each row."""
     contexts = {name: triton_kernels.stubbed_launches for name in rows}
     rows = dict(rows)
-    for name in LAUNCHED:
+    for name in LAUNCHED if launched else ():
         for cached, suffix in ((True, "launched"), (False, "launched via JITFunction.run")):
             rows[f"{name}, {suffix}"] = rows[name]
             contexts[f"{name}, {suffix}"] = functools.partial(launching, not cuda, cached)
@@ -184,11 +185,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows, contexts = calls(device, args.batch), None
+        recorded = not args.cuda and can_compile()
+        rows, contexts = with_launched(calls(device, args.batch), args.cuda,
+                                       launched=args.cuda or recorded)
         recording = contextlib.nullcontext()
-        if args.cuda or can_compile():
-            rows, contexts = with_launched(rows, args.cuda)
-        if not args.cuda and contexts:  # the first launch of a variant compiles it
+        if recorded:  # the first launch of a variant compiles it
             from robe_torchrec.testing.recorded_launches import recorded_launches
             recording = recorded_launches(keep=False)
         with recording:
