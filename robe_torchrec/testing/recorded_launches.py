@@ -35,8 +35,11 @@ from triton.runtime import driver
 
 #: the stand-in device's target: an H100
 SM90 = GPUTarget("cuda", 90, 32)
-#: what an H100 gives a program: shared memory (bytes) and threads; and a grid's limits
-_MAX_SHARED, _MAX_THREADS = 232448, 1024
+#: the shared memory (bytes) a program may use, by compute capability (CUDA's tables:
+#: A100, A10/L4-class, H100); every one of them gives a program 1024 threads
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+_MAX_THREADS = 1024
+#: a grid's limits
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
@@ -73,13 +76,17 @@ class _StandInDriver:
 _recording: Optional[Tuple[List[Optional[Launch]], bool]] = None
 
 
-def h100_refusal(kernel) -> Optional[str]:
-    """Why an H100 would refuse to load compiled ``kernel`` (a ``CompiledKernel``): more
-    shared memory or threads than it gives a program; None if it would not."""
+def load_refusal(kernel) -> Optional[str]:
+    """Why a GPU of the compute capability ``kernel`` (a ``CompiledKernel``) was compiled for
+    would refuse to load it: more shared memory or threads than it gives a program; None if
+    it would not."""
+    target = kernel.metadata.target
     shared, warps = kernel.metadata.shared, kernel.metadata.num_warps
-    if shared > _MAX_SHARED or warps * SM90.warp_size > _MAX_THREADS:
+    limit = MAX_SHARED[target.arch]
+    if shared > limit or warps * target.warp_size > _MAX_THREADS:
         return (f"{kernel.name} needs {shared} bytes of shared memory and {warps} warps: an "
-                f"H100 gives a program {_MAX_SHARED} bytes and {_MAX_THREADS} threads")
+                f"sm_{target.arch} GPU gives a program {limit} bytes and {_MAX_THREADS} "
+                "threads")
     return None
 
 
@@ -88,7 +95,7 @@ def _init_handles(kernel) -> None:
     an H100 would, and give the kernel a launcher that records."""
     if kernel.module is not None:
         return
-    refusal = h100_refusal(kernel)
+    refusal = load_refusal(kernel)
     if refusal:
         raise RuntimeError(refusal)
 

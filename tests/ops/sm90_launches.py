@@ -11,6 +11,10 @@ fail to compile for a one-feature model. This script runs the real host wrappers
 same specialisation code, the same compile pipeline, only the launch left out. A variant that
 needs more shared memory or threads than an H100 gives a program fails too.
 
+``--arch 80`` (or 86, 89) compiles for another compute capability instead, with its own
+shared-memory limit. Every variant compiles for an A100 as well, with at most 4 KB of
+shared memory and 4 warps a program (59-72 s on the 2-core VM; run by hand, not in CI).
+
 ``tests/ops/test_triton_kernel.py`` runs it in a fresh process (a process that imported
 ``triton.language`` interpreted cannot compile). It prints one ``compiled`` line per
 distinct variant and ``scenario`` per shape, and exits non-zero on the first failure,
@@ -19,12 +23,14 @@ naming the shape.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime import jit
 
@@ -33,25 +39,26 @@ from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.tuning import tuned
 from robe_torchrec.testing.op_cases import random_case
-from robe_torchrec.testing.recorded_launches import SM90, h100_refusal
+from robe_torchrec.testing.recorded_launches import MAX_SHARED, SM90, load_refusal
 
-TARGET = SM90
-_BACKEND = make_backend(TARGET)
+#: what the kernels are compiled for (``main`` sets it from ``--arch``)
+_target = SM90
 _compiled: Dict[str, object] = {}
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run`` without the device: bind and specialise the arguments with the
     launcher's own binder, compile the variant once, never launch."""
-    binder = jit.create_function_from_signature(self.signature, self.params, _BACKEND)
+    backend = make_backend(_target)
+    binder = jit.create_function_from_signature(self.signature, self.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     key = f"{self.fn.__name__}:{specialization}:{options}"
     if key not in _compiled:
-        options, signature, constexprs, attrs = self._pack_args(_BACKEND, kwargs, bound_args,
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
                                                                 specialization, options)
         _compiled[key] = triton.compile(ASTSource(self, signature, constexprs, attrs),
-                                        target=TARGET, options=options.__dict__)
-        refusal = h100_refusal(_compiled[key])
+                                        target=_target, options=options.__dict__)
+        refusal = load_refusal(_compiled[key])
         if refusal:
             raise RuntimeError(refusal)
         constants = {self.arg_names[path[0]]: value for path, value in constexprs.items()
@@ -112,7 +119,12 @@ def run_ops(case) -> None:
                     case.hash_params)
 
 
-def main() -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    global _target
+    p = argparse.ArgumentParser(description="Compile every launched kernel variant.")
+    p.add_argument("--arch", type=int, default=90, choices=sorted(MAX_SHARED),
+                   help="compute capability to compile for (default 90, an H100)")
+    _target = GPUTarget("cuda", p.parse_args(argv).arch, 32)
     assert not tk._is_interpreted(tk), "unset TRITON_INTERPRET: this compiles the kernels"
     jit.JITFunction.run = _compile_only
     tk._kernels_for = lambda device: tk  # CPU tensors stand in for CUDA ones: nothing runs
