@@ -82,8 +82,11 @@ class CachedLaunch:
             self._launch_and_remember(device, grid, args, constants)
             return
         bound, specialization, options = binder(*args, **constants)
-        key = (device, tuple(specialization), tuple(options.items()))
-        kernel = self._variants.get(key)
+        try:
+            kernel = self._variants.get((device, tuple(specialization),
+                                         tuple(options.items())))
+        except TypeError:  # a constant Triton can use but not hash: never cached
+            kernel = None
         if kernel is None:
             self._launch_and_remember(device, grid, args, constants)
             return

@@ -1,20 +1,101 @@
-"""The cached launch's fallback, which needs no compiled kernel: where Triton's launcher
-convention is not one it follows, every launch goes through the kernel's own ``[grid]``.
-(The cached path itself is checked against ``JITFunction.run`` by
-``tests/ops/cached_launches.py``, kernels compiled for sm_90 by a stand-in driver.)"""
+"""The cached launch's bookkeeping, with stand-ins for Triton's driver, binder and compiled
+kernels: which launches go through the kernel's own ``[grid]`` (``JITFunction.run``) and
+which through a remembered variant's launcher. That the remembered variant and arguments are
+the ones ``JITFunction.run`` would use is checked with real kernels, compiled for sm_90, by
+``tests/ops/cached_launches.py``."""
+
+import types
+
+import pytest
+from triton import knobs
 
 from robe_torchrec.ops import triton_launch
+from robe_torchrec.ops.tuning import tuned
+
+
+class _Compiled:
+    """Stands in for a compiled variant: records its launcher's calls."""
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.runs.append(args)
 
 
 class _Kernel:
-    """Stands in for a ``JITFunction``: records its launches."""
+    """Stands in for a ``JITFunction``: records its launches, returns its variant."""
+    signature = params = None
 
     def __init__(self):
         self.launches = []
         self.pre_run_hooks = []
+        self.compiled = _Compiled()
 
     def __getitem__(self, grid):
-        return lambda *args, **constants: self.launches.append((grid, args, constants))
+        def launch(*args, **constants):
+            self.launches.append((grid, args, constants))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Triton's driver (device 0, stream 7) and a binder whose specialisation is
+    ``spec[0]`` (a test may swap it)."""
+    spec = [[("i32", "D")]]
+
+    def binder(*args, **constants):
+        return dict(enumerate(args), **constants), spec[0], {}
+
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 7,
+        get_current_target=lambda: None))
+    monkeypatch.setattr(triton_launch, "SUPPORTED", True)
+    monkeypatch.setattr(triton_launch, "driver", driver)
+    monkeypatch.setattr(triton_launch, "make_backend", lambda target: None)
+    monkeypatch.setattr(triton_launch, "create_function_from_signature",
+                        lambda signature, params, backend: binder)
+    return spec
+
+
+def test_a_compiled_variant_is_launched_without_the_kernel(stand_ins):
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(3):
+        launch[(5,)](1, 2, BLOCK=4)
+    assert len(kernel.launches) == 1 and launch.variants == 1  # compiled, remembered
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    assert kernel.compiled.runs == [(5, 1, 1, 7, "function", "metadata", None, *hooks,
+                                     1, 2, 4)] * 2
+    stand_ins[0] = [("i32", None)]  # another specialisation: another variant
+    launch[(5,)](3, 2, BLOCK=4)
+    assert len(kernel.launches) == 2 and launch.variants == 2
+    with tuned(cached_launch=False):
+        launch[(5,)](3, 2, BLOCK=4)
+    assert len(kernel.launches) == 3 and len(kernel.compiled.runs) == 2
+
+
+def test_a_specialisation_that_cannot_be_hashed_is_never_cached(stand_ins):
+    stand_ins[0] = [("constexpr", [1, 2])]
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(2):
+        launch[(5,)](1)
+    assert len(kernel.launches) == 2 and launch.variants == 0 and not kernel.compiled.runs
+
+
+def test_a_pre_run_hook_sends_every_launch_through_the_kernel(stand_ins):
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    launch[(5,)](1)
+    kernel.pre_run_hooks.append(print)
+    launch[(5,)](1)
+    assert len(kernel.launches) == 2 and not kernel.compiled.runs
 
 
 def test_an_unsupported_triton_launches_every_time_through_the_kernel(monkeypatch):
