@@ -92,7 +92,7 @@ def load_refusal(kernel) -> Optional[str]:
 
 def _init_handles(kernel) -> None:
     """``CompiledKernel._init_handles`` for the stand-in: refuse what loading the binary on
-    an H100 would, and give the kernel a launcher that records."""
+    its GPU would (:func:`load_refusal`), and give the kernel a launcher that records."""
     if kernel.module is not None:
         return
     refusal = load_refusal(kernel)
@@ -116,7 +116,8 @@ def _init_handles(kernel) -> None:
 @contextlib.contextmanager
 def recorded_launches(keep: bool = True) -> Iterator[List[Launch]]:
     """Inside the block Triton compiles for sm_90 and every launch is appended to the list
-    yielded (``keep=False``: counted in its length only, as ``None``, for timing)."""
+    yielded (``keep=False``: counted in its length only, as ``None``, for timing). A block
+    inside another records into its own list and leaves the outer one's stand-in active."""
     global _recording
     previous_recording, launches = _recording, []
     previous_init = compiler.CompiledKernel._init_handles
@@ -127,5 +128,6 @@ def recorded_launches(keep: bool = True) -> Iterator[List[Launch]]:
         yield launches
     finally:
         _recording = previous_recording
-        compiler.CompiledKernel._init_handles = previous_init
-        driver.set_active(None)  # Triton's default again, made when next needed
+        if previous_recording is None:  # the outermost block: Triton as it was
+            compiler.CompiledKernel._init_handles = previous_init
+            driver.set_active(None)  # Triton's default again, made when next needed

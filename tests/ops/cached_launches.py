@@ -147,6 +147,19 @@ def check_pre_run_hooks(case: OpCase) -> None:
     print("scenario pre-run hook honoured", flush=True)
 
 
+def check_nested_recordings(case: OpCase) -> None:
+    """A recording inside another gets its block's launches; the outer one, after it, still
+    records (its stand-in driver still active)."""
+    with recorded_launches() as outer, tk.launch_on_cpu_tensors():
+        with recorded_launches() as inner:
+            tk.forward(*case.forward_args())
+        tk.forward(*case.forward_args())
+    if not inner or len(outer) != len(inner):
+        raise AssertionError(f"nested recordings: {len(inner)} launches inside, {len(outer)} "
+                             "after it in the outer block (want the same, not 0)")
+    print("scenario nested recordings", flush=True)
+
+
 def main() -> int:
     assert not tk.interpreted(), "unset TRITON_INTERPRET: this compiles the kernels"
     jit.JITFunction.run = _counting(jit.JITFunction.run)
@@ -162,6 +175,7 @@ def main() -> int:
         raise AssertionError("misaligned ids launched the aligned variants: the scenario "
                              "tests nothing")
     check_pre_run_hooks(case)
+    check_nested_recordings(case)
     for ids_per_bag in (1, 20):
         check(f"paper scale, {ids_per_bag} id(s) a bag", paper_case(ids_per_bag), paper_ops)
     return 0
