@@ -12,8 +12,8 @@ same specialisation code, the same compile pipeline, only the launch left out. A
 needs more shared memory or threads than an H100 gives a program fails too.
 
 ``--arch 80`` (or 86, 89) compiles for another compute capability instead, with its own
-shared-memory limit. Every variant compiles for an A100 as well, with at most 4 KB of
-shared memory and 4 warps a program (59-72 s on the 2-core VM; run by hand, not in CI).
+shared-memory limit. Every variant compiles for an A100 as well (run by hand, not in CI:
+benchmarks/results/probes/sm80_compile.md).
 
 ``tests/ops/test_triton_kernel.py`` runs it in a fresh process (a process that imported
 ``triton.language`` interpreted cannot compile). It prints one ``compiled`` line per
@@ -143,7 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"FAILED on {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
             raise
         print("scenario", label, flush=True)
-    print(f"{len(_compiled)} variants compiled", flush=True)
+    kernels = list(_compiled.values())
+    print(f"{len(kernels)} variants compiled for sm_{_target.arch}; at most "
+          f"{max(k.metadata.shared for k in kernels)} bytes of shared memory and "
+          f"{max(k.metadata.num_warps for k in kernels)} warps a program", flush=True)
     return 0
 
 
