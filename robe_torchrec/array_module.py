@@ -26,7 +26,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec.config import RobeConfig
-from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.layout import RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
@@ -63,6 +63,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                              persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
+        self._anchor = autograd_anchor(self.weight.device)  # what fused_lookup needs
         # lets torchrec.optim.RowWiseAdagrad tell the array from a table (rowwise_install)
         self.register_array()
         self.reset_parameters()
@@ -109,7 +110,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         try:
             if fused is None:
                 return args.forward(self.weight)
-            return fused_lookup(self.weight, fused, args)
+            return fused_lookup(self.weight, fused, args, self._anchor)
         except (ValueError, RuntimeError) as err:
             raise self._explain(err, features) from None
 
@@ -133,14 +134,14 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         return classes[0], dict(self.weight._optimizer_kwargs[0])  # type: ignore[attr-defined]
 
     def _current_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
-        # torchrec.fx traces an inference graph: the weight is a Proxy there
-        if isinstance(self.weight, torch.fx.Proxy):
+        # first, before a compiled graph reads the weight: the sync may turn its
+        # requires_grad off, and the graph must take the array as it is then
+        if not self._sync_fused_optimizer():
             return None
         # a compiled graph guards on what in_backward_optimizer() reads (the attributes
         # apply_optimizer_in_backward sets on the weight): applying one later recompiles
         if self.in_backward_optimizer() is None:
             return None
-        self._sync_fused_optimizer()
         return self._fused
 
     # torch.compile cannot trace the construction of an optimizer; marked constant, this
@@ -148,13 +149,19 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
     # plain call in eager mode
     @torch.compiler.assume_constant_result
     def _sync_fused_optimizer(self) -> bool:
-        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``."""
+        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``, and
+        take the array out of autograd, as FBGEMM's fused tables are: the fused backward
+        updates it, no gradient ever reaches it (see :mod:`robe_torchrec.fused_lookup`).
+        ``False`` while torchrec.fx traces an inference graph (the weight is a Proxy)."""
+        if isinstance(self.weight, torch.fx.Proxy):
+            return False
         applied = self.in_backward_optimizer()
         if applied is not None:
             optimizer_class, kwargs = applied
             if self._fused is None or self._fused.optimizer_class is not optimizer_class:
                 self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
                                                  block_size=self._layout.block_size)
+            self.weight.requires_grad_(False)
         return True
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
@@ -193,9 +200,13 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                           fused: Optional[RobeFusedOptimizer]) -> None:
         """After :attr:`weight` may have been replaced: record ``applied`` on it again if it
         lost them, and rebuild the fused optimizer ``fused`` on it if it was the old array's."""
+        if self._anchor.device != self.weight.device:
+            self._anchor = autograd_anchor(self.weight.device)
         if applied and not getattr(self.weight, "_optimizer_classes", None):
             # it reaches the array's gradient accumulator through autograd, which a caller's
-            # no_grad (torchrec's init_parameters) would turn off
+            # no_grad (torchrec's init_parameters) or a fused array's requires_grad=False
+            # would turn off; the next sync takes the array out of autograd again
+            self.weight.requires_grad_(True)
             with torch.enable_grad():
                 for optimizer_class, kwargs in applied:
                     # what torchrec.optim.apply_optimizer_in_backward runs (deprecated for it)

@@ -10,10 +10,20 @@ data-parallel array, the dense gradient averaged over the process group and then
 The unsharded path compiles (``torch.compile(fullgraph=True)``): the backward reads no
 tensor on the host, the step counter stays a tensor until the op reads it.
 
+The array an optimizer updates here does not require grad, as FBGEMM's fused tables do not:
+no gradient ever reaches it through autograd, and an array that required grad, written in the
+backward, is what torch 2.11's AOTAutograd refuses to compile ("a leaf Variable that requires
+grad is being used in an in-place operation", pytorch/pytorch#178622). Autograd still calls
+this backward: the forward takes an *anchor*, an empty leaf that requires grad (or the
+per-sample weights, when they need a gradient). Make one per device with
+:func:`autograd_anchor`; on a CUDA array it must be on the array's device, since a CPU
+input keeps Inductor from capturing the graph in a CUDA graph.
+
 Example::
 
     >>> args = LookupArgs(values, offsets, None, module.layout.op_args(module.table_meta))
-    >>> pooled = fused_lookup(module.weight, module.fused_optimizer, args)
+    >>> anchor = autograd_anchor(module.weight.device)
+    >>> pooled = fused_lookup(module.weight, module.fused_optimizer, args, anchor)
     >>> pooled.sum().backward()    # module.weight was updated, it has no .grad
 """
 
@@ -29,26 +39,36 @@ from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.optim import RobeFusedOptimizer
 
 
-_ANCHOR = torch.empty(0, requires_grad=True)  # see fused_lookup
+def autograd_anchor(device: torch.device | str) -> torch.Tensor:
+    """An empty leaf on ``device`` that requires grad and never gets a gradient: the input
+    that makes autograd run :func:`fused_lookup`'s backward. Make it outside a compiled
+    region (a compiled graph cannot create a leaf that requires grad) and keep it."""
+    return torch.empty(0, device=device, requires_grad=True)
+
+
+_CPU_ANCHOR = autograd_anchor("cpu")
 
 
 def fused_lookup(
     weights: torch.Tensor,
     optimizer: RobeFusedOptimizer,
     args: LookupArgs,
+    anchor: Optional[torch.Tensor] = None,
     all_reduce_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Pooled lookup of ``args`` in ``weights``; backward updates ``weights`` with ``optimizer``.
 
+    ``anchor``: an :func:`autograd_anchor` on the array's device (a CPU one when ``None``).
     With ``all_reduce_group``, the array's gradient is averaged over that group before the
     update (data-parallel arrays: every rank holds the array and sees its own batch).
     """
     per_sample_weights = args.per_sample_weights
     psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
-    # autograd calls backward only if an input requires grad: the per-sample weights when
-    # they need a gradient, otherwise an empty leaf that never gets one (made once: a
-    # compiled graph cannot create a leaf that requires grad)
-    anchor = per_sample_weights if psw_needs_grad else _ANCHOR
+    # autograd calls backward only if an input requires grad
+    if psw_needs_grad:
+        anchor = per_sample_weights
+    elif anchor is None:
+        anchor = _CPU_ANCHOR
     return _FusedLookup.apply(anchor, weights.detach(), optimizer, args, psw_needs_grad,
                               all_reduce_group)
 

@@ -1,13 +1,18 @@
 """RobeEmbeddingBagCollection as a first-class TorchRec module (unsharded): meta-device
 construction and ``reset_parameters`` (of the module, and of a whole DLRM: its interaction's
 buffer restored, also after DMP), ``torch.compile`` (inference, dense and fused
-training), and extra input features ignored as ``EmbeddingBagCollection`` ignores them.
+training, also under torch 2.11's AOTAutograd, emulated), and extra input features ignored as ``EmbeddingBagCollection`` ignores them.
 
 Export, save/load and fx tracing are in ``tests/test_export.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+import inspect
+import sys
+import types
 
 import pytest
 import torch
@@ -18,6 +23,9 @@ from torchrec.models.dlrm import DLRM
 from torchrec.optim import apply_optimizer_in_backward
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
+from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.interaction import restore_interaction_buffers, use_fast_interaction
 from tests.train.helpers import one_rank_group
 
@@ -238,6 +246,103 @@ def test_compiled_fused_learning_rate_change_takes_effect():
     torch.testing.assert_close(compiled.sparse_arch.embedding_bag_collection.weight,
                                eager.sparse_arch.embedding_bag_collection.weight,
                                rtol=0, atol=1e-6)
+
+
+# --- torch 2.11's AOTAutograd: a write in backward to an input that requires grad ------------
+
+@pytest.fixture
+def aot_autograd_of_torch_211(monkeypatch):
+    """AOTAutograd as torch 2.11 has it: a forward input written in the backward (the fused
+    optimizer's array) is copied back with grad mode on, so an input that requires grad
+    fails to compile ("a leaf Variable that requires grad is being used in an in-place
+    operation"; the fix, pytorch/pytorch#178622, wraps that copy in no_grad). The GPU
+    machine's torch 2.11 fails a compiled DLRM with exactly this message. Emulated here by
+    taking no_grad away from that one function."""
+    wrappers = importlib.import_module("torch._functorch._aot_autograd.graph_capture_wrappers")
+    helper = "_functionalized_f_helper"
+    source = inspect.getsource(wrappers)
+    # if torch restructures this, the emulation must be rewritten, not silently pass
+    assert f"def {helper}(" in source and "before.copy_(after)" in source
+
+    class Torch211(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def no_grad(self):
+            if sys._getframe(1).f_code.co_name == helper:
+                return contextlib.nullcontext()
+            return torch.no_grad()
+
+    monkeypatch.setattr(wrappers, "torch", Torch211("torch"))
+
+
+def _train_compiled_fused_lookup(requires_grad):
+    """One step of a compiled lookup whose backward writes the array (fused SGD); returns
+    whether the array changed."""
+    module = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    weight = torch.nn.Parameter(module.weight.detach().clone(), requires_grad=requires_grad)
+    kjt = make_kjt()
+    args = LookupArgs(kjt.values(), kjt.offsets(), None, module.layout.op_args(module.table_meta))
+    optimizer = RobeFusedOptimizer("weight", weight, torch.optim.SGD, {"lr": 0.1},
+                                   block_size=module.layout.block_size)
+    anchor = autograd_anchor("cpu")
+    run = torch.compile(lambda: fused_lookup(weight, optimizer, args, anchor).sum(),
+                        fullgraph=True, backend="aot_eager")
+    run().backward()
+    return not torch.equal(weight, module.weight)
+
+
+def test_torch_211_emulation_fails_an_array_that_requires_grad(aot_autograd_of_torch_211):
+    """The control: the emulation reproduces the failure; the same graph on an array that
+    does not require grad compiles and trains."""
+    with pytest.raises(Exception, match="leaf Variable that requires grad"):
+        _train_compiled_fused_lookup(requires_grad=True)
+    torch.compiler.reset()
+    assert _train_compiled_fused_lookup(requires_grad=False)
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01, "capturable": True}),  # the step written in backward too
+])
+def test_compiled_fused_training_with_torch_211_aot_autograd(aot_autograd_of_torch_211, cls,
+                                                             kwargs):
+    """A model compiled before any eager step trains as eager does: the array leaves
+    autograd when the optimizer is found, before the graph takes it as an input."""
+    torch.manual_seed(0)
+    eager = make_dlrm()
+    compiled = copy.deepcopy(eager)
+    _train(eager, 3, fused=(cls, kwargs))
+    _train(compiled, 3, compiled=True, fused=(cls, kwargs))
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fused_array_leaves_autograd():
+    """As FBGEMM's fused tables: once an optimizer is applied in backward, the array does
+    not require grad from its first forward on (the fused backward updates it; no gradient
+    reaches it), and a dense optimizer given every parameter leaves it alone. A move that
+    replaces the array keeps the optimizer applied to it."""
+    model = make_dlrm()
+    ebc = model.sparse_arch.embedding_bag_collection
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        before = ebc.weight.detach().clone()
+        model(dense_input(step), make_kjt(step)).sum().backward()
+        assert not ebc.weight.requires_grad and ebc.weight.grad is None
+        assert not torch.equal(ebc.weight, before)  # updated by the fused SGD
+        dense.step()
+    old = ebc.weight
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        ebc.double()  # a new array object, which does not require grad either
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert ebc.weight is not old and ebc.in_backward_optimizer() is not None
+    before = ebc.weight.detach().clone()
+    ebc(make_kjt()).values().sum().backward()
+    assert not ebc.weight.requires_grad and not torch.equal(ebc.weight, before)
 
 
 # --- input features ------------------------------------------------------------------------

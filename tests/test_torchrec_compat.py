@@ -90,16 +90,19 @@ def _data_parallel_lookups(rank: int, world: int) -> dict:
         "ddp": [name for name, m in dmp.named_modules()
                 if isinstance(m, nn.parallel.DistributedDataParallel)],
         "weight": sharded.robe_lookups[0].weight.detach().clone().numpy(),
+        "requires_grad": [lk.weight.requires_grad for lk in sharded.robe_lookups],
     }
 
 
 @pytest.mark.slow
 def test_data_parallel_lookups_are_not_under_ddp():
-    """On torchrec 1.6 TorchRec's constructor wraps them; the sharded module unwraps them."""
+    """On torchrec 1.6 TorchRec's constructor wraps them; the sharded module unwraps them,
+    then takes their arrays out of autograd (DDP would have refused them so)."""
     ranks = run_ranks(_data_parallel_lookups, 2)
     for found in ranks:
         assert found["robe"], found["lookups"]
         assert found["ddp"] == []
+        assert found["requires_grad"] == [False] * len(found["lookups"])  # fused arrays
     assert (ranks[0]["weight"] == ranks[1]["weight"]).all()
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from robe_torchrec.fused_lookup import fused_lookup
+from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
@@ -102,6 +102,7 @@ class RobeShardedLookup(ArrayOwner):
         self._pg = process_group
         self._is_weighted = is_weighted
         self._output_dim = sum(f.dim for f in features)
+        # requires grad only until the sharded module has built its lookups (see there)
         self.weight = nn.Parameter(torch.zeros(local_size, device=device,
                                                 dtype=layout.weight_dtype))
         self.register_buffer("table_meta", layout.table_meta(features, device), persistent=False)
@@ -109,8 +110,14 @@ class RobeShardedLookup(ArrayOwner):
                                              layout.block_size)
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
         self.weight._in_backward_optimizers = [self.optimizer]  # type: ignore[attr-defined]
-        self._dummy = torch.empty(0, requires_grad=True)
+        self._anchor = autograd_anchor(self.weight.device)
         self.register_array()  # torchrec.optim.RowWiseAdagrad leaves it to the lookup
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "RobeShardedLookup":
+        module = super()._apply(fn, recurse)
+        if self._anchor.device != self.weight.device:  # the anchor follows the array
+            self._anchor = autograd_anchor(self.weight.device)
+        return module
 
     # no state of its own in state_dict: the sharded module presents the arrays as ``weight``
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -133,7 +140,7 @@ class RobeShardedLookup(ArrayOwner):
         if not self.features:
             # an empty rank still joins the output dist's collectives in backward
             flat = vbe_strides is not None
-            return _EmptyLookup.apply(self._dummy, 0 if flat else features.stride(), self, flat)
+            return _EmptyLookup.apply(self._anchor, 0 if flat else features.stride(), self, flat)
         if vbe_strides is not None:
             if self._row_wise:
                 self._check_row_wise_vbe(vbe_strides)
@@ -150,7 +157,7 @@ class RobeShardedLookup(ArrayOwner):
         else:
             args = LookupArgs(values, offsets, psw, layout_args)
         try:
-            out = fused_lookup(self.weight, self.optimizer, args,
+            out = fused_lookup(self.weight, self.optimizer, args, self._anchor,
                                self._pg if self._data_parallel else None)
         except (ValueError, RuntimeError) as err:
             message = row_wise_id_error(str(err), self.features, self._layout)

@@ -307,6 +307,11 @@ class RobeShardedArrays:
         # init_data_parallel below, which declines); the rest of this class reads the
         # lookups themselves
         undo_data_parallel_wrapping(self._lookups)
+        # then out of autograd, as the unsharded module's array once fused and FBGEMM's
+        # fused tables: the fused backward updates each array (see fused_lookup); DDP, which
+        # torchrec 1.6 put around some, refuses a module with nothing that requires grad
+        for lookup in self._lookups:
+            lookup.weight.requires_grad_(False)
         self._robe_finish(module)
         del self.__dict__["_robe_src"]
 
