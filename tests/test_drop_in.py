@@ -224,6 +224,15 @@ def test_compiled_dense_training_equals_eager():
 ])
 def test_compiled_fused_training_equals_eager(cls, kwargs):
     """The in-backward optimizer applied before any eager step, then compiled."""
+    compiled = _fused_training_compiled_and_eager(cls, kwargs)
+    state = compiled.sparse_arch.embedding_bag_collection.fused_optimizer.param_state
+    if "step" in state:
+        assert float(state["step"]) == 3
+
+
+def _fused_training_compiled_and_eager(cls, kwargs):
+    """Three steps of a DLRM with ``cls`` fused into backward, compiled before any eager
+    step; checked against eager. Returns the compiled one."""
     torch.manual_seed(0)
     eager = make_dlrm()
     compiled = copy.deepcopy(eager)
@@ -231,9 +240,7 @@ def test_compiled_fused_training_equals_eager(cls, kwargs):
     _train(compiled, 3, compiled=True, fused=(cls, kwargs))
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
-    state = compiled.sparse_arch.embedding_bag_collection.fused_optimizer.param_state
-    if "step" in state:
-        assert float(state["step"]) == 3
+    return compiled
 
 
 def test_compiled_fused_learning_rate_change_takes_effect():
@@ -309,13 +316,7 @@ def test_compiled_fused_training_with_torch_211_aot_autograd(aot_autograd_of_tor
                                                              kwargs):
     """A model compiled before any eager step trains as eager does: the array leaves
     autograd when the optimizer is found, before the graph takes it as an input."""
-    torch.manual_seed(0)
-    eager = make_dlrm()
-    compiled = copy.deepcopy(eager)
-    _train(eager, 3, fused=(cls, kwargs))
-    _train(compiled, 3, compiled=True, fused=(cls, kwargs))
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    _fused_training_compiled_and_eager(cls, kwargs)
 
 
 def test_fused_array_leaves_autograd():
