@@ -5,8 +5,11 @@ against the full-table lookup TorchRec users have (the 26 tables as one table in
 ``F.embedding_bag``, its training row an in-place SGD row update) and the floors: writing the
 output, and reading and pooling every block from starts hashed beforehand (by our kernel,
 and by ``F.embedding_bag`` over the array as a table of blocks). With several ids
-a bag, launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared. Rows are
-timed round-robin (:class:`benchmarks.common.DeviceTimer`), medians, host time beside them.
+a bag, launch variants through :mod:`robe_torchrec.ops.tuning`, outputs compared. Beside the
+default: the mix hash, and on CUDA the forward and the fused step replayed from CUDA graphs
+(the device's time with no host work a call, what ``torch.compile(mode="reduce-overhead")``
+gives a model; its output compared too). Rows are timed round-robin
+(:class:`benchmarks.common.DeviceTimer`), medians, host time beside them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Row:
     host_ms: List[float] = dataclasses.field(default_factory=list)
     first_ms: float = float("nan")
     note: str = ""
+    #: its forward computes what its Z's default row does (compare_variants checks it)
+    compared: bool = True
 
     def median(self, which: str) -> float:
         samples = getattr(self, f"{which}_ms")
@@ -79,15 +84,18 @@ class Lookup:
         self.output_dim = s.dim * len(s.cardinalities)
         self.grad = torch.randn(s.batch, self.output_dim, generator=g).to(device)
 
-    def robe(self, block_size: int, compression: Optional[float] = None):
-        """``(weights, args)``: a ROBE array and the arguments of ``robe::forward`` after it."""
+    def robe(self, block_size: int, compression: Optional[float] = None,
+             hash_mode: HashMode = HashMode.REFERENCE):
+        """``(weights, args)``: a ROBE array and the arguments of ``robe::forward`` after it.
+        The same array at every call with the same sizes, so rows built apart compare."""
         s, n = self.s, len(self.s.cardinalities)
         memory = max(int(sum(s.cardinalities) * s.dim / (compression or s.compression)), block_size)
         meta = build_table_meta([s.dim] * n, [0] * n, [memory] * n, self.row_offsets,
                                 list(s.cardinalities), [int(Pooling.SUM)] * n, device=self.device)
-        weights = torch.empty(memory, device=self.device).uniform_(-0.01, 0.01)
+        draw = torch.Generator(self.device).manual_seed(memory)
+        weights = torch.empty(memory, device=self.device).uniform_(-0.01, 0.01, generator=draw)
         return weights, (self.ids, self.offsets, None, meta, self.output_dim, block_size,
-                         int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=1024),
+                         int(hash_mode), hash_params(hash_mode, seed=1024),
                          int(BoundsCheck.ERROR))
 
 
@@ -133,9 +141,19 @@ def full_table_rows(lk: Lookup, per_table: bool = True) -> List[Row]:
     return rows
 
 
-def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
-    weights, args = lk.robe(z)
-    values, offsets, _, meta, _, _, hash_mode, params, _ = args
+def fused_step(lk: Lookup, args: tuple, w: torch.Tensor, state: torch.Tensor,
+               optimizer: Optimizer = Optimizer.SGD) -> None:
+    """``robe::forward`` of ``args`` on ``w``, then ``robe::backward_fused_`` of the
+    scenario's gradient (updates ``w`` and ``state``)."""
+    values, offsets, _, meta, _, z, hash_mode, params, _ = args
+    torch.ops.robe.forward(w, *args)
+    torch.ops.robe.backward_fused_(lk.grad, w, state, state.new_empty(0), values, offsets, None,
+                                   meta, z, hash_mode, params, int(optimizer), HPARAMS, 1)
+
+
+def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict],
+              hash_mode: HashMode = HashMode.REFERENCE) -> List[Row]:
+    weights, args = lk.robe(z, hash_mode=hash_mode)
     rows = []
     for label, tuning in variants.items():
         w, state = weights.clone(), torch.zeros_like(weights)
@@ -148,10 +166,7 @@ def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
 
         def train(launch=launch, optimizer=Optimizer.SGD, w=w, state=state):
             with torch.no_grad(), launch(), triton_path(lk.device):
-                torch.ops.robe.forward(w, *args)
-                torch.ops.robe.backward_fused_(lk.grad, w, state, state.new_empty(0), values,
-                                               offsets, None, meta, z, hash_mode, params,
-                                               int(optimizer), HPARAMS, 1)
+                fused_step(lk, args, w, state, optimizer)
 
         suffix = f", {label}" if label else ""
         rows.append(Row(f"ROBE-Z Z={z}{suffix} (+ fused SGD)", forward, train))
@@ -160,6 +175,42 @@ def robe_rows(lk: Lookup, z: int, variants: Dict[str, dict]) -> List[Row]:
             rows.append(Row(f"ROBE-Z Z={z} (+ fused Adagrad)", forward,
                             lambda: train(optimizer=Optimizer.ADAGRAD, w=w_a, state=state_a)))
     return rows
+
+
+def mix_hash_row(lk: Lookup, z: int) -> Row:
+    """The default launch on the mix hash (cheaper arithmetic than the reference hash's
+    64-bit remainders; other embeddings, so its output is not compared)."""
+    row = robe_rows(lk, z, {"mix hash": {}}, HashMode.MIX)[0]
+    row.compared, row.note = False, "another hash: output not compared"
+    return row
+
+
+def graph_row(lk: Lookup, z: int) -> Row:
+    """The default forward, and the forward with fused SGD, each captured once in a CUDA
+    graph and replayed: no host work a call but the replay's. The forward returns the
+    graph's output, which :func:`compare_variants` checks against the eager forward."""
+    weights, args = lk.robe(z)
+    w, state = weights.clone(), torch.zeros_like(weights)
+    outputs: Dict[str, torch.Tensor] = {}
+    graphs = {}
+    for name, fn in (("forward", lambda: outputs.__setitem__(
+            "forward", torch.ops.robe.forward(weights, *args))),
+                     ("train", lambda: fused_step(lk, args, w, state))):
+        side = torch.cuda.Stream(lk.device)  # warm up off the capturing stream, as torch asks
+        side.wait_stream(torch.cuda.current_stream(lk.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(lk.device).wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graphs[name]):
+            fn()
+
+    def forward() -> torch.Tensor:
+        graphs["forward"].replay()
+        return outputs["forward"]
+
+    return Row(f"ROBE-Z Z={z}, replayed CUDA graphs (+ fused SGD)", forward,
+               graphs["train"].replay)
 
 
 def floor_rows(lk: Lookup, z: int, output: bool) -> List[Row]:
@@ -214,7 +265,8 @@ def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, wa
 
 def compare_variants(rows: Sequence[Row]) -> None:
     """Each launch variant's forward against its Z's default row (relative max difference)."""
-    robe = [r for r in rows if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)")]
+    robe = [r for r in rows if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)")
+            and r.compared]
     defaults = {r.name.split(" (")[0]: r for r in robe if "," not in r.name}
     for r in (r for r in robe if "," in r.name):
         a, b = defaults[r.name.split(",")[0]].forward(), r.forward()
@@ -257,6 +309,13 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
     rows = full_table_rows(lk)
     for i, z in enumerate(s.block_sizes):
         rows += robe_rows(lk, z, variants if i == 0 else {"": {}})
+    rows.append(mix_hash_row(lk, s.block_sizes[0]))
+    notes = []
+    if device.type == "cuda":
+        try:
+            rows.append(graph_row(lk, s.block_sizes[0]))
+        except Exception as exc:  # noqa: BLE001  reported; a failed capture spoils no other row
+            notes.append(f"- The CUDA-graph row did not run: {type(exc).__name__}: {exc}")
     if s.ids_per_bag == 1 and reference_reps:
         weights, args = lk.robe(s.block_sizes[0])
         rows.append(Row(f"pure-PyTorch ROBE-Z Z={s.block_sizes[0]}",
@@ -282,7 +341,7 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
                      "first ms", "note"], cells), "",
              *table(["target", "value", "goal", "verdict"],
                     [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
-                      "met" if t["met"] else "missed"] for t in found]), ""]
+                      "met" if t["met"] else "missed"] for t in found]), "", *notes]
     return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
 
 

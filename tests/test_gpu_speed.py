@@ -1,0 +1,47 @@
+"""The CUDA-graph row of ``benchmarks.gpu_speed`` on CPU, with torch's CUDA-graph calls
+stood in for (capture runs the call, replay runs nothing), so that its plumbing (warm-up,
+capture, the graph's output handed to the comparison) is exercised where CI runs: a GPU
+session is too rare to find a typo. What a real capture does is ``gpu_checks``'s to check."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from benchmarks import gpu_speed
+
+
+class _Stream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+class _Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_graph_row_hands_its_output_to_the_comparison(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    lk = gpu_speed.Lookup(gpu_speed.Scenario("tiny", 4, 8, [50, 30], 3, [4], 4.0),
+                          torch.device("cpu"))
+    with gpu_speed.triton_path(lk.device):
+        default = gpu_speed.robe_rows(lk, 4, {"": {}})[0]
+        graphed = gpu_speed.graph_row(lk, 4)
+        mix = gpu_speed.mix_hash_row(lk, 4)
+        graphed.train()
+        gpu_speed.compare_variants([default, graphed, mix])
+    assert graphed.name == "ROBE-Z Z=4, replayed CUDA graphs (+ fused SGD)"
+    assert graphed.note == "max rel. diff to default 0.0e+00"
+    assert mix.note.startswith("another hash")
