@@ -15,9 +15,9 @@ no gradient ever reaches it through autograd, and an array that required grad, w
 backward, is what torch 2.11's AOTAutograd refuses to compile ("a leaf Variable that requires
 grad is being used in an in-place operation", pytorch/pytorch#178622). Autograd still calls
 this backward: the forward takes an *anchor*, an empty leaf that requires grad (or the
-per-sample weights, when they need a gradient). Make one per device with
-:func:`autograd_anchor`; on a CUDA array it must be on the array's device, since a CPU
-input keeps Inductor from capturing the graph in a CUDA graph.
+per-sample weights, when they need a gradient). Make one with :func:`autograd_anchor` on the
+array's device: a sharded lookup with no features makes its empty output from it, which
+must be on the device its output dist runs on.
 
 Example::
 
