@@ -63,6 +63,8 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                              persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
+        #: what apply_optimizer_in_backward recorded on the array, as of the last sync
+        self._applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]] = []
         self._anchor = autograd_anchor(self.weight.device)  # what fused_lookup needs
         # lets torchrec.optim.RowWiseAdagrad tell the array from a table (rowwise_install)
         self.register_array()
@@ -161,6 +163,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
             if self._fused is None or self._fused.optimizer_class is not optimizer_class:
                 self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
                                                  block_size=self._layout.block_size)
+            self._applied = self._recorded_in_backward()
             self.weight.requires_grad_(False)
         return True
 
@@ -182,6 +185,15 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         module = super()._apply(fn, recurse)
         self._follow_new_array(applied, fused)
         return module
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """A deep copy (or an unpickled module) has a new array, without what
+        ``apply_optimizer_in_backward`` recorded on the old one (``Parameter.__deepcopy__``
+        keeps none of it): recorded again from the module's own record, so the copy trains
+        with its copy of the fused optimizer instead of not at all (its array no longer
+        requires grad)."""
+        super().__setstate__(state)
+        self._follow_new_array(self._applied, self._fused)
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
         # load_state_dict(assign=True) puts the saved tensor in place of the array, as

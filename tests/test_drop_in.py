@@ -346,6 +346,26 @@ def test_fused_array_leaves_autograd():
     assert not ebc.weight.requires_grad and not torch.equal(ebc.weight, before)
 
 
+def test_a_deep_copy_keeps_the_fused_optimizer():
+    """``Parameter.__deepcopy__`` drops what ``apply_optimizer_in_backward`` recorded (a
+    stock EmbeddingBagCollection's copy loses it too). A ROBE module's copy records it again
+    on its array, with its copy of the fused optimizer's state, and trains as the original
+    does from there; without that it would not train at all (its array no longer requires
+    grad)."""
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    ebc(make_kjt(0)).values().sum().backward()
+    twin = copy.deepcopy(ebc)
+    assert twin.weight is not ebc.weight and twin.fused_optimizer is not ebc.fused_optimizer
+    before = twin.weight.detach().clone()
+    for module in (ebc, twin):
+        module(make_kjt(1)).values().sum().backward()
+    assert not torch.equal(twin.weight, before)
+    torch.testing.assert_close(twin.weight, ebc.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(twin.fused_optimizer.param_state["sum"],
+                               ebc.fused_optimizer.param_state["sum"], rtol=0, atol=1e-6)
+
+
 # --- input features ------------------------------------------------------------------------
 
 def test_extra_features_are_ignored():
