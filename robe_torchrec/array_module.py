@@ -63,7 +63,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                              persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         self._fused: Optional[RobeFusedOptimizer] = None
-        #: what apply_optimizer_in_backward recorded on the array, as of the last sync
+        #: what apply_optimizer_in_backward recorded on the array when _fused was built
         self._applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]] = []
         self._anchor = autograd_anchor(self.weight.device)  # what fused_lookup needs
         # lets torchrec.optim.RowWiseAdagrad tell the array from a table (rowwise_install)
@@ -163,8 +163,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
             if self._fused is None or self._fused.optimizer_class is not optimizer_class:
                 self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
                                                  block_size=self._layout.block_size)
-            self._applied = self._recorded_in_backward()
-            self.weight.requires_grad_(False)
+                self._applied = self._recorded_in_backward()
+            if self.weight.requires_grad:  # an eager forward's host work: only when needed
+                self.weight.requires_grad_(False)
         return True
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
