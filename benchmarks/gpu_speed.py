@@ -185,32 +185,34 @@ def mix_hash_row(lk: Lookup, z: int) -> Row:
     return row
 
 
+def captured(fn: Callable[[], object]) -> Tuple["torch.cuda.CUDAGraph", object]:
+    """``(graph, output)``: ``fn`` run once on a side stream (torch asks for a warm-up off the
+    capturing stream), then captured in a CUDA graph; replaying it rewrites ``output``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
 def graph_row(lk: Lookup, z: int) -> Row:
     """The default forward, and the forward with fused SGD, each captured once in a CUDA
     graph and replayed: no host work a call but the replay's. The forward returns the
     graph's output, which :func:`compare_variants` checks against the eager forward."""
     weights, args = lk.robe(z)
     w, state = weights.clone(), torch.zeros_like(weights)
-    outputs: Dict[str, torch.Tensor] = {}
-    graphs = {}
-    for name, fn in (("forward", lambda: outputs.__setitem__(
-            "forward", torch.ops.robe.forward(weights, *args))),
-                     ("train", lambda: fused_step(lk, args, w, state))):
-        side = torch.cuda.Stream(lk.device)  # warm up off the capturing stream, as torch asks
-        side.wait_stream(torch.cuda.current_stream(lk.device))
-        with torch.no_grad(), torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(lk.device).wait_stream(side)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graphs[name]):
-            fn()
+    forward_graph, output = captured(lambda: torch.ops.robe.forward(weights, *args))
+    train_graph, _ = captured(lambda: fused_step(lk, args, w, state))
 
     def forward() -> torch.Tensor:
-        graphs["forward"].replay()
-        return outputs["forward"]
+        forward_graph.replay()
+        return output
 
-    return Row(f"ROBE-Z Z={z}, replayed CUDA graphs (+ fused SGD)", forward,
-               graphs["train"].replay)
+    return Row(f"ROBE-Z Z={z}, replayed CUDA graphs (+ fused SGD)", forward, train_graph.replay)
 
 
 def floor_rows(lk: Lookup, z: int, output: bool) -> List[Row]:
