@@ -192,6 +192,7 @@ class _Tiles:
             tuning.two_pass_warps if self.two_pass
             else max(1, min(tuning.max_warps, elements // tuning.elements_per_warp)))
         self.short_bags_warps = tuning.num_warps or 1
+        self.compact_hash = tuning.compact_hash
 
     def kwargs(self):
         return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z,
@@ -526,7 +527,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
             batch, num_features, values.numel(), width, *params, *extra_args)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
-                     **(extra_constants or {}))
+                     COMPACT=tiles.compact_hash, **(extra_constants or {}))
     per_bag, short_bags = variants
     if tiles.short_bags:
         grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
@@ -591,7 +592,7 @@ def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: to
         table_meta.shape[1], values.numel(), output_dim, 0, 0, 0, out, 0, starts,
         Z=block_size, HASH_MODE=0, HAS_PSW=False, ACC=_acc_dtype(weights), CHECK=False,
         IN_BOUNDS=False, KEY_LIMIT=False, STARTS=True, NUM_BLOCKS=tiles.num_blocks,
-        **tiles.kwargs())
+        COMPACT=False, **tiles.kwargs())
     return out
 
 

@@ -60,6 +60,11 @@ class TritonTuning:
     #: instead of with float atomics (CUDA does this under
     #: ``torch.use_deterministic_algorithms(True)`` whatever this says)
     deterministic_backward: bool = False
+    #: the bag kernels hash each (id, block) pair once, in a tile of its own, instead of in
+    #: every thread that reads one of the block's columns (the same values either way).
+    #: Compiled for an H100 the one-id forward then has fewer instructions a bag
+    #: (benchmarks/results/kernel_instructions.md); off until a GPU run measures it
+    compact_hash: bool = False
     #: a compiled kernel variant is launched without ``JITFunction.run``'s per-call work
     #: (:mod:`robe_torchrec.ops.triton_launch`); False: every launch goes through it
     cached_launch: bool = True

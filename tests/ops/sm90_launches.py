@@ -96,6 +96,9 @@ def run_ops(case) -> None:
                       *case.backward_args(grad)[4:])
     with tuned(deterministic_backward=True):  # the gradient summed in a fixed order
         tk.backward_dense(grad, *case.backward_args(grad)[1:])
+    with tuned(compact_hash=True):  # each (id, block) pair hashed in a tile of its own
+        tk.forward(*case.forward_args())
+        tk.backward_dense(grad, *case.backward_args(grad)[1:])
     if case.per_sample_weights is not None:
         tk.per_sample_weights_grad(grad, *case.psw_grad_args(grad)[1:])
     for optimizer in m.Optimizer:

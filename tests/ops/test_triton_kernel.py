@@ -83,6 +83,32 @@ def test_short_bags_kernel_is_bitwise_the_per_bag_kernel_on_one_and_two_id_bags(
         assert torch.equal(*outputs)
 
 
+@pytest.mark.parametrize("kernel", ["per_bag", "short_bags"])
+@pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
+def test_compact_hash_is_bitwise_the_default(kw, kernel):
+    """Each (id, block) pair hashed once in a tile of its own (``compact_hash``) finds the
+    same elements: the forward, the weight gradient and a fused Adagrad step are bitwise
+    those of the default launch, in both bag kernels."""
+    if kernel == "short_bags" and kw.get("max_bag", 0) > 100:
+        kw = dict(kw, max_bag=40)  # as in test_each_kernel
+    case = random_case(**kw)
+    grad = case.grad()
+    mean = float("inf") if kernel == "short_bags" else -1.0
+    results = []
+    for compact in (False, True):
+        with tuned(short_bag_mean=mean, two_pass_mean_bag=float("inf"), bags_per_program=4,
+                   compact_hash=compact):
+            weights, state = case.weights.clone(), torch.zeros_like(case.weights)
+            tk.backward_fused_(grad, weights, state, state.new_empty(0), case.values,
+                               case.offsets, case.per_sample_weights, case.table_meta,
+                               case.block_size, case.hash_mode, case.hash_params,
+                               int(Optimizer.ADAGRAD), [0.1, 1e-8, 0.9, 0.999, 0.0], 1)
+            results.append((tk.forward(*case.forward_args()),
+                            tk.backward_dense(*case.backward_args(grad)), weights, state))
+    for default, compact in zip(*results):
+        assert torch.equal(default, compact)
+
+
 @pytest.mark.parametrize("kw", CASES, ids=CASE_IDS)
 def test_backward_dense(kw):
     check_backward_dense(random_case(**kw))

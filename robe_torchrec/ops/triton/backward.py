@@ -19,7 +19,7 @@ def _backward_short_bags_kernel(
     p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_Z: tl.constexpr,
+    BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """``_backward_kernel`` for short bags, laid out as ``_forward_short_bags_kernel``:
     ``BLOCK_BAGS`` bags of one feature a program, their ids scattered in step."""
@@ -34,7 +34,7 @@ def _backward_short_bags_kernel(
         i = lo + k
         id_mask = i < hi
         idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                               p0, p1, p2, HASH_MODE)
+                               p0, p1, p2, HASH_MODE, COMPACT)
         contrib = grad
         if HAS_PSW:
             psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
@@ -50,7 +50,7 @@ def _backward_kernel(
     p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr, starts_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
     bag = tl.program_id(0).to(tl.int64)
@@ -68,7 +68,7 @@ def _backward_kernel(
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
         idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                       p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS)
+                       p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS, COMPACT)
         mask = id_mask[:, None, None] & col_mask[None, :, :]
         contrib = tl.zeros([BLOCK_N, BLOCK_B, BLOCK_Z], dtype=ACC) + grad[None, :, :]
         if HAS_PSW:
@@ -101,7 +101,7 @@ def _psw_grad_kernel(
             blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
             grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(ACC)
             idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                                   p0, p1, p2, HASH_MODE)
+                                   p0, p1, p2, HASH_MODE, False)
             mask = id_mask[:, None, None] & col_mask[None, :, :]
             rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)

@@ -22,7 +22,7 @@ def _forward_kernel(
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]; with
     ``STARTS`` the block starts are read from ``starts_ptr`` instead of hashed.
@@ -49,7 +49,7 @@ def _forward_kernel(
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
-                              starts_ptr, STARTS, NUM_BLOCKS)
+                              starts_ptr, STARTS, NUM_BLOCKS, COMPACT)
         acc += tl.sum(rows, axis=0)
         if CHECK:
             bad_ids, bad_weights = _count_value_problems(
@@ -75,6 +75,7 @@ def _forward_short_bags_kernel(
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """``_forward_kernel`` for short bags: a program pools ``BLOCK_BAGS`` consecutive bags
     of one feature (``program_id(0)`` = feature * groups + group) over one column tile
@@ -101,7 +102,7 @@ def _forward_short_bags_kernel(
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
                               w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
-                              values_ptr, False, 1)
+                              values_ptr, False, 1, COMPACT)
         acc += rows
         if CHECK:
             bad_ids, bad_weights = _count_value_problems(
