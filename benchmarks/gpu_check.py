@@ -27,9 +27,22 @@ import torch
 
 from benchmarks.common import DeviceTimer, command_line, header, parser, publish, table
 
-#: launch variants timed beside the default with several ids a bag (tuning fields)
+#: launch variants timed beside the default with one id a bag (tuning fields): each (id,
+#: block) pair hashed once, in a tile of its own, with several bags a program to fill it
+#: (benchmarks/results/kernel_instructions.md counts their instructions)
+ONE_ID_VARIANTS = {"": {}, "compact hash, 4 bags a program": {"compact_hash": True,
+                                                              "bags_per_program": 4},
+                   "compact hash, 8 bags a program": {"compact_hash": True,
+                                                      "bags_per_program": 8},
+                   "compact hash, 8 bags a program, 2 warps": {
+                       "compact_hash": True, "bags_per_program": 8, "num_warps": 2}}
+#: the same with several ids a bag: the two-pass default against one pass, with and
+#: without the compact hash, and the short-bags kernel walking long bags in step
 VARIANTS = {"": {}, "one pass": {"two_pass_mean_bag": float("inf")},
             "one pass, ids 4 a step": {"two_pass_mean_bag": float("inf"), "tile": 512},
+            "one pass, compact hash": {"two_pass_mean_bag": float("inf"), "compact_hash": True},
+            "short bags, compact hash, 8 bags a program": {
+                "short_bag_mean": float("inf"), "compact_hash": True, "bags_per_program": 8},
             "two-pass, ids 16 a step": {"two_pass_tile": 2048},
             "two-pass, 4 warps": {"num_warps": 4}}
 #: timed at every bag length (and run in the CPU mode): the weight gradient summed in a fixed
@@ -77,7 +90,8 @@ def speed(args: argparse.Namespace, device: torch.device):
     for per_bag in (1, args.ids_per_bag):
         s = gpu_speed.Scenario(f"{per_bag} id(s) a bag", batch, dim, cards, per_bag, zs,
                                compression)
-        variants = {**(VARIANTS if per_bag > 1 and not cpu else {"": {}}), **ALWAYS}
+        variants = {**({"": {}} if cpu else VARIANTS if per_bag > 1 else ONE_ID_VARIANTS),
+                    **ALWAYS}
         more, result = gpu_speed.run_scenario(s, device, timer, reps, inner, warmup, variants,
                                               reference_reps=2 if cpu else max(3, reps // 10))
         lines, results = lines + more, results + [result]
@@ -102,9 +116,12 @@ def profile_launches(ids_per_bag: int, block_size: int = 32) -> None:
     from robe_torchrec.ops.meta import Optimizer
     from robe_torchrec.ops.tuning import tuned
 
-    # 14 launches at one id a bag (the second variant: hash, pool, ordered gradient, step),
-    # 10 at several (two passes each way): the 24 the profile takes
-    for per_bag, variants in ((1, [{}, {"deterministic_backward": True}]), (ids_per_bag, [{}])):
+    # 20 launches at one id a bag (the second variant: hash, pool, ordered gradient, step;
+    # the third: the compact hash, 8 bags a program), 10 at several (two passes each way):
+    # the 30 the profile takes
+    compact = {"compact_hash": True, "bags_per_program": 8}
+    for per_bag, variants in ((1, [{}, {"deterministic_backward": True}, compact]),
+                              (ids_per_bag, [{}])):
         lk = Lookup(Scenario("profile", 10240, 128, list(CRITEO_KAGGLE_CARDINALITIES), per_bag,
                              [block_size], 1000.0), torch.device("cuda"))
         weights, args = lk.robe(block_size)

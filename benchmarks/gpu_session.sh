@@ -26,7 +26,7 @@ fi
 [ -e robe_torchrec/pipelines ] || ln -s ../pipelines robe_torchrec/pipelines
 export PYTHONPATH=/tmp/site:.
 failed=0
-timeout 240 python3 -m benchmarks.gpu_check --matrix 24 --reps 10 --inner 3 \
+timeout 225 python3 -m benchmarks.gpu_check --matrix 24 --reps 10 --inner 3 \
   --out "$out/gpu_check_$card.md" >"$out/gpu_check.log" 2>&1 || failed=$((failed + 1))
 # its launched rows compile the backward and optimizer kernels first
 timeout 90 python3 -m benchmarks.host_overhead --cuda --reps 20 \
@@ -37,9 +37,9 @@ timeout 200 python3 -m benchmarks.gpu_torchrec.run --commit "$commit" \
 rm -rf /tmp/robe_pipelines/*_app
 tar czf "$out/pipelines_$card.tgz" -C /tmp/robe_pipelines .
 if command -v ncu >/dev/null; then
-  timeout 60 ncu --csv --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  timeout 75 ncu --csv --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats \
-    --section Occupancy --section LaunchStats --launch-count 24 \
+    --section Occupancy --section LaunchStats --launch-count 30 \
     -k regex:"forward|backward|hash_starts|gather|optimizer" \
     python3 -m benchmarks.gpu_check --profile-launches \
     >"$out/ncu_$card.csv" 2>"$out/ncu.log" || failed=$((failed + 1))

@@ -45,3 +45,20 @@ def test_graph_row_hands_its_output_to_the_comparison(monkeypatch):
     assert graphed.name == "ROBE-Z Z=4, replayed CUDA graphs (+ fused SGD)"
     assert graphed.note == "max rel. diff to default 0.0e+00"
     assert mix.note.startswith("another hash")
+
+
+def test_every_launch_variant_of_the_gpu_check_pools_as_the_default():
+    """The GPU check's launch variants name real tuning fields and, run on CPU tensors in
+    the interpreter, pool what the default launch pools: a GPU session finds no typo."""
+    from benchmarks import gpu_check
+
+    for per_bag, variants in ((1, gpu_check.ONE_ID_VARIANTS), (3, gpu_check.VARIANTS)):
+        lk = gpu_speed.Lookup(gpu_speed.Scenario("tiny", 4, 8, [50, 30], per_bag, [4], 4.0),
+                              torch.device("cpu"))
+        with gpu_speed.triton_path(lk.device):
+            rows = gpu_speed.robe_rows(lk, 4, {**variants, **gpu_check.ALWAYS})
+            gpu_speed.compare_variants(rows)
+        varied = [r for r in rows if "," in r.name]
+        assert len(varied) == len(variants) + len(gpu_check.ALWAYS) - 1
+        for row in varied:
+            assert float(row.note.rsplit(" ", 1)[1]) < 1e-6, (row.name, row.note)
