@@ -81,13 +81,16 @@ def check_adjoint(case: OpCase) -> None:
 
 def check_matrix_case(seed: int, device: str = "cuda") -> None:
     """Every op of one random configuration against the reference: forward, the dense
-    gradient (with atomics and summed in a fixed order), the per-sample-weight gradient,
-    each fused optimizer, and the adjoint identity."""
+    gradient (with atomics, summed in a fixed order, and hashed in compact tiles), the
+    per-sample-weight gradient, each fused optimizer, and the adjoint identity."""
     _, case = matrix_case(seed)
     case = case.to(device)
     check_forward(case)
     check_backward_dense(case)
     with tuned(deterministic_backward=True):
+        check_backward_dense(case)
+    with tuned(compact_hash=True, bags_per_program=8):
+        check_forward(case)
         check_backward_dense(case)
     if case.per_sample_weights is not None:
         check_per_sample_weights_grad(case)
