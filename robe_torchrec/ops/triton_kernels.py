@@ -318,6 +318,8 @@ class _BackwardPlan(NamedTuple):
     id_check: IdCheck
     params: List[int]
     tiles: "_Tiles"
+    #: some feature pools by its mean (the kernels then divide by the bag's size)
+    mean: bool
 
 
 def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block_size,
@@ -334,11 +336,11 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
         meta_cpu, id_check = check_backward_layout(grad_output, weights, values, offsets, psw,
                                                    table_meta, block_size, hash_mode,
                                                    hash_params)
-        output_dim = grad_output.shape[1]
-        tiles = _Tiles(meta_facts(meta_cpu, block_size, output_dim).max_dim, block_size,
-                       values.numel(), offsets.numel() - 1,
+        facts = meta_facts(meta_cpu, block_size, grad_output.shape[1])
+        tiles = _Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
                        _is_interpreted(_kernels_for(weights.device)))
-        return _BackwardPlan(meta_cpu, id_check, _hash_args(hash_params), tiles)
+        return _BackwardPlan(meta_cpu, id_check, _hash_args(hash_params), tiles,
+                             facts.any_mean)
 
     return _cached_plan(table_meta, key, build)
 
@@ -394,6 +396,8 @@ class _ForwardPlan(NamedTuple):
     tiles: "_Tiles"
     check_constants: dict
     key_limit: int
+    #: some feature pools by its mean (the kernels then divide by the bag's size)
+    mean: bool
 
 
 #: table_meta -> {everything else a plan depends on: plan}; weak keys, so a module's plan
@@ -427,7 +431,8 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
         else:  # the kernel never touches the problem counts
             check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
         return _ForwardPlan(meta_cpu, id_check, _hash_args(hash_params), batch, counted,
-                            facts.covers_output, tiles, check_constants, key_limit)
+                            facts.covers_output, tiles, check_constants, key_limit,
+                            facts.any_mean)
 
     return _cached_plan(table_meta, key, build)
 
@@ -497,8 +502,8 @@ def forward(
     else:  # any pointer will do
         check_args = (out, 0)
     _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel),
-                       plan.tiles, weights, weights, out, values, offsets, psw, table_meta,
-                       output_dim, block_size, hash_mode, plan.params, check_args,
+                       plan.tiles, plan.mean, weights, weights, out, values, offsets, psw,
+                       table_meta, output_dim, block_size, hash_mode, plan.params, check_args,
                        plan.check_constants)
     # bad input made the kernel compute a wrong output but touch nothing outside its
     # tensors; the problem is raised here, or by a later call when the checks are deferred
@@ -508,14 +513,16 @@ def forward(
     return out
 
 
-def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: torch.Tensor,
-                       target: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+def _launch_bag_kernel(variants, tiles: _Tiles, mean: bool, source: torch.Tensor,
+                       weights: torch.Tensor, target: torch.Tensor, values: torch.Tensor,
+                       offsets: torch.Tensor,
                        per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                        width: int, block_size: int, hash_mode: int, params: List[int],
                        extra_args: tuple = (), extra_constants: Optional[dict] = None) -> None:
     """Launch a bag kernel that reads ``source`` (weights, or the output gradient of ``width``
     columns) and writes ``target``: ``variants[1]`` (several short bags a program) when
-    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program).
+    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program); ``mean``:
+    some feature pools by its mean (else the kernel is compiled without the division).
     ``extra_args`` and ``extra_constants`` are the forward kernels' check arguments."""
     num_features = table_meta.shape[1]
     num_bags = offsets.numel() - 1
@@ -527,7 +534,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, source: torch.Tensor, weights: t
             batch, num_features, values.numel(), width, *params, *extra_args)
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
-                     COMPACT=tiles.compact_hash, **(extra_constants or {}))
+                     COMPACT=tiles.compact_hash, MEAN=mean, **(extra_constants or {}))
     per_bag, short_bags = variants
     if tiles.short_bags:
         grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
@@ -578,9 +585,9 @@ def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: to
                         table_meta: torch.Tensor, output_dim: int, max_dim: int,
                         block_size: int, starts: torch.Tensor) -> torch.Tensor:
     """The second pass of a two-pass forward alone: the bags pooled from block starts
-    computed beforehand (:func:`hash_starts`), no hash, no input checks, sum pooling as
-    ``table_meta`` says. What reading the touched blocks and pooling them costs: a floor
-    for benchmarks (never for untrusted input)."""
+    computed beforehand (:func:`hash_starts`), no hash, no input checks, every bag summed
+    (whatever pooling ``table_meta`` gives it). What reading the touched blocks and
+    pooling them costs: a floor for benchmarks (never for untrusted input)."""
     kernels = _kernels_for(weights.device)
     num_bags = offsets.numel() - 1
     batch = num_bags // table_meta.shape[1]
@@ -592,7 +599,7 @@ def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: to
         table_meta.shape[1], values.numel(), output_dim, 0, 0, 0, out, 0, starts,
         Z=block_size, HASH_MODE=0, HAS_PSW=False, ACC=_acc_dtype(weights), CHECK=False,
         IN_BOUNDS=False, KEY_LIMIT=False, STARTS=True, NUM_BLOCKS=tiles.num_blocks,
-        COMPACT=False, **tiles.kwargs())
+        COMPACT=False, MEAN=False, **tiles.kwargs())
     return out
 
 
@@ -615,9 +622,9 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
                          block_size, hash_mode, params, tiles, guard_args, guard_constants)
         return grad, guard
     _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel), tiles,
-                       grad_output, weights, grad, values, offsets, per_sample_weights,
-                       table_meta, output_dim, block_size, hash_mode, params, guard_args,
-                       guard_constants)
+                       plan.mean, grad_output, weights, grad, values, offsets,
+                       per_sample_weights, table_meta, output_dim, block_size, hash_mode,
+                       params, guard_args, guard_constants)
     return grad, guard
 
 
@@ -728,8 +735,8 @@ def per_sample_weights_grad(
         grad_output.contiguous(), weights.contiguous(), values.contiguous(),
         offsets.contiguous(), _meta_on(table_meta, weights.device), out,
         batch, num_features, values.numel(), output_dim, *params, *guard_args,
-        Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), **tiles.kwargs(),
-        **guard_constants,
+        Z=block_size, HASH_MODE=int(hash_mode), ACC=_acc_dtype(weights), MEAN=plan.mean,
+        **tiles.kwargs(), **guard_constants,
     )
     return out
 

@@ -291,6 +291,8 @@ class MetaFacts(NamedTuple):
     #: the smallest dim (a kernel that skips the ids of a feature without columns reads
     #: every id only when it is at least 1)
     min_dim: int
+    #: whether some feature pools by its mean (else the bag kernels divide by nothing)
+    any_mean: bool
 
 
 #: id(meta_cpu) -> (meta_cpu, (block_size, output_dim, its version), MetaFacts); the entry
@@ -316,7 +318,8 @@ def meta_facts(meta_cpu: torch.Tensor, block_size: int, output_dim: int) -> Meta
         end = end + dim if start == end else -1
     facts = MetaFacts(max(dims, default=0), max((-(-d // block_size) for d in dims), default=0),
                       max((size - block_size + 1 for size in sizes), default=0),
-                      end == output_dim, max(key_ends, default=0), min(dims, default=0))
+                      end == output_dim, max(key_ends, default=0), min(dims, default=0),
+                      int(m.Pooling.MEAN) in meta_cpu[m.POOLING].tolist())
     if key is not None:
         if len(_FACTS) >= _MAX_FACTS:
             _FACTS.clear()

@@ -63,10 +63,14 @@ def test_meta_facts_follow_the_tensor_version_and_arguments():
     meta = m.build_table_meta([8, 4], [0, 0], [100, 100], [0, 10], [10, 10], [0, 0])
     facts = validation.meta_facts(meta, 3, 12)
     assert facts == validation.MetaFacts(max_dim=8, max_blocks=3, max_span=98,
-                                         covers_output=True, max_key_end=20, min_dim=4)
+                                         covers_output=True, max_key_end=20, min_dim=4,
+                                         any_mean=False)
     assert validation.meta_facts(meta, 3, 12) is facts  # remembered
     meta[m.DIM, 1] = 9  # in place: features now overlap
-    assert validation.meta_facts(meta, 3, 12) == validation.MetaFacts(9, 3, 98, False, 20, 8)
+    assert validation.meta_facts(meta, 3, 12) == validation.MetaFacts(9, 3, 98, False, 20, 8,
+                                                                      False)
     assert not validation.meta_facts(meta, 3, 13).covers_output
     meta[m.OUT_OFFSET, 1] = 8
-    assert validation.meta_facts(meta, 4, 17) == validation.MetaFacts(9, 3, 97, True, 20, 8)
+    meta[m.POOLING, 0] = int(m.Pooling.MEAN)
+    assert validation.meta_facts(meta, 4, 17) == validation.MetaFacts(9, 3, 97, True, 20, 8,
+                                                                      True)

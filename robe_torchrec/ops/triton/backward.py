@@ -19,7 +19,7 @@ def _backward_short_bags_kernel(
     p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
+    BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr, MEAN: tl.constexpr,
 ):
     """``_backward_kernel`` for short bags, laid out as ``_forward_short_bags_kernel``:
     ``BLOCK_BAGS`` bags of one feature a program, their ids scattered in step."""
@@ -29,7 +29,9 @@ def _backward_short_bags_kernel(
     longest = tl.where(_inputs_clean(guard_ptr, GUARDED), longest, 0)
     grad = tl.load(grad_out_ptr + b[:, None, None] * grad_stride + out_offset + cols[None, :, :],
                    mask=mask, other=0.0)
-    grad = _div_rn(grad.to(ACC), divisor[:, None, None])
+    grad = grad.to(ACC)
+    if MEAN:
+        grad = _div_rn(grad, divisor[:, None, None])
     for k in range(0, longest):
         i = lo + k
         id_mask = i < hi
@@ -51,8 +53,10 @@ def _backward_kernel(
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
+    MEAN: tl.constexpr,
 ):
-    """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN)."""
+    """grad_w[idx(id, j)] += psw * grad_out[b, OUT_OFFSET + j] (/ bag size for MEAN, where
+    ``MEAN`` says some feature pools by its mean)."""
     bag = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
@@ -63,7 +67,9 @@ def _backward_kernel(
     hi = tl.where(_inputs_clean(guard_ptr, GUARDED), hi, lo)
 
     grad = tl.load(grad_out_ptr + b * grad_stride + out_offset + cols, mask=col_mask, other=0.0)
-    grad = _div_rn(grad.to(ACC), divisor)
+    grad = grad.to(ACC)
+    if MEAN:
+        grad = _div_rn(grad, divisor)
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
@@ -83,7 +89,7 @@ def _psw_grad_kernel(
     batch, num_features, num_values, grad_stride,
     p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr, GUARDED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, MEAN: tl.constexpr,
 ):
     """out[i] = <W row of values[i], grad_out row of its bag> (/ bag size for MEAN); 0
     where the guard finds the inputs bad."""
@@ -105,7 +111,9 @@ def _psw_grad_kernel(
             mask = id_mask[:, None, None] & col_mask[None, :, :]
             rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)
-        dot = tl.where(_inputs_clean(guard_ptr, GUARDED), _div_rn(dot, divisor), 0.0)
+        if MEAN:
+            dot = _div_rn(dot, divisor)
+        dot = tl.where(_inputs_clean(guard_ptr, GUARDED), dot, 0.0)
         tl.store(out_ptr + i, dot.to(out_ptr.dtype.element_ty), mask=id_mask)
 
 

@@ -23,9 +23,11 @@ def _forward_kernel(
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
+    MEAN: tl.constexpr,
 ):
     """out[b, OUT_OFFSET + j] = pool over the bag's ids of psw * W[idx(id, j)]; with
-    ``STARTS`` the block starts are read from ``starts_ptr`` instead of hashed.
+    ``STARTS`` the block starts are read from ``starts_ptr`` instead of hashed. Without
+    ``MEAN`` (no feature pools by its mean) nothing is divided.
 
     With ``CHECK`` it also counts the input checks' problems into ``problems_ptr[0:4]``, as
     ``_input_summary_kernel`` does (the programs of column tile 0 read every id of their
@@ -56,7 +58,8 @@ def _forward_kernel(
                 bad_ids, bad_weights, values_ptr, psw_ptr, i, id_mask, num_rows, row_offset,
                 key_limit, HAS_PSW, IN_BOUNDS, KEY_LIMIT)
 
-    acc = _div_rn(acc, divisor)
+    if MEAN:
+        acc = _div_rn(acc, divisor)
     tl.store(out_ptr + b * out_stride + out_offset + cols,
              acc.to(out_ptr.dtype.element_ty), mask=col_mask)
     if CHECK:
@@ -75,7 +78,7 @@ def _forward_short_bags_kernel(
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
-    COMPACT: tl.constexpr,
+    COMPACT: tl.constexpr, MEAN: tl.constexpr,
 ):
     """``_forward_kernel`` for short bags: a program pools ``BLOCK_BAGS`` consecutive bags
     of one feature (``program_id(0)`` = feature * groups + group) over one column tile
@@ -109,7 +112,8 @@ def _forward_short_bags_kernel(
                 bad_ids, bad_weights, values_ptr, psw_ptr, i, id_mask, num_rows, row_offset,
                 key_limit, HAS_PSW, IN_BOUNDS, KEY_LIMIT)
 
-    acc = _div_rn(acc, divisor[:, None, None])
+    if MEAN:
+        acc = _div_rn(acc, divisor[:, None, None])
     tl.store(out_ptr + b[:, None, None] * out_stride + out_offset + cols[None, :, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
     if CHECK:
