@@ -1,5 +1,6 @@
 """The instruction-count benchmark compiles the bag kernels for sm_90 and counts what each
-launch variant issues a bag; the compact hash must stay compact under the Triton in use."""
+launch variant issues a bag; the compact hash must stay compact under the Triton in use, and
+a sum-pooled layout must compile without the mean's division."""
 
 import json
 
@@ -9,7 +10,7 @@ from tests.compiled_triton import run_compiled
 
 
 @pytest.mark.slow
-def test_the_compact_hash_issues_fewer_instructions_a_bag(tmp_path):
+def test_sum_pooling_divides_nothing_and_the_compact_hash_saves_work(tmp_path):
     variants = ["default", "default, 8 bags a program", "compact hash, 8 bags a program"]
     run_compiled(["-m", "benchmarks.kernel_instructions", "--block-sizes", "32", "--variants",
                   *variants, "--out", str(tmp_path)], tmp_path / "cache")
@@ -18,6 +19,8 @@ def test_the_compact_hash_issues_fewer_instructions_a_bag(tmp_path):
     kernels = {"_forward_short_bags_kernel", "_backward_short_bags_kernel"}
     assert set(by) == {(v, k) for v in [*variants, "default, mix hash"] for k in kernels}
     assert all(r["instructions"] > 100 and r["registers"] > 0 for r in rows)
+    # sum pooling everywhere: the kernels are compiled without the mean's division
+    assert all(r["float_divisions"] == 0 for r in rows)
     for kernel in kernels:
         default, eight, compact = (by[(v, kernel)] for v in variants)
         assert [r["bags_a_program"] for r in (default, eight, compact)] == [1, 8, 8]
