@@ -166,8 +166,9 @@ def _input_summary_kernel(values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     bag_mask = j < num_bags
     lo = tl.load(offsets_ptr + j, mask=bag_mask, other=0).to(tl.int64)
     hi = tl.load(offsets_ptr + j + 1, mask=bag_mask, other=0).to(tl.int64)
-    tl.atomic_add(out_ptr, tl.sum((hi < lo).to(tl.int64)))
+    decreasing = tl.sum((hi < lo).to(tl.int64))
     value_mask = j < num_values
+    bad_ids = tl.zeros([], dtype=tl.int64)
     if IN_BOUNDS or KEY_LIMIT:
         ids = tl.load(values_ptr + j, mask=value_mask, other=0).to(tl.int64)
         # feature of value j: how many feature ends offsets[(t + 1) * batch] are <= j
@@ -190,12 +191,13 @@ def _input_summary_kernel(values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
             row_offset = tl.load(meta_ptr + _F_ROW_OFFSET * num_features + t,
                                  mask=value_mask, other=0)
             bad = (ids < 0) | (ids + row_offset >= key_limit)
-        tl.atomic_add(out_ptr + 1, tl.sum((bad & value_mask).to(tl.int64)))
+        bad_ids += tl.sum((bad & value_mask).to(tl.int64))
+    bad_weights = tl.zeros([], dtype=tl.int64)
     if HAS_PSW:
         w = tl.load(psw_ptr + j, mask=value_mask, other=0.0).to(tl.float64)
         nonfinite = (w != w) | (tl.abs(w) == float("inf"))
-        tl.atomic_add(out_ptr + 2, tl.sum((nonfinite & value_mask).to(tl.int64)))
-    if pid == 0:
-        first_offset = tl.load(offsets_ptr).to(tl.int64)
-        last_offset = tl.load(offsets_ptr + num_bags).to(tl.int64)
-        tl.atomic_add(out_ptr + 3, ((first_offset != 0) | (last_offset != num_values)).to(tl.int64))
+        bad_weights += tl.sum((nonfinite & value_mask).to(tl.int64))
+    # one relaxed atomic of the four counts (see _report_problems); only the first program
+    # checks the offsets' ends
+    _report_problems(out_ptr, offsets_ptr, num_bags, num_values, True, pid == 0, decreasing,
+                     bad_ids, bad_weights)
