@@ -122,6 +122,8 @@ def measure(block_sizes: Sequence[int], variants: Dict[str, dict]) -> List[dict]
                              "warp_instructions_a_bag": total * warps / bags,
                              # ptxas checks each IEEE float division's operands once
                              "float_divisions": ops.get("FCHK", 0),
+                             # a program's barriers and memory fences, which every warp waits at
+                             "barriers": ops.get("BAR", 0) + ops.get("MEMBAR", 0),
                              "registers": registers(kernel.asm["cubin"]),
                              "shared_bytes": kernel.metadata.shared,
                              "top_opcodes": dict(ops.most_common(6))})
@@ -149,11 +151,12 @@ def report(rows: List[dict], command: str) -> List[str]:
                        if base else float("nan"))
                 cells.append([z, r["variant"], r["bags_a_program"], r["warps"],
                               r["instructions"], f"{r['warp_instructions_a_bag']:.0f}",
-                              f"{rel:.2f}", r["float_divisions"], r["registers"],
-                              r["shared_bytes"]])
+                              f"{rel:.2f}", r["float_divisions"], r["barriers"],
+                              r["registers"], r["shared_bytes"]])
         lines += table(["Z", "variant", "bags a program", "warps", "instructions a program",
                         "warp instructions a bag", "/ default", "float divisions",
-                        "registers a thread", "shared bytes"], cells) + [""]
+                        "barriers and fences", "registers a thread", "shared bytes"],
+                       cells) + [""]
     return lines
 
 

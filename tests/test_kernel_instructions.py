@@ -1,6 +1,7 @@
 """The instruction-count benchmark compiles the bag kernels for sm_90 and counts what each
-launch variant issues a bag; the compact hash must stay compact under the Triton in use, and
-a sum-pooled layout must compile without the mean's division."""
+launch variant issues a bag; the compact hash must stay compact under the Triton in use, a
+sum-pooled layout must compile without the mean's division, and the checks' counts without
+barriers."""
 
 import json
 
@@ -24,6 +25,8 @@ def test_sum_pooling_divides_nothing_and_the_compact_hash_saves_work(tmp_path):
     for kernel in kernels:
         default, eight, compact = (by[(v, kernel)] for v in variants)
         assert [r["bags_a_program"] for r in (default, eight, compact)] == [1, 8, 8]
+        # the checks' counts take one relaxed atomic: no barrier, no fence a program
+        assert default["barriers"] == eight["barriers"] == 0, kernel
         # the same bags a program, hashed in the gather's layout (as a Triton that
         # rematerialised the hash there would): a third more
         assert compact["warp_instructions_a_bag"] < 0.8 * eight["warp_instructions_a_bag"]
