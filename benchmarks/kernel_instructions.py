@@ -51,6 +51,9 @@ MIX = "default, mix hash"
 #: the paper's setting, but a batch that only has to specialise as 10240 does (a multiple
 #: of 16): the counts do not depend on how many programs run
 FEATURES, DIM, BATCH = len(CRITEO_KAGGLE_CARDINALITIES), 128, 64
+#: the kernels counted: those that pool (or scatter) bags
+_BAG_KERNELS = ("_forward_kernel", "_forward_short_bags_kernel", "_backward_kernel",
+                "_backward_short_bags_kernel")
 _LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -60,26 +63,26 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_counts(cubin: bytes) -> collections.Counter:
-    """Opcode -> how many times it appears in ``cubin``'s SASS (``NOP`` padding left out)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """What Triton's ``cuobjdump`` prints for ``cubin`` with ``flag``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True,
+        return subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True,
                               text=True, check=True).stdout
-    ops = collections.Counter(m.group(1) for m in map(_LINE.search, sass.splitlines()) if m)
+
+
+def sass_counts(cubin: bytes) -> collections.Counter:
+    """Opcode -> how many times it appears in ``cubin``'s SASS (``NOP`` padding left out)."""
+    lines = _cuobjdump(cubin, "-sass").splitlines()
+    ops = collections.Counter(m.group(1) for m in map(_LINE.search, lines) if m)
     ops.pop("NOP", None)
     return ops
 
 
 def registers(cubin: bytes) -> int:
     """Registers a thread of ``cubin``'s kernel uses (``cuobjdump -res-usage``)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
+    found = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
     return int(found.group(1)) if found else -1
 
 
@@ -101,10 +104,6 @@ def launches(block_size: int, tuning: dict, hash_mode: HashMode):
     # a bag kernel's first grid axis runs over the bags, one a program or a group a program
     return [(launch, FEATURES * BATCH // launch.grid[0]) for launch in made
             if launch.name in _BAG_KERNELS]
-
-
-_BAG_KERNELS = ("_forward_kernel", "_forward_short_bags_kernel", "_backward_kernel",
-                "_backward_short_bags_kernel")
 
 
 def measure(block_sizes: Sequence[int], variants: Dict[str, dict]) -> List[dict]:
