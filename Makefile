@@ -19,7 +19,8 @@ TR16_STAMP := $(TR16_VENV)/.robe-installed
 # the tests that depend on which torchrec release is installed
 TR16_TESTS := tests/distributed tests/pipelines tests/test_torchrec_compat.py
 
-.PHONY: setup setup-tr16 demo test test-main test-slow test-tr16 bench compare quality clean
+.PHONY: setup setup-tr16 demo test test-main test-slow test-tr16 test-gpu-triton bench compare \
+	quality clean
 
 setup: $(STAMP)
 
@@ -47,8 +48,9 @@ demo: setup
 	$(PY) -m robe_torchrec.train
 
 # the main suite, then the slow tests (multi-process runs, subprocess apps, benchmarks' CPU
-# modes), both on the pinned stack, then the torchrec-dependent tests on torchrec 1.6.1
-test: test-main test-slow test-tr16
+# modes), both on the pinned stack, then the torchrec-dependent tests on torchrec 1.6.1, then
+# the kernels compiled by the GPU image's Triton
+test: test-main test-slow test-tr16 test-gpu-triton
 
 # two workers for the machine's two cores; tests/conftest.py groups them by file
 test-main: setup
@@ -60,6 +62,31 @@ test-slow: setup
 test-tr16: setup-tr16
 	$(TR16_PY) -m pytest $(TR16_TESTS) -q -n 2 --dist loadgroup --durations=10
 
+# The GPU machine's image (benchmarks/gpu_session.sh) has an older Triton than the pinned
+# stack. Its interpreter cannot run the kernels, but its compiler can: every kernel variant
+# the launchers produce must compile for sm_90 with it, and the cached launches must follow
+# its launcher convention (tests/ops/sm90_launches.py, tests/ops/cached_launches.py), so that
+# the rare GPU session does not fail on a version difference. Installed beside the venv,
+# first on PYTHONPATH.
+GPU_TRITON := 3.6.0
+GPU_TRITON_DIR := .triton-$(GPU_TRITON)
+GPU_TRITON_ENV = PYTHONPATH=$(GPU_TRITON_DIR):. TRITON_CACHE_DIR=$(GPU_TRITON_DIR)/cache
+
+$(GPU_TRITON_DIR)/.installed: $(STAMP) Makefile
+	rm -rf $(GPU_TRITON_DIR)
+	$(PY) -m pip install -q --no-deps --no-compile --target $(GPU_TRITON_DIR) triton==$(GPU_TRITON)
+	touch $@
+
+test-gpu-triton: $(GPU_TRITON_DIR)/.installed
+	$(GPU_TRITON_ENV) $(PY) -c "import triton; assert triton.__version__ == '$(GPU_TRITON)', triton.__version__"
+	rm -rf $(GPU_TRITON_DIR)/cache
+	$(GPU_TRITON_ENV) $(PY) -m tests.ops.sm90_launches > $(GPU_TRITON_DIR)/sm90_launches.log \
+		|| { tail -30 $(GPU_TRITON_DIR)/sm90_launches.log; exit 1; }
+	tail -1 $(GPU_TRITON_DIR)/sm90_launches.log
+	$(GPU_TRITON_ENV) $(PY) -m tests.ops.cached_launches > $(GPU_TRITON_DIR)/cached_launches.log \
+		|| { tail -30 $(GPU_TRITON_DIR)/cached_launches.log; exit 1; }
+	tail -1 $(GPU_TRITON_DIR)/cached_launches.log
+
 bench: setup
 	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
 
@@ -70,4 +97,4 @@ quality: setup
 	$(PY) -m benchmarks.quality_study --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) $(TR16_VENV) .pytest_cache
+	rm -rf $(VENV) $(TR16_VENV) $(GPU_TRITON_DIR) .pytest_cache
