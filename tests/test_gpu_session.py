@@ -1,0 +1,89 @@
+"""``benchmarks/gpu_session.sh``, the one command a lent GPU machine runs, can only be run
+there, and a GPU session is rare: a flag renamed in one of the scripts it calls, or a time
+limit that outgrows the device tool's 600 s a command, would cost that session. Each Python
+command of the script is parsed here by the argument parser of the module it names (without
+running it), and its time limits are added up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SESSION = ROOT / "benchmarks" / "gpu_session.sh"
+#: the device tool's limit on one command, seconds
+DEVICE_CALL_LIMIT = 600
+#: what the script does outside its time-limited parts (pip, tar), seconds
+UNLIMITED_PARTS = 10
+
+
+class _Parsed(Exception):
+    """Raised by the patched ``parse_args`` once the arguments parsed."""
+
+
+def _logical_lines(text: str) -> List[str]:
+    return text.replace("\\\n", " ").splitlines()
+
+
+def _python_commands(text: str) -> List[Tuple[str, List[str]]]:
+    """``(module, arguments)`` of every ``python3 -m benchmarks.X ...`` in the script, its
+    shell variables replaced by stand-ins and its redirections dropped."""
+    commands = []
+    for line in _logical_lines(text):
+        match = re.search(r"python3 -m (benchmarks\.[\w.]+)(.*)", line)
+        if match is None:
+            continue
+        words = shlex.split(re.sub(r"\$\{?(\w+)\}?", r"STANDIN_\1", match.group(2)),
+                            comments=True)
+        args = []
+        for word in words:
+            if word[0] in "<>|&" or word[:2] in ("2>", "1>"):
+                break
+            args.append(word)
+        commands.append((match.group(1), args))
+    return commands
+
+
+def test_the_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SESSION)], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_torchrec" / "wheels.sh")],
+                   check=True)
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """``ArgumentParser.parse_args`` raises :class:`_Parsed` once the arguments parsed, so a
+    module's ``main`` stops there (argparse exits with status 2 on an unknown flag)."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+
+
+def test_every_python_command_parses(parse_only):
+    commands = _python_commands(SESSION.read_text())
+    assert {m for m, _ in commands} == {"benchmarks.gpu_check", "benchmarks.host_overhead",
+                                        "benchmarks.gpu_torchrec.run"}, commands
+    for module, args in commands:
+        with pytest.raises(_Parsed):
+            importlib.import_module(module).main(args)
+
+
+def test_an_unknown_flag_is_seen(parse_only):
+    with pytest.raises(SystemExit):
+        importlib.import_module("benchmarks.gpu_check").main(["--no-such-flag"])
+
+
+def test_the_time_limits_fit_one_device_call():
+    limits = [int(n) for n in re.findall(r"\btimeout (\d+)", SESSION.read_text())]
+    assert len(limits) == 4, limits  # gpu_check, host_overhead, gpu_torchrec, ncu
+    assert sum(limits) + UNLIMITED_PARTS <= DEVICE_CALL_LIMIT, limits
