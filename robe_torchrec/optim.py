@@ -16,8 +16,9 @@ here does the same and is kept for code that passes it (everything takes either 
 
 The state follows the array: its tensors are kept in the array's accumulation dtype (float32
 for float32/float16/bfloat16 arrays, float64 for float64) on its device, and converted when
-``module.to(...)`` moved or cast the array since the last step. ``step`` stays on the CPU, as
-``torch.optim`` keeps it, unless ``capturable=True`` (see :class:`RobeFusedOptimizer`).
+``module.to(...)`` moved or cast the array since the last step. ``step`` lives with the array
+too, except Adam's without ``capturable=True``, which stays on the CPU as ``torch.optim``
+keeps it (see :class:`RobeFusedOptimizer`).
 
 Example::
 
@@ -140,15 +141,24 @@ class RobeFusedOptimizer(FusedOptimizer):
     ``exp_avg_sq``; row-wise Adagrad ``sum`` of ``ceil(M / block_size)`` rows; all keep
     ``step``. ``block_size`` (the layout's) is needed by row-wise Adagrad only.
 
-    ``step`` is a float32 scalar tensor on the CPU, as ``torch.optim`` keeps it, unless the
-    kwargs say ``capturable=True`` (as ``torch.optim.Adam(..., capturable=True)``): then it
-    lives on the array's device (and follows it), and on CUDA it is counted there and read
-    by the kernel, never by the host. That is what lets a CUDA graph capture fused Adam
-    (each replay takes the next step; with a CPU step Adam refuses to be captured), and
-    what spares a data-parallel array's update a host read of the count. Row-wise Adagrad
-    takes the flag too (its count then also stays on the device); ``torch.optim.SGD`` and
-    ``Adagrad`` do not take it (their constructors refuse it, as they would without ROBE).
-    On the CPU both kinds of step give the same numbers.
+    ``step`` is a float32 scalar tensor. Where it lives decides whether a CUDA graph replay
+    counts it:
+
+    * Adagrad and row-wise Adagrad (whose update never reads it: ``lr_decay`` is 0) keep it
+      on the array's device, as FBGEMM's fused tables keep their counters. On CUDA it is
+      advanced there by ``robe::counted_backward_fused_`` and never read by the host, so a
+      captured backward (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
+      advances it at every replay, and a compiled backward has no CPU input.
+    * Adam keeps it on the CPU, as ``torch.optim`` does, unless the kwargs say
+      ``capturable=True`` (as ``torch.optim.Adam(..., capturable=True)``): then it lives on
+      the array's device (and follows it), counted there and read by the kernel, never by
+      the host. That is what lets a CUDA graph capture fused Adam (each replay takes the next
+      step; with a CPU step Adam refuses to be captured), and what spares a data-parallel
+      array's update a host read of the count. Row-wise Adagrad takes the flag too (a no-op);
+      ``torch.optim.SGD`` and ``Adagrad`` do not (their constructors refuse it, as they would
+      without ROBE).
+
+    On the CPU every kind of step gives the same numbers.
     """
 
     def __init__(
@@ -226,8 +236,11 @@ class RobeFusedOptimizer(FusedOptimizer):
         return empty, empty
 
     def _step_device(self) -> torch.device:
-        """Where ``step`` lives: the array's device when capturable, else the CPU."""
-        return self._param.device if self.capturable else torch.device("cpu")
+        """Where ``step`` lives: the array's device, except for Adam without ``capturable``
+        (the CPU)."""
+        if self.capturable or self.kind != Optimizer.ADAM:
+            return self._param.device
+        return torch.device("cpu")
 
     def _follow_param(self) -> None:
         """Convert the state after ``module.to(dtype/device)`` changed the array (the op needs

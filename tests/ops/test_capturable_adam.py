@@ -181,6 +181,28 @@ def test_capturable_step_lives_on_the_array_device(device):
     assert step.device == torch.device("cpu") and step.dtype == torch.float32
 
 
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    ("rowwise", {"lr": 0.1}),
+    ("rowwise", {"lr": 0.1, "capturable": True}),
+])
+def test_a_step_no_update_reads_lives_on_the_array_device(cls, kwargs):
+    """Adagrad's and row-wise Adagrad's count (lr_decay is 0) lives with the array, so that
+    a CUDA graph replay advances it and a compiled backward has no CPU input; SGD has none."""
+    import torchrec.optim
+
+    param = torch.zeros(64, device="meta")
+    cls = torchrec.optim.RowWiseAdagrad if cls == "rowwise" else cls
+    step = RobeFusedOptimizer("weight", param, cls, kwargs, block_size=4).param_state["step"]
+    assert step.device == param.device and step.dtype == torch.float32 and step.dim() == 0
+    carried = RobeFusedOptimizer("weight", param, cls, kwargs, block_size=4)
+    carried.param_state["step"] = torch.tensor(5.0)  # from a checkpoint, say
+    carried.state_tensors()
+    assert carried.param_state["step"].device == param.device
+    sgd = RobeFusedOptimizer("weight", param, torch.optim.SGD, {"lr": 0.1})
+    assert "step" not in sgd.param_state
+
+
 def test_a_step_from_elsewhere_moves_to_the_array_device_at_the_next_step():
     """A CPU step (a checkpoint of a non-capturable optimizer, a carried state) moves to a
     capturable optimizer's device when the fused backward next asks for the state (the
