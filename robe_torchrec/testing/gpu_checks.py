@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -261,12 +262,16 @@ def _replays_equal_eager(name: str, case: OpCase, optimizer: Optimizer, hparams,
 
 def check_graph_fused_backward() -> None:
     """Forward and fused backward (SGD, Adagrad, row-wise Adagrad) captured together replay
-    bitwise equal to eager over three steps; bad ids copied in before a replay change no
-    weight and raise from :func:`raise_pending_checks`."""
-    for name in ("sgd", "adagrad", "rowwise_adagrad"):
+    bitwise equal to eager over three steps, with the step an int and counted on the device
+    (as a module's Adagrad counts it: each replay advances it); bad ids copied in before a
+    replay change no weight and raise from :func:`raise_pending_checks`."""
+    for name, counted in itertools.product(("sgd", "adagrad", "rowwise_adagrad"),
+                                           (False, True)):
         optimizer, hparams = OPTIMIZERS[name]
         case = _graph_case()
-        graph, graphed = _replays_equal_eager(name, case, optimizer, hparams, counted=False)
+        graph, graphed = _replays_equal_eager(name, case, optimizer, hparams, counted)
+        assert not counted or float(graphed.step) == 4, (
+            f"{name}: the warm-up and 3 replays counted {float(graphed.step)} steps")
         graphed_w = graphed.case.weights
         kept = graphed_w.clone()
         case.values[-1] = 10**9  # out of range: the replay's forward counts it
@@ -442,62 +447,105 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
 # TorchRec's DLRM compiled with CUDA graphs (needs torchrec; fbgemm's sparse ops on CUDA)
 # ---------------------------------------------------------------------------------------
 
-def _dlrm_losses(compiled: bool, steps: int) -> List[float]:
+class DlrmRun(NamedTuple):
+    """What a few DLRM training steps leave: each step's loss, and the fused optimizer's
+    tensors at the end (the ROBE array, its state, its step count), on the CPU."""
+    losses: List[float]
+    fused: Dict[str, torch.Tensor]
+
+
+def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = None
+             ) -> DlrmRun:
+    """``steps`` steps of TorchRec's DLRM on ROBE-Z tables with fused Adagrad (SGD for the
+    dense part), eager or under ``torch.compile(**compile_kwargs)``; the same model and
+    batches every call."""
     from robe_torchrec.config import RobeConfig
     from robe_torchrec.data.synthetic import SyntheticCriteo
     from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_dlrm, dense_optimizer
+    from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 
-    from robe_torchrec.testing import fbgemm_cuda_shim
+    if torch.device(device).type == "cuda":
+        from robe_torchrec.testing import fbgemm_cuda_shim
 
-    fbgemm_cuda_shim.install()  # CUDA kernels of fbgemm's sparse ops where there are none
+        fbgemm_cuda_shim.install()  # CUDA kernels of fbgemm's sparse ops where there are none
     data = SyntheticCriteo(batch_size=256, num_sparse=8, cardinality_scale=1e-2)
     spec = DLRMSpec(robe=RobeConfig(compression=100, block_size=8), embedding_dim=16,
                     embedding_optimizer=OptimizerSpec("adagrad", lr=0.05),
                     dense_optimizer=OptimizerSpec("sgd", lr=0.1))
     torch.manual_seed(0)
     model, _ = build_dlrm(spec, data.keys, data.cardinalities)
-    model = model.cuda()
+    model = model.to(device)
     dense = dense_optimizer(model, spec.dense_optimizer.cls, spec.dense_optimizer.kwargs())
-    step_model = torch.compile(model, mode="reduce-overhead") if compiled else model
+    step_model = model if compile_kwargs is None else torch.compile(model, **compile_kwargs)
     losses = []
     for batch in data.batches(0, steps):
-        batch = batch.to(torch.device("cuda"))
+        batch = batch.to(torch.device(device))
         dense.zero_grad()
         loss, _ = step_model(batch)
         loss.backward()
         dense.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     raise_pending_checks()
-    return losses
+    fused = next(m for m in model.modules()
+                 if isinstance(m, RobeEmbeddingBagCollection)).fused_optimizer
+    tensors = {"weight": fused.param}
+    tensors.update(fused.param_state)
+    return DlrmRun(losses, {k: v.detach().cpu().clone() for k, v in tensors.items()})
 
 
-def check_compiled_dlrm(steps: int = 20) -> None:
-    """TorchRec's DLRM on ROBE-Z tables with fused Adagrad, compiled with
-    ``mode="reduce-overhead"`` (CUDA graphs), trains as eager does for ``steps`` steps.
-    Float atomics in the embedding backward make two eager runs differ in the last bits
-    where ids collide, so the check allows what two eager runs differ by, plus 1e-5."""
-    from torch._dynamo.utils import counters
-
-    eager, again = _dlrm_losses(False, steps), _dlrm_losses(False, steps)
-    skipped_before = counters["inductor"]["cudagraph_skips"]
-    compiled = _dlrm_losses(True, steps)
-    # a graph Inductor could not capture runs without CUDA graphs, still correct: say so
-    skipped = counters["inductor"]["cudagraph_skips"] - skipped_before
-    noise = max(abs(a - b) for a, b in zip(eager, again))
-    worst = max(abs(a - b) for a, b in zip(eager, compiled))
-    print(f"    compiled DLRM: worst loss difference {worst:.3g} over {steps} steps "
-          f"(eager against eager: {noise:.3g}); graphs run without CUDA graphs: {skipped} "
-          "(Inductor logs why)", flush=True)
-    assert worst <= noise + 1e-5, (eager, compiled)
+def _bitwise_differences(a: DlrmRun, b: DlrmRun) -> List[str]:
+    """What differs, bit for bit, between two runs (empty: nothing)."""
+    differ = [f"loss at step {i}: {x!r} against {y!r}"
+              for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y][:3]
+    return differ + [f"fused {name}" for name, t in a.fused.items()
+                     if not torch.equal(t, b.fused[name])]
 
 
-def check_deterministic_dlrm(steps: int = 20) -> None:
-    """Under ``torch.use_deterministic_algorithms(True)`` two eager runs of the DLRM train
-    to the same losses, bit for bit (the ROBE backward sums in a fixed order; cuBLAS
-    needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which benchmarks/gpu_session.sh sets)."""
+def check_compiled_dlrm(steps: int = 20, device: str = "cuda",
+                        require_graphs: bool = True) -> None:
+    """TorchRec's DLRM on ROBE-Z tables with fused Adagrad trains under CUDA graphs as it
+    does eagerly, for ``steps`` steps, under ``torch.use_deterministic_algorithms(True)``
+    (float atomics would make even two eager runs differ where ids collide):
+
+    * ``torch.compile(backend="cudagraphs")`` (AOTAutograd's graphs of the same ATen ops and
+      our ops, replayed as CUDA graphs) gives every loss, the ROBE array and its optimizer
+      state bitwise equal to eager's: what CUDA graphs alone change is nothing;
+    * ``torch.compile(mode="reduce-overhead")`` (Inductor's kernels, in CUDA graphs) within
+      1e-5 of eager's losses: Inductor fuses the dense layers' float arithmetic in another
+      order, which changes the last bits however the graphs run;
+    * every run counts ``steps`` in the fused optimizer's step (a replay that repeated a
+      captured count would freeze it).
+
+    ``require_graphs``: a graph that Inductor or the backend would run without a CUDA graph
+    fails the check, with the reason (``torch._inductor.config.triton.cudagraph_or_error``);
+    off on the CPU, where nothing is captured and the check tests its own plumbing."""
+    import torch._inductor.config as inductor_config
+
     with _deterministic_algorithms():
-        first, second = _dlrm_losses(False, steps), _dlrm_losses(False, steps)
-    assert first == second, (first, second)
+        eager = dlrm_run(steps, device)
+        with inductor_config.patch({"triton.cudagraph_or_error": require_graphs}):
+            graphed = dlrm_run(steps, device, dict(backend="cudagraphs"))
+            compiled = dlrm_run(steps, device, dict(mode="reduce-overhead"))
+    worst = max(abs(a - b) for a, b in zip(eager.losses, compiled.losses))
+    differences = _bitwise_differences(eager, graphed)
+    print(f"    compiled DLRM, {steps} steps: backend=cudagraphs bitwise eager's: "
+          f"{not differences}; worst loss difference under reduce-overhead {worst:.3g}",
+          flush=True)
+    assert not differences, f"backend=cudagraphs against eager: {differences}"
+    assert worst <= 1e-5, (eager.losses, compiled.losses)
+    for name, run in (("eager", eager), ("cudagraphs", graphed), ("reduce-overhead", compiled)):
+        counted = float(run.fused["step"])
+        assert counted == steps, f"{name}: the fused optimizer counted {counted} of {steps} steps"
+
+
+def check_deterministic_dlrm(steps: int = 20, device: str = "cuda") -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` two eager runs of the DLRM train
+    to the same losses and fused state, bit for bit (the ROBE backward sums in a fixed order;
+    cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which benchmarks/gpu_session.sh sets)."""
+    with _deterministic_algorithms():
+        first, second = dlrm_run(steps, device), dlrm_run(steps, device)
+    differences = _bitwise_differences(first, second)
+    assert not differences, differences
 
 
 def torchrec_gpu_checks() -> List[Tuple[str, Callable[[], None]]]:
