@@ -166,12 +166,14 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def publish(out: Optional[str], stem: str, lines: Sequence[str],
-            result: Optional[dict] = None) -> Optional[str]:
-    """Print a report and, when ``out`` is given, write it: ``out`` itself when it ends in
-    ``.md``, else ``<out>/<stem>.md``; ``result`` (with the machine added) as the ``.json``
-    beside it. Returns the markdown file's path."""
+            result: Optional[dict] = None, echo: bool = True) -> Optional[str]:
+    """Print a report (unless ``echo`` is false: a partial one, written in case the run is
+    cut short) and, when ``out`` is given, write it: ``out`` itself when it ends in ``.md``,
+    else ``<out>/<stem>.md``; ``result`` (with the machine added) as the ``.json`` beside it.
+    Returns the markdown file's path."""
     text = "\n".join(lines).rstrip("\n") + "\n"
-    print(text, flush=True)
+    if echo:
+        print(text, flush=True)
     if not out:
         return None
     folder, stem = (os.path.split(out[:-3])) if out.endswith(".md") else (out, stem)

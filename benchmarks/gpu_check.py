@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -52,8 +52,11 @@ ALWAYS = {"deterministic backward": {"deterministic_backward": True},
           "launched via JITFunction.run": {"cached_launch": False}}
 
 
-def run_checks(device: str, quick: bool, only: Optional[str],
-               matrix: int) -> List[Dict[str, object]]:
+def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
+               on_check: Callable[[List[dict]], None] = lambda results: None,
+               ) -> List[Dict[str, object]]:
+    """Every check (``only``: those whose name contains it), each failure reported and the
+    rest still run; ``on_check`` gets the results so far after each."""
     from robe_torchrec.testing.op_checks import triton_checks
 
     checks = triton_checks(device, quick=quick)
@@ -73,11 +76,14 @@ def run_checks(device: str, quick: bool, only: Optional[str],
                         "error": error})
         print(f"  check {name:40s} {'FAILED' if error else 'ok'} ({results[-1]['seconds']:.1f} s) "
               f"{error}", flush=True)
+        on_check(results)
     return results
 
 
-def speed(args: argparse.Namespace, device: torch.device):
-    """``(lines, results)``: one id a bag, then several."""
+def speed(args: argparse.Namespace, device: torch.device,
+          on_section: Callable[[List[str], List[dict]], None] = lambda lines, results: None):
+    """``(lines, results)``: one id a bag, then several, then one table; ``on_section`` gets
+    what is done after each of the first two."""
     from benchmarks import gpu_speed
     from robe_torchrec.cardinalities import CRITEO_KAGGLE_CARDINALITIES
 
@@ -96,6 +102,7 @@ def speed(args: argparse.Namespace, device: torch.device):
                                               reference_reps=2 if cpu else max(3, reps // 10))
         lines, results = lines + more, results + [result]
         print("\n".join(more[:20]), flush=True)
+        on_section(lines, results)
     sizes = [1000, 4000] if cpu else [int(n) for n in args.single_table]
     more, rows = gpu_speed.single_table(device, timer, reps, inner, sizes,
                                         [10.0, 100.0] if cpu else [10, 100, 1000, 10000],
@@ -187,30 +194,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.profile_launches:
         profile_launches(args.ids_per_bag)
         return 0
-    checks = [] if args.skip_checks else run_checks(str(device), args.cpu, args.only, args.matrix)
-    speed_lines, speed_results = ([], []) if args.skip_speed else speed(args, device)
+
+    def report(checks: List[dict], speed_lines: List[str], speed_results: List[dict],
+               left: str = "") -> List[str]:
+        """Write the report of what has run; ``left`` names what has not (a partial
+        report, in case a time limit cuts the run short)."""
+        lines = report_lines(args, argv, device, time.perf_counter() - start, checks,
+                             speed_lines, left)
+        publish(args.out, "gpu_check", lines,
+                {"command": command_line("gpu_check", argv), "device": device_name(device),
+                 "checks": checks, "speed": speed_results, "incomplete": left},
+                echo=not left)
+        return [c["name"] for c in checks if not c["ok"]]
+
+    checks = [] if args.skip_checks else run_checks(
+        str(device), args.cpu, args.only, args.matrix,
+        lambda done: report(done, [], [], left="the rest of the checks"))
+    if args.skip_speed:
+        failed = report(checks, [], [])
+    else:
+        report(checks, [], [], left="the speed section")
+        speed_lines, speed_results = speed(
+            args, device, lambda lines, results: report(checks, lines, results,
+                                                        left="the rest of the speed section"))
+        failed = report(checks, speed_lines, speed_results)
+    return 1 if failed else 0
+
+
+def device_name(device: torch.device) -> str:
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "CPU, Triton interpreter")
+
+
+def report_lines(args: argparse.Namespace, argv: Sequence[str], device: torch.device,
+                 seconds: float, checks: List[dict], speed_lines: List[str],
+                 left: str = "") -> List[str]:
+    """The report: header, checks, speed; ``left``: what had not run when it was written."""
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not importable"
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else "CPU, Triton interpreter")
     failed = [c["name"] for c in checks if not c["ok"]]
     lines = header("GPU check: Triton kernels against the reference, and their speed",
                    command_line("gpu_check", argv),
-                   f"device: {name}; CUDA {torch.version.cuda}, triton {triton_version}; "
+                   f"device: {device_name(device)}; CUDA {torch.version.cuda}, triton "
+                   f"{triton_version}; "
                    f"{'CPU mode, tiny sizes: the timings mean nothing; ' if args.cpu else ''}"
-                   f"wall time {time.perf_counter() - start:.0f} s")
+                   f"wall time {seconds:.0f} s"
+                   + (f"; INCOMPLETE: written before {left} had run" if left else ""))
     lines += ["## Checks", "", f"{len(checks) - len(failed)} of {len(checks)} passed"
               + (f"; FAILED: {', '.join(failed)}" if failed else ""), "",
               *table(["check", "result", "seconds", "error"],
                      [[c["name"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["error"]]
                       for c in checks])]
-    lines += ["", "## Speed", "", *speed_lines] if speed_lines else []
-    publish(args.out, "gpu_check", lines, {"command": command_line("gpu_check", argv), "device":
-                                           name, "checks": checks, "speed": speed_results})
-    return 1 if failed else 0
+    return lines + (["", "## Speed", "", *speed_lines] if speed_lines else [])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 there, and a GPU session is rare: a flag renamed in one of the scripts it calls, or a time
 limit that outgrows the device tool's 600 s a command, would cost that session. Each Python
 command of the script is parsed here by the argument parser of the module it names (without
-running it), and its time limits are added up."""
+running it), and its time limits are added up. A part its limit cuts short must still leave
+what it did: gpu_check writes its report after every check and speed section."""
 
 from __future__ import annotations
 
@@ -87,3 +88,50 @@ def test_the_time_limits_fit_one_device_call():
     limits = [int(n) for n in re.findall(r"\btimeout (\d+)", SESSION.read_text())]
     assert len(limits) == 4, limits  # gpu_check, host_overhead, gpu_torchrec, ncu
     assert sum(limits) + UNLIMITED_PARTS <= DEVICE_CALL_LIMIT, limits
+
+
+class _Killed(BaseException):
+    """What a time limit does to the process, as far as the report is concerned: nothing
+    after it runs (a check's own failure is an ``Exception``, reported and passed over)."""
+
+
+def test_a_check_cut_short_still_leaves_its_report(tmp_path, monkeypatch):
+    """gpu_check writes its report after every check and speed section: a time limit that
+    kills it mid-run (here: during the second check) leaves what had run."""
+    from benchmarks import gpu_check
+    from robe_torchrec.testing import op_checks
+
+    def killed():
+        raise _Killed()
+
+    monkeypatch.setattr(op_checks, "triton_checks", lambda device, quick: [
+        ("forward[case0]", lambda: None), ("forward[case1]", killed)])
+    out = tmp_path / "gpu_check_h100.md"
+    with pytest.raises(_Killed):
+        gpu_check.main(["--cpu", "--out", str(out)])
+    text = out.read_text()
+    assert "INCOMPLETE: written before the rest of the checks had run" in text
+    assert "| forward[case0] | ok |" in text and "case1" not in text
+    assert (tmp_path / "gpu_check_h100.json").exists()
+
+
+def test_a_speed_section_cut_short_still_leaves_the_checks_and_sections_before(
+        tmp_path, monkeypatch):
+    from benchmarks import gpu_check, gpu_speed
+
+    monkeypatch.setattr(gpu_check, "run_checks", lambda *a, **k: [
+        {"name": "forward[case0]", "ok": True, "seconds": 0.5, "error": ""}])
+    monkeypatch.setattr(gpu_speed, "run_scenario", lambda s, *a, **k: (
+        [f"### {s.name}", "", "| row | ms |"], {"scenario": s.name}))
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(gpu_speed, "single_table", killed)
+    out = tmp_path / "gpu_check.md"
+    with pytest.raises(_Killed):
+        gpu_check.main(["--cpu", "--out", str(out)])
+    text = out.read_text()
+    assert "INCOMPLETE: written before the rest of the speed section had run" in text
+    assert "| forward[case0] | ok |" in text
+    assert "### 1 id(s) a bag" in text and "### 20 id(s) a bag" in text
