@@ -8,6 +8,7 @@ what it did: gpu_check writes its report after every check and speed section."""
 from __future__ import annotations
 
 import argparse
+import json
 import importlib
 import re
 import shlex
@@ -135,3 +136,21 @@ def test_a_speed_section_cut_short_still_leaves_the_checks_and_sections_before(
     assert "INCOMPLETE: written before the rest of the speed section had run" in text
     assert "| forward[case0] | ok |" in text
     assert "### 1 id(s) a bag" in text and "### 20 id(s) a bag" in text
+
+
+def test_the_torchrec_side_cut_short_still_leaves_the_parts_done(tmp_path, monkeypatch):
+    from benchmarks.gpu_torchrec import run
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(run, "part_shim", lambda device, sizes: {"summary": "shim fine"})
+    monkeypatch.setattr(run, "part_pipelines", killed)
+    out = tmp_path / "gpu_pipelines_h100.md"
+    with pytest.raises(_Killed):
+        run.main(["--cpu", "--out", str(out), "--commit", "test"])
+    assert "shim fine" in out.read_text()
+    assert "INCOMPLETE: written before pipelines, overlap, compare, app had run" in \
+        out.read_text()
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert list(report["parts"]) == ["shim"] and report["not_run"][0] == "pipelines"

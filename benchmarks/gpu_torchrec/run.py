@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -412,6 +412,22 @@ def markdown(env: Dict[str, Any], parts: Dict[str, Dict[str, Any]], command: str
     return "\n".join(lines)
 
 
+def write_report(out: Path, env: Dict[str, Any], sizes_used: Dict[str, Any],
+                 parts: Dict[str, Dict[str, Any]], command: str, wall_s: float,
+                 left: Sequence[str] = ()) -> List[str]:
+    """Write the report and its JSON for the parts done; ``left``: the parts not run yet
+    (named in the report). Returns the failed parts."""
+    failed = [n for n, r in parts.items() if not r["ok"]]
+    text = markdown(env, parts, command, wall_s)
+    if left:
+        text += f"\nINCOMPLETE: written before {', '.join(left)} had run.\n"
+    out.write_text(text)
+    with open(out.with_suffix(".json"), "w") as f:
+        json.dump({"environment": env, "sizes": sizes_used, "wall_s": wall_s, "parts": parts,
+                   "failed": failed, "not_run": list(left)}, f, indent=1, default=str)
+    return failed
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_torchrec.run",
                                 description=__doc__.split("\n")[0])
@@ -433,16 +449,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             "overlap": lambda: part_overlap(device, sz, out.parent, out.stem),
             "compare": lambda: part_compare(device, sz, out.parent, out.stem),
             "app": lambda: part_app(device, sz, out.parent, out.stem, args.app_device)}
-    start = time.time()
-    parts = {name: _guarded(name, job) for name, job in jobs.items()
-             if not args.only or name in args.only}
-    wall = time.time() - start
-    failed = [n for n, r in parts.items() if not r["ok"]]
     command = "python -m benchmarks.gpu_torchrec.run " + " ".join(argv or sys.argv[1:])
-    out.write_text(markdown(env, parts, command, wall))
-    with open(out.with_suffix(".json"), "w") as f:
-        json.dump({"environment": env, "sizes": sz, "wall_s": wall, "parts": parts,
-                   "failed": failed}, f, indent=1, default=str)
+    start, parts = time.time(), {}
+    chosen = [name for name in jobs if not args.only or name in args.only]
+    failed = write_report(out, env, sz, parts, command, 0.0, left=chosen)
+    for i, name in enumerate(chosen):
+        parts[name] = _guarded(name, jobs[name])
+        # written after every part: a time limit that ends the run leaves the parts done
+        failed = write_report(out, env, sz, parts, command, time.time() - start,
+                              left=chosen[i + 1:])
     print(f"written: {out} (+ .json); "
           + (f"FAILED: {', '.join(failed)}" if failed else "all parts passed"), flush=True)
     return 1 if failed else 0
