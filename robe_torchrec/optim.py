@@ -36,6 +36,7 @@ import torch
 import torchrec.optim
 from torchrec.optim.fused import FusedOptimizer
 
+from robe_torchrec.ops.deferred_checks import raise_ready
 from robe_torchrec.ops.meta import Optimizer, accumulation_dtype, rowwise_state_size
 from robe_torchrec.rowwise_install import init_without_arrays, refuse_array_grads, torchrec_init
 
@@ -136,7 +137,10 @@ class RobeFusedOptimizer(FusedOptimizer):
     """The optimizer applied to a ROBE array inside backward (SGD, Adagrad, Adam or row-wise
     Adagrad).
 
-    ``step()`` and ``zero_grad()`` do nothing: the update already happened in backward.
+    ``step()`` and ``zero_grad()`` change nothing: the update already happened in backward.
+    ``step()``, which TorchRec's train loops call every iteration, reads the GPU's input
+    checks that have finished (no wait), so that bad input replayed in a CUDA graph raises
+    there (:func:`robe_torchrec.ops.deferred_checks.raise_ready`).
     State keys follow ``torch.optim`` / torchrec: Adagrad ``sum``; Adam ``exp_avg``,
     ``exp_avg_sq``; row-wise Adagrad ``sum`` of ``ceil(M / block_size)`` rows; all keep
     ``step``. ``block_size`` (the layout's) is needed by row-wise Adagrad only.
@@ -197,7 +201,7 @@ class RobeFusedOptimizer(FusedOptimizer):
         super().__init__({param_key: param}, {param: state}, [group])
 
     def step(self, closure: Any = None) -> None:
-        pass
+        raise_ready()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass

@@ -37,6 +37,7 @@ from robe_torchrec.distributed.lookup import RobeShardedLookup, Segment
 from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.layout import FeatureLayout, RobeLayout
+from robe_torchrec.ops.deferred_checks import raise_ready
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
 from robe_torchrec.optim import RowWiseAdagrad, in_backward_kwargs, resolve_optimizer
 from robe_torchrec.torchrec_compat import undo_data_parallel_wrapping
@@ -627,7 +628,7 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
         self.kind = first.kind
 
     def step(self, closure: Any = None) -> None:
-        pass
+        raise_ready()  # as RobeFusedOptimizer.step: the finished input checks, no wait
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass

@@ -27,8 +27,11 @@ bad input (offsets are clamped, hashed positions wrap into the array), so what a
 computed from bad input is wrong but harmless, and the error still comes before any update.
 
 Under CUDA graph capture nothing is read: the counts stay on the device, rewritten by every
-replay, and the backward's kernels guard their writes with them as above. Read them after
-a replay with :func:`raise_pending_checks` (:func:`captured_checks` lists them).
+replay, and the backward's kernels guard their writes with them as above. Every replay also
+adds them to a sum per device whose pinned copy the host glances at, without waiting, in
+:func:`raise_ready` (the start of a later Triton op, and a fused optimizer's ``step()``,
+which TorchRec's train loops call every iteration); :func:`raise_pending_checks` waits and
+reads them (:func:`captured_checks` lists them).
 
 Deferred checks are on for CUDA tensors and off for CPU tensors (Triton's interpreter, where
 reading the counts costs nothing). ``ROBE_DEFER_CHECKS=0`` turns them off everywhere (every
@@ -186,6 +189,7 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         return
     event, slot_key = None, None
     if problems.is_cuda:
+        _prepare_tally(problems)
         slot_key = (problems.device, problems.shape, problems.dtype)
         counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
@@ -246,17 +250,19 @@ def raise_ready() -> None:
         return
     while _pending and _pending[0].done():
         _pending.popleft().resolve()
+    if _captured:
+        _read_replays(wait=False)
 
 
 def raise_pending_checks() -> None:
     """Wait for every queued answer and raise the first problem found; after it returns,
     every input a Triton op has taken so far passed its checks. It also reads the checks
-    recorded in CUDA graphs (:func:`captured_checks`): call it after a replay."""
+    recorded in CUDA graphs, those of every replay since the last read: call it after a
+    replay."""
     while _pending:
         _pending.popleft().resolve()
-    if not is_capturing():  # reading a graph's counts waits for the device
-        for check in list(_captured):
-            check.read()
+    if _captured and not is_capturing():  # reading a graph's counts waits for the device
+        _read_replays(wait=True)
 
 
 # --- checks recorded in a CUDA graph -------------------------------------------------------
@@ -294,6 +300,61 @@ def captured_checks() -> List[CapturedCheck]:
     return list(_captured)
 
 
+@dataclasses.dataclass
+class _ReplayTally:
+    """Every captured check's counts on one device, summed over every replay since the last
+    read. A replay rewrites its own counts, so a read after two replays would miss a problem
+    of the first: each captured forward also adds its counts to ``device`` (an add recorded
+    in the graph) and copies the sum to ``host`` (pinned, a copy recorded too), which the
+    host polls without waiting. Made by the first deferred check on the device, outside any
+    capture (a capture cannot allocate it: the graph would zero it at every replay); a
+    warm-up call, which capture needs anyway, makes it."""
+    device: torch.Tensor
+    host: torch.Tensor
+
+    def take(self) -> List[int]:
+        """The sum so far, waiting for the replays in flight; then start again from 0."""
+        _wait_for(self.device.device)
+        counts = self.host.tolist()
+        self.device.zero_()
+        self.host.zero_()
+        return counts
+
+
+_tallies: Dict[torch.device, _ReplayTally] = {}
+
+
+def _prepare_tally(problems: torch.Tensor) -> None:
+    if problems.device not in _tallies:
+        _tallies[problems.device] = _ReplayTally(
+            torch.zeros_like(problems),
+            torch.zeros(problems.shape, dtype=problems.dtype, pin_memory=problems.is_cuda))
+
+
+def _wait_for(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _read_replays(wait: bool) -> None:
+    """Raise what the checks recorded in CUDA graphs found. Without ``wait``, only when a
+    replay's problem already reached the host (a glance at the pinned sums, no wait for the
+    device); with it, in any case. The last replay's problem is named from its inputs
+    (:meth:`CapturedCheck.read`); an earlier replay's by its counts."""
+    if not wait and not any(any(t.host.tolist()) for t in _tallies.values()):
+        return
+    totals = [sum(c) for c in zip(*(t.take() for t in _tallies.values()))]
+    for check in list(_captured):
+        check.read()
+    if any(totals):
+        found = ", ".join(f"{n} {what}" for n, what in zip(totals, _PROBLEMS) if n)
+        raise DeferredCheckError(
+            f"robe: CUDA graph replays since the last read took input with {found}; their "
+            "backward wrote nothing, and their inputs are gone, so the problem cannot be "
+            "named here: run those batches without the graph to name it (found by the checks "
+            "recorded in a CUDA graph)")
+
+
 def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                      meta_cpu: torch.Tensor, id_check: IdCheck,
@@ -301,6 +362,10 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
     check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
                                      id_check))
     _captured.append(check)
+    tally = _tallies.get(problems.device)
+    if tally is not None and tally.device.shape == problems.shape:
+        tally.device.add_(problems)
+        tally.host.copy_(tally.device, non_blocking=True)
     # the backward of the same replay guards its writes with these very counts
     pending = _Pending(problems, None, None, versions or (), device_counts=problems,
                        captured=True)

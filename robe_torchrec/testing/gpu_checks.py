@@ -25,7 +25,7 @@ import torch
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import raise_pending_checks
 from robe_torchrec.ops import triton_kernels as tk
-from robe_torchrec.ops.deferred_checks import DeferredCheckError
+from robe_torchrec.ops.deferred_checks import DeferredCheckError, raise_ready
 from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
 from robe_torchrec.ops.tuning import tuned
 
@@ -264,7 +264,8 @@ def check_graph_fused_backward() -> None:
     """Forward and fused backward (SGD, Adagrad, row-wise Adagrad) captured together replay
     bitwise equal to eager over three steps, with the step an int and counted on the device
     (as a module's Adagrad counts it: each replay advances it); bad ids copied in before a
-    replay change no weight and raise from :func:`raise_pending_checks`."""
+    replay change no weight and raise from :func:`raise_pending_checks`, and from
+    :func:`raise_ready` (no wait) when a clean replay followed the bad one."""
     for name, counted in itertools.product(("sgd", "adagrad", "rowwise_adagrad"),
                                            (False, True)):
         optimizer, hparams = OPTIMIZERS[name]
@@ -286,6 +287,20 @@ def check_graph_fused_backward() -> None:
         case.values[-1] = 0
         graph.replay()
         raise_pending_checks()  # the next good replay reads clean again
+        # a bad replay that a clean one followed: only the replays' tally still holds it,
+        # and a glance at its pinned copy (no wait) raises it
+        case.values[-1] = 10**9
+        graph.replay()
+        case.values[-1] = 0
+        graph.replay()
+        torch.cuda.synchronize()
+        try:
+            raise_ready()
+            raised = False
+        except DeferredCheckError as exc:
+            raised = "CUDA graph replays" in str(exc)
+        assert raised, f"{name}: a bad replay that a clean one followed was not reported"
+        raise_pending_checks()
 
 
 def check_graph_capturable_adam() -> None:

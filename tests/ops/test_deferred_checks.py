@@ -378,3 +378,80 @@ def test_capture_is_asked_of_torch_once_cuda_started(monkeypatch):
         assert dc.is_capturing() is capturing
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert dc.is_capturing() is False
+
+
+# --- checks recorded in CUDA graphs: every replay's problems reach the host -------------------
+
+@pytest.fixture
+def captured(monkeypatch):
+    """A stand-in for a CUDA graph on CPU tensors: ``record(fn)`` runs ``fn`` as if captured
+    (on the CPU its ops run at once, as a replay would run them); the device's replay tally
+    made beforehand, as a warm-up call makes it on a GPU."""
+    import collections
+
+    monkeypatch.setattr(dc, "_captured", collections.deque(maxlen=dc.MAX_PENDING))
+    monkeypatch.setattr(dc, "_tallies", {})
+    dc._prepare_tally(torch.zeros(4, dtype=torch.int64))
+
+    def record(fn):
+        monkeypatch.setattr(dc, "is_capturing", lambda: True)
+        try:
+            fn()
+        finally:
+            monkeypatch.setattr(dc, "is_capturing", lambda: False)
+    return record
+
+
+def test_a_bad_replay_that_a_clean_one_followed_still_raises(captured):
+    """A replay rewrites its own counts: the last replay was clean, yet the tally of every
+    replay since the last read holds the bad one, and a glance (no wait) raises it, once."""
+    case = weighted_case()
+    captured(lambda: tk.forward(*bad_ids(case).forward_args()))
+    [check] = dc.captured_checks()
+    check.counts.zero_()  # what the next, clean, replay leaves in the graph's own counts
+    with pytest.raises(DeferredCheckError, match="CUDA graph replays since the last read took "
+                                                 "input with 1 ids that fail their check"):
+        dc.raise_ready()
+    dc.raise_ready()
+    raise_pending_checks()
+
+
+def test_the_last_replay_bad_is_named_from_its_inputs(captured):
+    case = weighted_case()
+    captured(lambda: tk.forward(*bad_ids(case).forward_args()))
+    with pytest.raises(DeferredCheckError, match=r"id 1000000000 at position"):
+        raise_pending_checks()
+    # read: the tally starts again from 0 (the graph's own counts hold until a replay)
+    assert dc._tallies[torch.device("cpu")].host.tolist() == [0, 0, 0, 0]
+    dc.captured_checks()[0].counts.zero_()  # a clean replay
+    raise_pending_checks()
+
+
+def test_clean_replays_raise_nothing(captured):
+    case = weighted_case()
+    captured(lambda: tk.forward(*case.forward_args()))
+    dc.raise_ready()
+    raise_pending_checks()
+
+
+def test_a_fused_optimizer_step_reads_the_replays(captured):
+    """TorchRec's train loops call the fused optimizers' step() every iteration: under
+    reduce-overhead, where a replay runs nothing of ours on the host, that is where it shows."""
+    from robe_torchrec.optim import RobeFusedOptimizer
+
+    case = weighted_case()
+    captured(lambda: tk.forward(*bad_ids(case).forward_args()))
+    dc.captured_checks()[0].counts.zero_()
+    optimizer = RobeFusedOptimizer("weight", case.weights, torch.optim.Adagrad, {"lr": 0.1})
+    with pytest.raises(DeferredCheckError, match="CUDA graph replays"):
+        optimizer.step()
+
+
+def test_the_sharded_fused_optimizer_step_reads_the_replays_too(monkeypatch):
+    from robe_torchrec.distributed import sharder
+
+    reads = []
+    monkeypatch.setattr(sharder, "raise_ready", lambda: reads.append(1))
+    optimizer = object.__new__(sharder.ShardedRobeFusedOptimizer)  # its state is not read
+    optimizer.step()
+    assert reads == [1]
