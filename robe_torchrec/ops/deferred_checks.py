@@ -349,10 +349,10 @@ def _read_replays(wait: bool) -> None:
     if any(totals):
         found = ", ".join(f"{n} {what}" for n, what in zip(totals, _PROBLEMS) if n)
         raise DeferredCheckError(
-            f"robe: CUDA graph replays since the last read took input with {found}; their "
-            "backward wrote nothing, and their inputs are gone, so the problem cannot be "
-            "named here: run those batches without the graph to name it (found by the checks "
-            "recorded in a CUDA graph)")
+            f"robe: CUDA graph replays since the last read took input with {found}; a "
+            "backward of that input wrote nothing, and the input is gone, so the problem "
+            "cannot be named here: run those batches without the graph to name it (found by "
+            "the checks recorded in a CUDA graph)")
 
 
 def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
