@@ -419,8 +419,9 @@ def write_report(out: Path, env: Dict[str, Any], sizes_used: Dict[str, Any],
     (named in the report). Returns the failed parts."""
     failed = [n for n, r in parts.items() if not r["ok"]]
     text = markdown(env, parts, command, wall_s)
-    if left:
-        text += f"\nINCOMPLETE: written before {', '.join(left)} had run.\n"
+    if left:  # under the title, before a verdict that speaks of the parts done only
+        title, rest = text.split("\n", 1)
+        text = f"{title}\n\nINCOMPLETE: written before {', '.join(left)} had run.\n{rest}"
     out.write_text(text)
     with open(out.with_suffix(".json"), "w") as f:
         json.dump({"environment": env, "sizes": sizes_used, "wall_s": wall_s, "parts": parts,

@@ -189,7 +189,6 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         return
     event, slot_key = None, None
     if problems.is_cuda:
-        _prepare_tally(problems)
         slot_key = (problems.device, problems.shape, problems.dtype)
         counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
@@ -216,7 +215,9 @@ def _slot(key: tuple) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
     spares = _spare_slots[key]
     if spares:
         return spares.pop()
-    _, shape, dtype = key
+    device, shape, dtype = key
+    # the device's first deferred check, outside any capture: make its replay tally too
+    _prepare_tally(torch.empty(shape, dtype=dtype, device=device))
     return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
 
@@ -324,11 +325,12 @@ class _ReplayTally:
 _tallies: Dict[torch.device, _ReplayTally] = {}
 
 
-def _prepare_tally(problems: torch.Tensor) -> None:
-    if problems.device not in _tallies:
-        _tallies[problems.device] = _ReplayTally(
-            torch.zeros_like(problems),
-            torch.zeros(problems.shape, dtype=problems.dtype, pin_memory=problems.is_cuda))
+def _prepare_tally(like: torch.Tensor) -> None:
+    """Make the replay tally of ``like``'s device (counts of its shape and dtype), if none."""
+    if like.device not in _tallies:
+        _tallies[like.device] = _ReplayTally(
+            torch.zeros_like(like),
+            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda))
 
 
 def _wait_for(device: torch.device) -> None:
