@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from robe_torchrec.hashing import (
+    REFERENCE_PRIME,
     HashMode,
     block_start_int,
     block_starts,
     hash_params,
+    reference_block_terms,
     reference_constants,
     reference_key_limit,
 )
@@ -88,3 +90,23 @@ def test_hash_parse():
     assert HashMode.parse("mix") == HashMode.MIX
     with pytest.raises(ValueError, match="unknown ROBE hash"):
         HashMode.parse("md5")
+
+
+@pytest.mark.parametrize("params", [hash_params(HashMode.REFERENCE, seed=1024),
+                                    hash_params(HashMode.REFERENCE, seed=3),
+                                    [5, 2**62 + 7, -3]],  # wraps in int64, as the kernels did
+                         ids=["seed1024", "seed3", "out_of_range"])
+def test_reference_block_terms_are_the_hash_of_key_zero(params):
+    """The block terms the GPU kernels read are the reference hash of key 0, read where no
+    fold by the span happens (span > P), and fit int32."""
+    z = 4
+    memory_size = REFERENCE_PRIME + z  # span P + 1: every start below P stays as it is
+    terms = reference_block_terms(params, 40)
+    if params[1] < 2**62:
+        assert terms == [block_start_int(0, blk, memory_size, z, HashMode.REFERENCE, params)
+                         for blk in range(40)]
+    else:  # (blk * B + C) as int64 arithmetic wraps it, its remainder taken unsigned
+        wrapped = [((blk * params[1] + params[2]) % 2**64) % REFERENCE_PRIME
+                   for blk in range(40)]
+        assert terms == wrapped
+    assert all(0 <= t < REFERENCE_PRIME < 2**31 for t in terms)

@@ -21,7 +21,7 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from robe_torchrec.hashing import to_signed64
+from robe_torchrec.hashing import reference_block_terms, to_signed64
 from robe_torchrec.ops import deferred_checks
 from robe_torchrec.ops import meta as m
 # the kernels, attributes of this module (see the module's docstring)
@@ -193,6 +193,9 @@ class _Tiles:
             else max(1, min(tuning.max_warps, elements // tuning.elements_per_warp)))
         self.short_bags_warps = tuning.num_warps or 1
         self.compact_hash = tuning.compact_hash
+        #: block terms a launch may read: every column tile's blocks, and the two-pass
+        #: hash's power-of-two block range
+        self.num_terms = max(self.col_tiles * self.block_b, _next_pow2(num_blocks))
 
     def kwargs(self):
         return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z,
@@ -213,6 +216,16 @@ def _hash_args(hash_params: List[int]):
     if len(hash_params) != 3:
         raise ValueError(f"robe: hash_params must hold 3 ints, got {len(hash_params)}")
     return [to_signed64(int(p)) for p in hash_params]
+
+
+def _kernel_hash_args(hash_params: List[int], num_terms: int, device: torch.device) -> list:
+    """The kernels' hash arguments ``[p0, terms]``: ``p0`` (A of the reference hash, the
+    mix hash's salt) and the reference hash's block terms (:func:`reference_block_terms`,
+    int32 on ``device``; the mix hash reads none). Made when a layout's plan is, once:
+    the copy to the device waits for it, and a capture refuses it."""
+    params = _hash_args(hash_params)
+    terms = torch.tensor(reference_block_terms(params, num_terms), dtype=torch.int32)
+    return [params[0], terms.to(device)]
 
 
 def _same_device(device: torch.device, **tensors) -> None:
@@ -316,7 +329,8 @@ class _BackwardPlan(NamedTuple):
     (:func:`_backward_plan`)."""
     meta_cpu: torch.Tensor
     id_check: IdCheck
-    params: List[int]
+    #: the kernels' hash arguments (:func:`_kernel_hash_args`)
+    params: list
     tiles: "_Tiles"
     #: some feature pools by its mean (the kernels then divide by the bag's size)
     mean: bool
@@ -339,8 +353,9 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
         facts = meta_facts(meta_cpu, block_size, grad_output.shape[1])
         tiles = _Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
                        _is_interpreted(_kernels_for(weights.device)))
-        return _BackwardPlan(meta_cpu, id_check, _hash_args(hash_params), tiles,
-                             facts.any_mean)
+        return _BackwardPlan(meta_cpu, id_check,
+                             _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
+                             tiles, facts.any_mean)
 
     return _cached_plan(table_meta, key, build)
 
@@ -389,7 +404,8 @@ class _ForwardPlan(NamedTuple):
     (:func:`_forward_plan`)."""
     meta_cpu: torch.Tensor
     id_check: IdCheck
-    params: List[int]
+    #: the kernels' hash arguments (:func:`_kernel_hash_args`)
+    params: list
     batch: int
     counted: bool
     covers_output: bool
@@ -430,7 +446,9 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
             key_limit = _key_limit_arg(id_check)
         else:  # the kernel never touches the problem counts
             check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
-        return _ForwardPlan(meta_cpu, id_check, _hash_args(hash_params), batch, counted,
+        return _ForwardPlan(meta_cpu, id_check,
+                            _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
+                            batch, counted,
                             facts.covers_output, tiles, check_constants, key_limit,
                             facts.any_mean)
 
@@ -517,7 +535,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, mean: bool, source: torch.Tensor
                        weights: torch.Tensor, target: torch.Tensor, values: torch.Tensor,
                        offsets: torch.Tensor,
                        per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
-                       width: int, block_size: int, hash_mode: int, params: List[int],
+                       width: int, block_size: int, hash_mode: int, params: list,
                        extra_args: tuple = (), extra_constants: Optional[dict] = None) -> None:
     """Launch a bag kernel that reads ``source`` (weights, or the output gradient of ``width``
     columns) and writes ``target``: ``variants[1]`` (several short bags a program) when
@@ -549,7 +567,7 @@ def _launch_bag_kernel(variants, tiles: _Tiles, mean: bool, source: torch.Tensor
 
 
 def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor,
-                 batch: int, block_size: int, hash_mode: int, params: List[int], tiles: _Tiles,
+                 batch: int, block_size: int, hash_mode: int, params: list, tiles: _Tiles,
                  weights: torch.Tensor) -> torch.Tensor:
     """Every id's block starts, ``[num_values, tiles.num_blocks]``, hashed once (the first
     pass of a two-pass launch): int32 while every start fits, else int64."""
@@ -578,7 +596,8 @@ def hash_starts(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tens
                    _is_interpreted(_kernels_for(values.device)))
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     return _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode,
-                        _hash_args(hash_params), tiles, weights)
+                        _kernel_hash_args(hash_params, tiles.num_terms, values.device), tiles,
+                        weights)
 
 
 def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
@@ -596,7 +615,7 @@ def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: to
                       device=weights.device)
     kernels._forward_kernel[(num_bags, tiles.col_tiles)](
         weights, values, offsets, weights, _meta_on(table_meta, weights.device), out, batch,
-        table_meta.shape[1], values.numel(), output_dim, 0, 0, 0, out, 0, starts,
+        table_meta.shape[1], values.numel(), output_dim, 0, out, out, 0, starts,
         Z=block_size, HASH_MODE=0, HAS_PSW=False, ACC=_acc_dtype(weights), CHECK=False,
         IN_BOUNDS=False, KEY_LIMIT=False, STARTS=True, NUM_BLOCKS=tiles.num_blocks,
         COMPACT=False, MEAN=False, **tiles.kwargs())
@@ -646,7 +665,7 @@ _GATHER_TILE = 128
 def _gather_gradient(grad: torch.Tensor, grad_output: torch.Tensor, values: torch.Tensor,
                      offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                      table_meta: torch.Tensor, block_size: int, hash_mode: int,
-                     params: List[int], tiles: _Tiles, guard_args: tuple,
+                     params: list, tiles: _Tiles, guard_args: tuple,
                      guard_constants: dict) -> None:
     """The weight gradient into ``grad``, the same sums as the atomic kernels but in an
     order fixed by the inputs alone, so that two runs agree bit for bit: every (id, block)
@@ -879,7 +898,8 @@ def block_starts(keys: torch.Tensor, num_blocks: int, memory_size: int, block_si
         return out
     block_k = 64
     kernels._block_starts_kernel[(_cdiv(keys.numel(), block_k),)](
-        keys, out, keys.numel(), int(memory_size) - int(block_size) + 1, *_hash_args(params),
+        keys, out, keys.numel(), int(memory_size) - int(block_size) + 1,
+        *_kernel_hash_args(params, _next_pow2(num_blocks), keys.device),
         NUM_BLOCKS=int(num_blocks), HASH_MODE=int(mode), BLOCK_K=block_k,
         BLOCK_B=_next_pow2(num_blocks),
     )

@@ -2,6 +2,7 @@
 or several short bags a program) and the per-sample-weight gradient."""
 
 from robe_torchrec.ops.triton.common import _div_rn, tl, triton
+from robe_torchrec.ops.triton.hash import _block_terms
 from robe_torchrec.ops.triton.bags import (
     _bag_setup,
     _column_tile,
@@ -12,11 +13,11 @@ from robe_torchrec.ops.triton.bags import (
 )
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0"])
 def _backward_short_bags_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
+    p0: tl.int64, terms_ptr, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr, MEAN: tl.constexpr,
@@ -27,6 +28,7 @@ def _backward_short_bags_kernel(
      col_mask, mask) = _short_bags_setup(meta_ptr, offsets_ptr, batch, num_features,
                                          num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
     longest = tl.where(_inputs_clean(guard_ptr, GUARDED), longest, 0)
+    terms = _block_terms(terms_ptr, blk, HASH_MODE)
     grad = tl.load(grad_out_ptr + b[:, None, None] * grad_stride + out_offset + cols[None, :, :],
                    mask=mask, other=0.0)
     grad = grad.to(ACC)
@@ -35,8 +37,8 @@ def _backward_short_bags_kernel(
     for k in range(0, longest):
         i = lo + k
         id_mask = i < hi
-        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                               p0, p1, p2, HASH_MODE, COMPACT)
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, terms,
+                               s, p0, HASH_MODE, COMPACT)
         contrib = grad
         if HAS_PSW:
             psw = tl.load(psw_ptr + i, mask=id_mask, other=0.0).to(ACC)
@@ -45,11 +47,11 @@ def _backward_short_bags_kernel(
                       sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0"])
 def _backward_kernel(
     grad_out_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, grad_w_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr, starts_ptr,
+    p0: tl.int64, terms_ptr, guard_ptr, starts_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     GUARDED: tl.constexpr, STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, COMPACT: tl.constexpr,
@@ -62,6 +64,10 @@ def _backward_kernel(
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
         meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    if STARTS:  # nothing hashed here
+        terms = tl.zeros_like(blk).to(tl.int32)
+    else:
+        terms = _block_terms(terms_ptr, blk, HASH_MODE)
     if tile * BLOCK_B * Z >= dim:
         hi = lo
     hi = tl.where(_inputs_clean(guard_ptr, GUARDED), hi, lo)
@@ -73,8 +79,8 @@ def _backward_kernel(
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
-        idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                       p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS, COMPACT)
+        idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, terms,
+                       s, p0, HASH_MODE, STARTS, NUM_BLOCKS, COMPACT)
         mask = id_mask[:, None, None] & col_mask[None, :, :]
         contrib = tl.zeros([BLOCK_N, BLOCK_B, BLOCK_Z], dtype=ACC) + grad[None, :, :]
         if HAS_PSW:
@@ -83,11 +89,11 @@ def _backward_kernel(
         tl.atomic_add(grad_w_ptr + idx, contrib, mask=mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0"])
 def _psw_grad_kernel(
     grad_out_ptr, w_ptr, values_ptr, offsets_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, grad_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, guard_ptr,
+    p0: tl.int64, terms_ptr, guard_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, ACC: tl.constexpr, GUARDED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr, MEAN: tl.constexpr,
 ):
@@ -105,9 +111,10 @@ def _psw_grad_kernel(
         dot = tl.zeros([BLOCK_N], dtype=ACC)
         for tile in range(0, num_tiles):
             blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+            terms = _block_terms(terms_ptr, blk, HASH_MODE)
             grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(ACC)
-            idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                                   p0, p1, p2, HASH_MODE, False)
+            idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk,
+                                   terms, s, p0, HASH_MODE, False)
             mask = id_mask[:, None, None] & col_mask[None, :, :]
             rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(tl.sum(rows * grad[None, :, :], axis=2), axis=1)

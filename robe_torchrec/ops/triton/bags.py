@@ -65,11 +65,11 @@ def _column_tile(tile, dim, Z: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.
 
 
 @triton.jit
-def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                     p0, p1, p2, HASH_MODE: tl.constexpr, COMPACT: tl.constexpr):
+def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, terms, s, p0,
+                     HASH_MODE: tl.constexpr, COMPACT: tl.constexpr):
     """Flat indices ``[BLOCK_N, BLOCK_B, BLOCK_Z]`` into ``weights`` of the elements of the
-    ids at positions ``i`` (``[BLOCK_N]``) for the blocks ``blk`` (``[BLOCK_B, 1]``) and
-    offsets ``s``.
+    ids at positions ``i`` (``[BLOCK_N]``) for the blocks ``blk`` (``[BLOCK_B, 1]``, their
+    :func:`_block_terms` ``terms``) and offsets ``s``.
 
     With ``COMPACT`` the ids are loaded a second time, as an ``[BLOCK_N, BLOCK_B]`` tile of
     their own, and each (id, block) pair is hashed there: Triton lays that tile out one
@@ -81,12 +81,14 @@ def _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
         pairs = i[:, None] + tl.zeros_like(blocks)
         in_tile = id_mask[:, None] & (blocks >= 0)  # the id mask broadcast to the tile
         ids = tl.load(values_ptr + pairs, mask=in_tile, other=0).to(tl.int64)
-        start = _block_start(ids + row_offset, blocks, span, p0, p1, p2, HASH_MODE)
+        start = _block_start(ids + row_offset, blocks, tl.reshape(terms, (1, blk.shape[0])),
+                             span, p0, HASH_MODE)
         start = start[:, :, None]
     else:
         ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
         key = ids + row_offset  # wraps like the uint64 key of the mix hash
-        start = _block_start(key[:, None, None], blk[None, :, :], span, p0, p1, p2, HASH_MODE)
+        start = _block_start(key[:, None, None], blk[None, :, :], terms[None, :, :], span, p0,
+                             HASH_MODE)
     return w_offset + start + s[None, :, :]
 
 
@@ -101,27 +103,27 @@ def _stored_indices(starts_ptr, i, id_mask, w_offset, blk, s, NUM_BLOCKS: tl.con
 
 
 @triton.jit
-def _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-             p0, p1, p2, HASH_MODE: tl.constexpr, STARTS: tl.constexpr,
-             NUM_BLOCKS: tl.constexpr, COMPACT: tl.constexpr):
+def _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, terms, s,
+             p0, HASH_MODE: tl.constexpr, STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+             COMPACT: tl.constexpr):
     """The elements' flat indices, hashed here or (``STARTS``) read from the stored starts."""
     if STARTS:
         idx = _stored_indices(starts_ptr, i, id_mask, w_offset, blk, s, NUM_BLOCKS)
     else:
-        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                               p0, p1, p2, HASH_MODE, COMPACT)
+        idx = _element_indices(values_ptr, i, id_mask, row_offset, w_offset, span, blk, terms,
+                               s, p0, HASH_MODE, COMPACT)
     return idx
 
 
 @triton.jit
 def _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset, w_offset,
-                   span, blk, s, p0, p1, p2, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr,
+                   span, blk, terms, s, p0, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr,
                    ACC: tl.constexpr, starts_ptr, STARTS: tl.constexpr,
                    NUM_BLOCKS: tl.constexpr, COMPACT: tl.constexpr):
     """The elements ``[N, BLOCK_B, BLOCK_Z]`` of the ids at positions ``i`` (``[N]``) in
     the column tile, times their per-sample weights; 0 where masked."""
-    idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, s,
-                   p0, p1, p2, HASH_MODE, STARTS, NUM_BLOCKS, COMPACT)
+    idx = _indices(values_ptr, starts_ptr, i, id_mask, row_offset, w_offset, span, blk, terms,
+                   s, p0, HASH_MODE, STARTS, NUM_BLOCKS, COMPACT)
     mask = id_mask[:, None, None] & col_mask[None, :, :]
     rows = tl.load(w_ptr + idx, mask=mask, other=0.0).to(ACC)
     if HAS_PSW:

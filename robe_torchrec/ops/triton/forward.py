@@ -3,7 +3,7 @@ the first pass of a two-pass forward (every id's block starts, hashed once), and
 checks' summary launch."""
 
 from robe_torchrec.ops.triton.common import _F_NUM_ROWS, _F_ROW_OFFSET, _div_rn, _i64, tl, triton
-from robe_torchrec.ops.triton.hash import _block_start
+from robe_torchrec.ops.triton.hash import _block_start, _block_terms
 from robe_torchrec.ops.triton.bags import (
     _bag_setup,
     _column_tile,
@@ -14,11 +14,11 @@ from robe_torchrec.ops.triton.bags import (
 )
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2", "key_limit"])
+@triton.jit(do_not_specialize=["p0", "key_limit"])
 def _forward_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, out_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64, starts_ptr,
+    p0: tl.int64, terms_ptr, problems_ptr, key_limit: tl.int64, starts_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     STARTS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
@@ -37,6 +37,10 @@ def _forward_kernel(
     b, out_offset, dim, w_offset, span, row_offset, lo, hi, divisor = _bag_setup(
         meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, ACC)
     blk, s, cols, col_mask = _column_tile(tile, dim, Z, BLOCK_B, BLOCK_Z)
+    if STARTS:  # nothing hashed here
+        terms = tl.zeros_like(blk).to(tl.int32)
+    else:
+        terms = _block_terms(terms_ptr, blk, HASH_MODE)
     if tile * BLOCK_B * Z >= dim:  # no column of this feature in the tile: skip the ids
         hi = lo
     num_rows = 0
@@ -50,7 +54,7 @@ def _forward_kernel(
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
-                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
+                              w_offset, span, blk, terms, s, p0, HASH_MODE, HAS_PSW, ACC,
                               starts_ptr, STARTS, NUM_BLOCKS, COMPACT)
         acc += tl.sum(rows, axis=0)
         if CHECK:
@@ -70,11 +74,11 @@ def _forward_kernel(
                          tl.sum(bad_ids), tl.sum(bad_weights))
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2", "key_limit"])
+@triton.jit(do_not_specialize=["p0", "key_limit"])
 def _forward_short_bags_kernel(
     w_ptr, values_ptr, offsets_ptr, psw_ptr, meta_ptr, out_ptr,
     batch, num_features, num_values, out_stride,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64, problems_ptr, key_limit: tl.int64,
+    p0: tl.int64, terms_ptr, problems_ptr, key_limit: tl.int64,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, HAS_PSW: tl.constexpr, ACC: tl.constexpr,
     CHECK: tl.constexpr, IN_BOUNDS: tl.constexpr, KEY_LIMIT: tl.constexpr,
     BLOCK_BAGS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
@@ -94,6 +98,7 @@ def _forward_short_bags_kernel(
                                          num_values, Z, ACC, BLOCK_BAGS, BLOCK_B, BLOCK_Z)
     t = tl.program_id(0).to(tl.int64) // tl.cdiv(batch, BLOCK_BAGS)
     tile = tl.program_id(1)
+    terms = _block_terms(terms_ptr, blk, HASH_MODE)
     num_rows = 0
     if CHECK and IN_BOUNDS:
         num_rows = tl.load(meta_ptr + _F_NUM_ROWS * _i64(num_features) + t)
@@ -104,7 +109,7 @@ def _forward_short_bags_kernel(
         i = lo + k
         id_mask = i < hi
         rows = _weighted_rows(w_ptr, values_ptr, psw_ptr, i, id_mask, col_mask, row_offset,
-                              w_offset, span, blk, s, p0, p1, p2, HASH_MODE, HAS_PSW, ACC,
+                              w_offset, span, blk, terms, s, p0, HASH_MODE, HAS_PSW, ACC,
                               values_ptr, False, 1, COMPACT)
         acc += rows
         if CHECK:
@@ -126,10 +131,10 @@ def _forward_short_bags_kernel(
                          tl.sum(bad_ids), tl.sum(bad_weights))
 
 
-@triton.jit(do_not_specialize=["p0", "p1", "p2"])
+@triton.jit(do_not_specialize=["p0"])
 def _hash_starts_kernel(
     values_ptr, offsets_ptr, meta_ptr, starts_ptr, batch, num_features, num_values,
-    p0: tl.int64, p1: tl.int64, p2: tl.int64,
+    p0: tl.int64, terms_ptr,
     Z: tl.constexpr, HASH_MODE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NB: tl.constexpr,
 ):
@@ -141,12 +146,13 @@ def _hash_starts_kernel(
         meta_ptr, offsets_ptr, bag, batch, num_features, num_values, Z, tl.float32)
     blk = tl.arange(0, BLOCK_NB).to(tl.int64)
     blk_mask = (blk < NUM_BLOCKS) & (blk * Z < dim)
+    terms = _block_terms(terms_ptr, blk, HASH_MODE)
     for i0 in range(lo, hi, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         id_mask = i < hi
         ids = tl.load(values_ptr + i, mask=id_mask, other=0).to(tl.int64)
-        start = _block_start((ids + row_offset)[:, None], blk[None, :], span, p0, p1, p2,
-                             HASH_MODE)
+        start = _block_start((ids + row_offset)[:, None], blk[None, :], terms[None, :], span,
+                             p0, HASH_MODE)
         tl.store(starts_ptr + i[:, None].to(tl.int64) * NUM_BLOCKS + blk[None, :],
                  start.to(starts_ptr.dtype.element_ty),
                  mask=id_mask[:, None] & blk_mask[None, :])
