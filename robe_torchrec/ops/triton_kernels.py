@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import types
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -218,14 +218,29 @@ def _hash_args(hash_params: List[int]):
     return [to_signed64(int(p)) for p in hash_params]
 
 
+#: (device, B, C, length) -> the reference hash's block terms on that device: made once,
+#: shared by every plan that needs them
+_BLOCK_TERMS: Dict[tuple, torch.Tensor] = {}
+
+
 def _kernel_hash_args(hash_params: List[int], num_terms: int, device: torch.device) -> list:
     """The kernels' hash arguments ``[p0, terms]``: ``p0`` (A of the reference hash, the
     mix hash's salt) and the reference hash's block terms (:func:`reference_block_terms`,
-    int32 on ``device``; the mix hash reads none). Made when a layout's plan is, once:
-    the copy to the device waits for it, and a capture refuses it."""
+    int32 on ``device``; the mix hash reads none). The terms are copied to the device once
+    for all plans that use them: a plan for a new batch size reuses them, so that it can
+    be made inside a CUDA graph capture, which refuses the copy."""
     params = _hash_args(hash_params)
-    terms = torch.tensor(reference_block_terms(params, num_terms), dtype=torch.int32)
-    return [params[0], terms.to(device)]
+    key = (device, params[1], params[2], num_terms)
+    terms = _BLOCK_TERMS.get(key)
+    if terms is None:
+        if deferred_checks.is_capturing():
+            raise RuntimeError(
+                f"robe: the first call with these tables on {device} is inside a CUDA graph "
+                "capture, which cannot copy their hash's block terms to the device; run one "
+                "call outside the capture first (a warm-up step, as CUDA graphs need anyway)")
+        host = torch.tensor(reference_block_terms(params, num_terms), dtype=torch.int32)
+        terms = _BLOCK_TERMS[key] = host.to(device)
+    return [params[0], terms]
 
 
 def _same_device(device: torch.device, **tensors) -> None:

@@ -200,6 +200,23 @@ def test_reference_hash_vectors_block_starts_kernel():
     assert starts.tolist() == VECTOR_STARTS
 
 
+def test_block_terms_are_copied_once_and_never_inside_a_capture(monkeypatch):
+    """Every plan of the same tables shares one copy of their block terms on the device, so a
+    plan for a new batch size can be made inside a CUDA graph capture (which refuses the
+    copy); a first call inside a capture raises, naming the warm-up."""
+    from robe_torchrec.ops import deferred_checks
+
+    params = hash_params(HashMode.REFERENCE, seed=5)
+    device = torch.device("cpu")
+    p0, terms = tk._kernel_hash_args(params, 8, device)
+    assert p0 == params[0] and terms.dtype == torch.int32
+    assert terms.tolist() == hashing.reference_block_terms(params, 8)
+    monkeypatch.setattr(deferred_checks, "is_capturing", lambda: True)
+    assert tk._kernel_hash_args(params, 8, device)[1] is terms
+    with pytest.raises(RuntimeError, match="outside the capture first"):
+        tk._kernel_hash_args(params, 16, device)
+
+
 MIX_PARAMS = [hash_params(HashMode.MIX, seed=0), hash_params(HashMode.MIX, seed=1),  # salt < 0
               hash_params(HashMode.MIX, seed=1024), [2**31 + 5, 0, 0], [2**64 - 3, 0, 0]]
 
