@@ -276,6 +276,51 @@ def compare_variants(rows: Sequence[Row]) -> None:
         r.note = f"max rel. diff to default {diff:.1e}"
 
 
+#: how much faster than the default a variant must run to be named the faster launch
+#: (samples on a busy host move by a few percent)
+FASTER_BY = 0.05
+
+
+def fastest_variants(rows: Sequence[Row], z: int,
+                     variants: Dict[str, dict]) -> List[Dict[str, object]]:
+    """For the forward and the fused-SGD step at ``Z = z``: the launch variant (of
+    ``variants``, label -> tuning) whose median beats the default row's by the widest margin,
+    if by at least :data:`FASTER_BY`, with its tuning: what to make the default next."""
+    by_name = {r.name: r for r in rows}
+    default = by_name.get(f"ROBE-Z Z={z} (+ fused SGD)")
+    found = []
+    for measure in ("forward", "train"):
+        if default is None or default.median(measure) != default.median(measure):
+            continue
+        best: Dict[str, object] = {"Z": z, "measure": measure, "variant": "", "tuning": {},
+                                   "ratio": 1.0}
+        for label, tuning in variants.items():
+            row = by_name.get(f"ROBE-Z Z={z}, {label} (+ fused SGD)") if label else None
+            if row is None:
+                continue
+            ratio = row.median(measure) / default.median(measure)
+            if ratio <= 1.0 - FASTER_BY and ratio < best["ratio"]:
+                best.update(variant=label, tuning=dict(tuning), ratio=ratio)
+        found.append(best)
+    return found
+
+
+def fastest_lines(found: Sequence[Dict[str, object]]) -> List[str]:
+    """:func:`fastest_variants` in a sentence a measure."""
+    words = {"forward": "forward", "train": "forward + fused SGD"}
+    lines = []
+    for f in found:
+        if f["variant"]:
+            tuning = ", ".join(f"{k}={v!r}" for k, v in f["tuning"].items())
+            lines.append(f"- Fastest launch at Z={f['Z']}, {words[f['measure']]}: "
+                         f"`{f['variant']}`, {f['ratio']:.2f}x the default's time "
+                         f"(`tuned({tuning})`).")
+        else:
+            lines.append(f"- Fastest launch at Z={f['Z']}, {words[f['measure']]}: the default "
+                         f"(no variant {FASTER_BY:.0%} faster).")
+    return lines
+
+
 def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
     peer, by_name = rows[0], {r.name: r for r in rows}
     out = []
@@ -327,6 +372,7 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
     time_rows(rows, timer, reps, inner, warmup)
     compare_variants(rows)
     found = targets(rows, s)
+    fastest = fastest_variants(rows, s.block_sizes[0], variants)
     peer = rows[0]
     cells = [[r.name, fmt(r.median("forward"), 3),
               fmt(r.median("forward") / peer.median("forward")),
@@ -343,8 +389,10 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
                      "first ms", "note"], cells), "",
              *table(["target", "value", "goal", "verdict"],
                     [[t["target"], f"{t['value']:.2f}{t['unit']}", f"<= {t['goal']:g}{t['unit']}",
-                      "met" if t["met"] else "missed"] for t in found]), "", *notes]
-    return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found}
+                      "met" if t["met"] else "missed"] for t in found]), "",
+             *fastest_lines(fastest), "", *notes]
+    return lines, {"scenario": s.name, "rows": [r.json() for r in rows], "targets": found,
+                   "fastest": fastest}
 
 
 def single_table(device: torch.device, timer: DeviceTimer, reps: int, inner: int,

@@ -62,3 +62,27 @@ def test_every_launch_variant_of_the_gpu_check_pools_as_the_default():
         assert len(varied) == len(variants) + len(gpu_check.ALWAYS) - 1
         for row in varied:
             assert float(row.note.rsplit(" ", 1)[1]) < 1e-6, (row.name, row.note)
+
+
+def _timed(name: str, forward: float, train: float) -> gpu_speed.Row:
+    return gpu_speed.Row(name, lambda: None, forward_ms=[forward], train_ms=[train])
+
+
+def test_the_fastest_launch_variant_is_named_with_its_tuning():
+    """The summary names the variant to make the default, and only one that beats the
+    default by more than the host's noise."""
+    rows = [_timed("full table, one lookup (+ in-place SGD rows)", 1.0, 1.0),
+            _timed("ROBE-Z Z=32 (+ fused SGD)", 1.0, 2.0),
+            _timed("ROBE-Z Z=32, a (+ fused SGD)", 0.7, 1.99),
+            _timed("ROBE-Z Z=32, b (+ fused SGD)", 0.6, 2.2),
+            _timed("ROBE-Z Z=32, replayed CUDA graphs (+ fused SGD)", 0.1, 0.1)]
+    found = gpu_speed.fastest_variants(rows, 32, {"": {}, "a": {"num_warps": 2},
+                                                  "b": {"compact_hash": True}})
+    forward, train = found
+    assert (forward["variant"], forward["tuning"]) == ("b", {"compact_hash": True})
+    assert abs(forward["ratio"] - 0.6) < 1e-9
+    assert train["variant"] == ""  # 'a' is faster by 0.5% only
+    lines = gpu_speed.fastest_lines(found)
+    assert lines[0] == ("- Fastest launch at Z=32, forward: `b`, 0.60x the default's time "
+                        "(`tuned(compact_hash=True)`).")
+    assert lines[1].endswith("the default (no variant 5% faster).")
