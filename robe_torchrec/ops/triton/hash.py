@@ -29,8 +29,8 @@ def _fmix64(x):
 def _reference_start(key, term, span, a):
     """``((key * A + blk * B + C) mod P) mod span``, computed as
     ``((key * A) mod P + term) mod P`` with the block's ``term = (blk * B + C) mod P`` from
-    the table the host makes once per layout (:func:`block_terms`): the product's remainder
-    once per key, none per block, then one compare to fold the sum back below P. Both
+    the table the host makes once (``hashing.reference_block_terms``): the product's
+    remainder once per key, none per block, then one compare to fold the sum back below P. Both
     remainders are below P < 2**31, so the sum and the remainder by ``span`` (where ``span``
     fits; a larger span leaves the sum as it is) are taken in 32 bits.
 
@@ -58,7 +58,7 @@ def _mix_start(key, blk, span, salt):
 @triton.jit
 def _block_terms(terms_ptr, blk, HASH_MODE: tl.constexpr):
     """The reference hash's block terms ``(blk * B + C) mod P`` of the blocks ``blk``, read
-    from the layout's table (int32, at least as long as the launch has blocks); the mix
+    from the host's table (int32, at least as long as the launch has blocks); the mix
     hash has none (zeros). Loaded once a program, before the id loop: every id of the
     program adds the same terms."""
     if HASH_MODE == _HASH_REFERENCE:
