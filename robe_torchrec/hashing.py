@@ -116,10 +116,10 @@ def reference_key_limit(num_blocks: int, params: List[int]) -> int:
 
 def reference_block_terms(params: List[int], num_blocks: int) -> List[int]:
     """``(blk * B + C) mod P`` for ``blk < num_blocks``: the part of the reference hash that
-    depends on the block alone, which the GPU kernels read from a table made once per
-    layout instead of computing it in every program. Each is below ``P < 2**31``. The sum
-    is taken as the kernels' int64 arithmetic takes it (wrapping), its remainder on the
-    unsigned pattern, so that parameters outside ``[0, P)`` give what they always gave."""
+    depends on the block alone, which the GPU kernels read from a table made once for a
+    module's tables instead of computing it in every program. Each is below ``P < 2**31``.
+    The sum is taken as the kernels' int64 arithmetic takes it (wrapping), its remainder on
+    the unsigned pattern, so that parameters outside ``[0, P)`` give what they always gave."""
     _, b, c = (to_signed64(int(p)) for p in params)
     return [((blk * b + c) & _U64) % REFERENCE_PRIME for blk in range(int(num_blocks))]
 

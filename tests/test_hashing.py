@@ -1,5 +1,6 @@
 """The hash module: reference test vectors, the mix hash's properties, tensor == scalar."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,8 +106,8 @@ def test_reference_block_terms_are_the_hash_of_key_zero(params):
     if params[1] < 2**62:
         assert terms == [block_start_int(0, blk, memory_size, z, HashMode.REFERENCE, params)
                          for blk in range(40)]
-    else:  # (blk * B + C) as int64 arithmetic wraps it, its remainder taken unsigned
-        wrapped = [((blk * params[1] + params[2]) % 2**64) % REFERENCE_PRIME
-                   for blk in range(40)]
-        assert terms == wrapped
+    else:  # (blk * B + C) wrapped by int64 arithmetic, its remainder taken unsigned
+        with np.errstate(over="ignore"):
+            wrapped = np.arange(40, dtype=np.int64) * np.int64(params[1]) + np.int64(params[2])
+        assert terms == (wrapped.view(np.uint64) % np.uint64(REFERENCE_PRIME)).tolist()
     assert all(0 <= t < REFERENCE_PRIME < 2**31 for t in terms)
