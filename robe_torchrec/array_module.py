@@ -180,10 +180,18 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         lost, and the module would then train on dense gradients that no optimizer applies,
         silently. It is recorded again on the new array, as on an array built on its device,
         and the fused optimizer follows it.
+
+        The layout buffers, functions of the layout, are rebuilt when they leave the meta
+        device: ``to_empty`` alone then gives a module whose lookups run (on an array not
+        drawn yet, as a stock module's tables would be) instead of one whose first forward
+        fails on uninitialised ``table_meta`` entries.
         """
         applied = self._recorded_in_backward()
         fused = self._fused
+        buffers_on_meta = self.table_meta.is_meta
         module = super()._apply(fn, recurse)
+        if buffers_on_meta and not self.table_meta.is_meta:
+            self._restore_layout_buffers()
         self._follow_new_array(applied, fused)
         return module
 

@@ -16,13 +16,14 @@ import types
 
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig,
+                      KeyedJaggedTensor, PoolingType)
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.utils import init_parameters
 from torchrec.models.dlrm import DLRM
 from torchrec.optim import apply_optimizer_in_backward
 
-from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
 from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.optim import RobeFusedOptimizer
@@ -91,6 +92,35 @@ def test_meta_then_load_state_dict():
     module.load_state_dict(direct.state_dict())
     kjt = make_kjt()
     assert torch.equal(module(kjt).values(), direct(kjt).values())
+
+
+@pytest.mark.parametrize("module_class", [RobeEmbeddingBagCollection, RobeEmbeddingCollection])
+def test_meta_then_to_empty_alone_has_its_layout(module_class):
+    """``to_empty`` alone leaves the array undrawn, as a stock module's tables, but the
+    layout buffers (functions of the layout, not of any draw) are the module's own: the
+    lookups run and read the array where a module built on CPU reads it."""
+    tables = make_tables() if module_class is RobeEmbeddingBagCollection else [
+        EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim,
+                        num_embeddings=t.num_embeddings, feature_names=t.feature_names)
+        for t in make_tables()]
+    direct = module_class(copy.deepcopy(tables), ROBE)
+    module = module_class(copy.deepcopy(tables), ROBE, device="meta")
+    module.to_empty(device="cpu")
+    assert torch.equal(module.table_meta, direct.table_meta)
+    assert torch.equal(module.robe_layout, direct.robe_layout)
+    with torch.no_grad():
+        module.weight.copy_(direct.weight)
+    kjt = make_kjt()
+    out, expected = module(kjt), direct(kjt)
+    if module_class is RobeEmbeddingBagCollection:
+        assert torch.equal(out.values(), expected.values())
+    else:
+        for key in expected:
+            assert torch.equal(out[key].values(), expected[key].values()), key
+    # a move between real devices leaves the buffers as they are
+    module.table_meta.fill_(-1)
+    module.to("cpu", torch.float32)
+    assert (module.table_meta == -1).all()
 
 
 def test_dlrm_with_meta_tables_materialised_as_torchrec_does():
