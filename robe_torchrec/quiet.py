@@ -1,6 +1,6 @@
 """Known TorchRec noise, filtered: the warnings ``DistributedModelParallel`` and the planner
 print for every data-parallel table on every rank, and a few once-per-run ones about their
-own defaults, none of which a user can act on.
+own defaults or torch APIs they call, none of which a user can act on.
 
 :func:`install` adds filters for exactly these messages (nothing else TorchRec says is
 hidden); :func:`robe_torchrec.install` calls it, so ``import robe_torchrec`` filters them.
@@ -29,7 +29,8 @@ SHOW_ALL = "ROBE_TORCHREC_ALL_WARNINGS"
 #: (logger name, message start) of the filtered log records. Per table and rank: the planner
 #: (on the root logger) has no sharding spec for a data-parallel table, by design, and the
 #: sharder has no cache for it. Once per run: DMP's own Topology, the planner's own storage
-#: reservation, a one-process group without LOCAL_WORLD_SIZE.
+#: reservation, a one-process group without LOCAL_WORLD_SIZE, and torch's notice about
+#: ``is_fx_tracing``, which TorchRec's KeyedJaggedTensor and KeyedTensor call when built.
 NOISE_RECORDS = (
     ("root", "Sharding spec not found for "),
     ("torchrec.distributed.utils", "Sharding Type is data_parallel, caching params will be ignored"),
@@ -39,6 +40,7 @@ NOISE_RECORDS = (
     ("torchrec.distributed.planner.storage_reservations",
      "There is a known issue with TorchRec's dense tensor size calculation in dry run"),
     ("root", "Could not determine LOCAL_WORLD_SIZE from environment"),
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace"),
 )
 
 #: (message regex, module regex) of the filtered ``FutureWarning`` s: the planner's default

@@ -4,6 +4,7 @@ data-parallel table and rank, and its FutureWarnings about its own defaults), an
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -90,3 +91,31 @@ def test_only_the_known_messages_are_filtered():
         utils.removeHandler(handler)
         utils.disabled, utils.level = was_disabled, level
     assert seen == ["something else torchrec says"]
+
+
+LOOKUP = textwrap.dedent("""
+    import torch
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+
+    ebc = RobeEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
+        RobeConfig(memory_size=16, block_size=2))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([1, 2]),
+                                              lengths=torch.tensor([2]))
+    print(ebc(kjt).values().shape)
+""")
+
+
+def test_a_lookup_prints_nothing_but_its_output():
+    """A newcomer's first lookup: torch's once-per-run notice about ``is_fx_tracing``, which
+    TorchRec's KeyedJaggedTensor triggers, is filtered; ``ROBE_TORCHREC_ALL_WARNINGS=1``
+    shows it again."""
+    run = functools.partial(subprocess.run, [sys.executable, "-c", LOOKUP], cwd=ROOT,
+                            text=True, capture_output=True, timeout=120)
+    quiet = run(env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert (quiet.stdout, quiet.stderr) == ("torch.Size([1, 4])\n", ""), quiet.stderr
+    shown = run(env={**os.environ, "PYTHONPATH": str(ROOT), "ROBE_TORCHREC_ALL_WARNINGS": "1"})
+    assert "is_fx_tracing" in shown.stderr, shown.stderr
+
