@@ -57,6 +57,8 @@ class Row:
     note: str = ""
     #: its forward computes what its Z's default row does (compare_variants checks it)
     compared: bool = True
+    #: why its first calls failed (then it is not timed)
+    error: str = ""
 
     def median(self, which: str) -> float:
         samples = getattr(self, f"{which}_ms")
@@ -248,15 +250,24 @@ def block_bag_row(lk: Lookup, z: int, weights: torch.Tensor, starts: torch.Tenso
 
 
 def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, warmup: int) -> None:
+    """Time every row, interleaved. A row whose first calls raise (a launch variant that does
+    not compile on this GPU, say) keeps the error in :attr:`Row.error` and is left out, so
+    that it costs the section no other row."""
     for row in rows:
-        row.first_ms = timer(row.train or row.forward, 1)
-        for _ in range(warmup):
-            row.forward()
-            if row.train:
-                row.train()
+        try:
+            row.first_ms = timer(row.train or row.forward, 1)
+            for _ in range(warmup):
+                row.forward()
+                if row.train:
+                    row.train()
+            if row.train:  # the first call timed the step only
+                row.forward()
+        except Exception as exc:  # noqa: BLE001  reported in the section's notes
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row.note = "did not run (see the notes)"
     for rep in range(reps):
         for row in list(rows[rep % len(rows):]) + list(rows[:rep % len(rows)]):
-            if row.reps is not None and rep >= row.reps:
+            if row.error or (row.reps is not None and rep >= row.reps):
                 continue
             n = inner if row.reps is None else 1
             row.forward_ms.append(timer(row.forward, n))
@@ -269,10 +280,13 @@ def time_rows(rows: Sequence[Row], timer: DeviceTimer, reps: int, inner: int, wa
 def compare_variants(rows: Sequence[Row]) -> None:
     """Each launch variant's forward against its Z's default row (relative max difference)."""
     robe = [r for r in rows if r.name.startswith("ROBE-Z") and r.name.endswith("(+ fused SGD)")
-            and r.compared]
+            and r.compared and not r.error]
     defaults = {r.name.split(" (")[0]: r for r in robe if "," not in r.name}
     for r in (r for r in robe if "," in r.name):
-        a, b = defaults[r.name.split(",")[0]].forward(), r.forward()
+        default = defaults.get(r.name.split(",")[0])
+        if default is None:  # the default row did not run
+            continue
+        a, b = default.forward(), r.forward()
         diff = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
         r.note = f"max rel. diff to default {diff:.1e}"
 
@@ -350,16 +364,17 @@ def targets(rows: Sequence[Row], s: Scenario) -> List[Dict[str, object]]:
     return out
 
 
-def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: int, inner: int,
-                 warmup: int, variants: Dict[str, dict], reference_reps: int):
-    """``(lines, result)``: one scenario's table and targets."""
-    lk = Lookup(s, device)
+def scenario_rows(lk: Lookup, variants: Dict[str, dict],
+                  reference_reps: int) -> Tuple[List[Row], List[str]]:
+    """``(rows, notes)``: every row of a scenario, the peers first; ``variants`` are timed at
+    its first Z. The CUDA-graph row only on CUDA (a failed capture is a note, not an error)."""
+    s = lk.s
     rows = full_table_rows(lk)
     for i, z in enumerate(s.block_sizes):
         rows += robe_rows(lk, z, variants if i == 0 else {"": {}})
     rows.append(mix_hash_row(lk, s.block_sizes[0]))
     notes = []
-    if device.type == "cuda":
+    if lk.device.type == "cuda":
         try:
             rows.append(graph_row(lk, s.block_sizes[0]))
         except Exception as exc:  # noqa: BLE001  reported; a failed capture spoils no other row
@@ -370,7 +385,16 @@ def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: in
                         lambda: reference.forward(weights.detach(), *args), reps=reference_reps))
     for i, z in enumerate(s.block_sizes):
         rows += floor_rows(lk, z, output=i == 0)
+    return rows, notes
+
+
+def run_scenario(s: Scenario, device: torch.device, timer: DeviceTimer, reps: int, inner: int,
+                 warmup: int, variants: Dict[str, dict], reference_reps: int):
+    """``(lines, result)``: one scenario's table and targets."""
+    lk = Lookup(s, device)
+    rows, notes = scenario_rows(lk, variants, reference_reps)
     time_rows(rows, timer, reps, inner, warmup)
+    notes += [f"- `{r.name}` did not run: {r.error}" for r in rows if r.error]
     compare_variants(rows)
     found = targets(rows, s)
     fastest = fastest_variants(rows, s.block_sizes[0], variants)

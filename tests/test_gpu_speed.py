@@ -86,3 +86,24 @@ def test_the_fastest_launch_variant_is_named_with_its_tuning():
     assert lines[0] == ("- Fastest launch at Z=32, forward: `b`, 0.60x the default's time "
                         "(`tuned(compact_hash=True)`).")
     assert lines[1].endswith("the default (no variant 5% faster).")
+
+
+def test_a_row_that_fails_costs_the_section_no_other_row():
+    """A launch variant that does not compile on the GPU at hand is reported in the
+    section's notes; every other row is still timed and compared."""
+    lk = gpu_speed.Lookup(gpu_speed.Scenario("tiny", 4, 8, [50, 30], 1, [4], 4.0),
+                          torch.device("cpu"))
+
+    def broken():
+        raise RuntimeError("out of resource: shared memory\nmore detail")
+
+    with gpu_speed.triton_path(lk.device):
+        default, variant = gpu_speed.robe_rows(lk, 4, {"": {}, "v": {"num_warps": 2}})[::2]
+        failing = gpu_speed.Row("ROBE-Z Z=4, broken (+ fused SGD)", broken, broken)
+        rows = [default, failing, variant]
+        gpu_speed.time_rows(rows, gpu_speed.DeviceTimer(lk.device), reps=2, inner=1, warmup=0)
+        gpu_speed.compare_variants(rows)
+    assert failing.error == "RuntimeError: out of resource: shared memory"
+    assert failing.forward_ms == [] and failing.note == "did not run (see the notes)"
+    assert len(default.forward_ms) == len(variant.train_ms) == 2
+    assert variant.note.startswith("max rel. diff to default")
