@@ -82,7 +82,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
 
     def reset_parameters(self) -> None:
         """Draw the array uniform in ``[-s, s]``, ``s = layout.init_scale`` (``robe.init_scale``,
-        else ``sqrt(1 / max num_embeddings)``), and rebuild the layout buffers.
+        else ``sqrt(1 / max num_embeddings)``), or as its tables' ``weight_init_min`` /
+        ``weight_init_max`` or ``init_fn`` say (:mod:`robe_torchrec.table_init`), and rebuild
+        the layout buffers.
 
         As for TorchRec's modules, a module built on the meta device is materialised with
         ``to_empty`` and then this (it draws exactly what construction on the device draws)::
@@ -96,9 +98,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         """
         self._restore_layout_buffers()
         if self.weight.device.type != "meta":
-            scale = self._layout.init_scale
-            with torch.no_grad():
-                self.weight.uniform_(-scale, scale)
+            self._layout.draw(self.weight)
 
     def _restore_layout_buffers(self) -> None:
         with torch.no_grad():

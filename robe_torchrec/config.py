@@ -39,7 +39,8 @@ class RobeConfig:
             proportion to ``num_embeddings * embedding_dim``.
         init_scale: the arrays start uniform in ``[-init_scale, init_scale]`` (finite, >= 0);
             ``None`` means ``sqrt(1 / max(num_embeddings))``, the reference DLRM's
-            initialisation.
+            initialisation, for arrays whose tables give no ``weight_init_min`` /
+            ``weight_init_max`` or ``init_fn`` of their own (:mod:`robe_torchrec.table_init`).
         bounds_check: ``"error"`` (ids must lie in ``[0, num_embeddings)``, like TBE's FATAL
             mode) or ``"unbounded"`` (hash raw 64-bit ids as they come; pair with ``hash="mix"``).
     """

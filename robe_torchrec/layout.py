@@ -40,6 +40,7 @@ from robe_torchrec.config import RobeConfig
 from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
 from robe_torchrec.ops.args import LayoutArgs
 from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
+from robe_torchrec.table_init import TableInit, array_inits
 
 #: the TorchRec data types a ROBE array can be stored in, and its torch dtype (the kernels
 #: accumulate in float32 and return float32 for FP16 / BF16 arrays; optimizer state is float32)
@@ -141,7 +142,10 @@ class RobeLayout:
         array_sizes: floats of each ROBE array (one if ``config.shared``, else one per table).
         array_offsets: where each array starts in the flat ``weight``.
         hash_params: the hash's parameters (from ``config.hash`` and ``config.seed``).
-        init_scale: arrays start uniform in ``[-init_scale, init_scale]``.
+        init_scale: arrays whose tables say nothing of their initialisation start uniform
+            in ``[-init_scale, init_scale]``.
+        array_inits: per array, its tables' own initialisation, or ``None`` for that default
+            (see :mod:`robe_torchrec.table_init`).
         uncompressed_size: floats the tables would hold uncompressed.
         weight_dtype: the dtype of the flat ``weight`` (the tables' ``data_type``: float32,
             float16 or bfloat16; all tables share it).
@@ -156,6 +160,7 @@ class RobeLayout:
     init_scale: float
     uncompressed_size: int
     weight_dtype: torch.dtype = torch.float32
+    array_inits: Tuple[Optional[TableInit], ...] = ()
 
     @classmethod
     def build(cls, tables: Sequence[EmbeddingBagConfig], robe: RobeConfig) -> "RobeLayout":
@@ -193,6 +198,8 @@ class RobeLayout:
             init_scale=float(init_scale),
             uncompressed_size=sum(table_sizes),
             weight_dtype=weight_dtype_of(tables),
+            array_inits=array_inits(tables, [0 if robe.shared else t for t in range(len(tables))],
+                                    len(array_sizes), robe.init_scale is not None),
         )
 
     def __post_init__(self) -> None:
@@ -266,6 +273,22 @@ class RobeLayout:
             return self.array_sizes[table.array]
         sizes = [tb.num_embeddings * tb.embedding_dim for tb in self.tables]
         return max(1, math.ceil(self.array_sizes[0] * sizes[t] / sum(sizes)))
+
+    # --- initialisation ----------------------------------------------------------------------
+
+    def draw(self, weight: torch.Tensor) -> None:
+        """Initialise the flat ``weight`` in place: each array uniform in
+        ``[-init_scale, init_scale]``, or as its tables say (:attr:`array_inits`)."""
+        with torch.no_grad():
+            if not any(self.array_inits):  # one draw over every array, as always
+                weight.uniform_(-self.init_scale, self.init_scale)
+                return
+            for a, init in enumerate(self.array_inits):
+                array = weight[self.array_offsets[a]: self.array_offsets[a] + self.array_sizes[a]]
+                if init is None:
+                    array.uniform_(-self.init_scale, self.init_scale)
+                else:
+                    init.draw(array, [t.name for t in self.tables if t.array == a])
 
     # --- op arguments ----------------------------------------------------------------------
 

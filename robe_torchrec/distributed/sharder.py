@@ -533,14 +533,13 @@ class RobeShardedArrays:
 
     def reset_parameters(self) -> None:
         """Draw the arrays exactly as the unsharded module's ``reset_parameters`` does (the
-        whole flat array, uniform in ``[-init_scale, init_scale]``, from rank 0's generator),
-        and keep this rank's pieces: a model built on the meta device and sharded starts
-        where the same model built on CPU with the same seed starts. The flat array is the
-        compressed size, so drawing all of it on every rank is cheap."""
+        whole flat array, by ``RobeLayout.draw``, from rank 0's generator), and keep this
+        rank's pieces: a model built on the meta device and sharded starts where the same
+        model built on CPU with the same seed starts. The flat array is the compressed size,
+        so drawing all of it on every rank is cheap."""
         layout = self._robe_layout
         full = torch.empty(layout.memory_size, dtype=layout.weight_dtype)
-        with torch.no_grad():
-            full.uniform_(-layout.init_scale, layout.init_scale)
+        layout.draw(full)
         self._copy_from_rank0(full)
 
     def _copy_from_rank0(self, flat: torch.Tensor) -> None:
