@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -96,14 +97,17 @@ def table_init(table: Any) -> Optional[TableInit]:
     """What ``table`` (an ``EmbeddingBagConfig`` or ``EmbeddingConfig``) says about its
     initialisation, or ``None`` when it says nothing: no ``weight_init_min`` /
     ``weight_init_max`` and the ``init_fn`` TorchRec fills in from them."""
-    low, high = getattr(table, "weight_init_min", None), getattr(table, "weight_init_max", None)
     fn = getattr(table, "init_fn", None)
-    if fn is None or _uniform_partial(fn) is not None:
-        # TorchRec's own init_fn: uniform in the table's range (given or default)
-        if low is None and high is None:
-            return None
-        return TableInit(low=table.get_weight_init_min(), high=table.get_weight_init_max())
-    return TableInit(fn=fn)
+    bounds = None if fn is None else _uniform_partial(fn)
+    if fn is not None and bounds is None:
+        return TableInit(fn=fn)
+    if bounds is None:  # no init_fn at all: TorchRec's range
+        bounds = (table.get_weight_init_min(), table.get_weight_init_max())
+    default = math.sqrt(1 / table.num_embeddings)
+    said = (getattr(table, "weight_init_min", None), getattr(table, "weight_init_max", None))
+    if said == (None, None) and bounds == (-default, default):
+        return None  # the init_fn TorchRec fills in when the config gives no range
+    return TableInit(low=bounds[0], high=bounds[1])
 
 
 def _uniform_partial(fn: Callable) -> Optional[Tuple[float, float]]:

@@ -121,6 +121,9 @@ def test_what_a_config_says():
         low=-math.sqrt(1 / 400), high=0.5)
     assert table_init(make_tables(dict(init_fn=torch.nn.init.zeros_))[0]).fn is \
         torch.nn.init.zeros_
+    # a uniform init_fn of its own range, as TorchRec's reset_parameters would call it
+    wide = partial(torch.nn.init.uniform_, a=-0.5, b=0.5)
+    assert table_init(make_tables(dict(init_fn=wide))[0]) == TableInit(low=-0.5, high=0.5)
 
 
 def test_the_unpooled_module_follows_the_same_rules():
