@@ -198,8 +198,8 @@ class RobeLayout:
             init_scale=float(init_scale),
             uncompressed_size=sum(table_sizes),
             weight_dtype=weight_dtype_of(tables),
-            array_inits=array_inits(tables, [0 if robe.shared else t for t in range(len(tables))],
-                                    len(array_sizes), robe.init_scale is not None),
+            array_inits=array_inits(tables, [t.array for t in table_layouts], len(array_sizes),
+                                    robe.init_scale is not None),
         )
 
     def __post_init__(self) -> None:
