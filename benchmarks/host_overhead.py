@@ -107,6 +107,30 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     rows.update({"op of the same schema returning its input": lambda: identity(plain, *flat),
                  "torch.add of 4-element tensors": lambda: torch.add(small, small),
                  "pure Python: 1000 additions": lambda: sum(range(1000))})
+    rows.update(forward_primitives(device, (batch, DIM * FEATURES)))
+    return rows
+
+
+def forward_primitives(device: torch.device, out_shape: tuple) -> Dict[str, Callable[[], object]]:
+    """The torch calls a forward makes on the device besides its kernel's launch, each on its
+    own (rows named ``primitive: ...``): the output's allocation, the check counts' (zeroed,
+    a fill launch on CUDA), and, where the checks are deferred, the counts' copy to pinned
+    memory with its event recorded, and the event query of a later call (CUDA only: on CPU
+    tensors the counts stay where they are). What of a forward's host time is torch's own
+    work, whatever the wrapper does."""
+    rows = {"primitive: torch.empty of the output": lambda: torch.empty(out_shape, device=device),
+            "primitive: torch.zeros of the check counts":
+                lambda: torch.zeros(4, dtype=torch.int64, device=device)}
+    if device.type == "cuda":
+        counts = torch.zeros(4, dtype=torch.int64, device=device)
+        pinned, event = torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+
+        def copy_and_record():
+            pinned.copy_(counts, non_blocking=True)
+            event.record()
+
+        rows["primitive: counts to pinned memory, event recorded"] = copy_and_record
+        rows["primitive: event query"] = event.query
     return rows
 
 
@@ -215,9 +239,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     if ratios:
         lines += ["", "Launched cached / through `JITFunction.run` (medians): " + ", ".join(
             f"{n} {r:.2f}x" for n, r in ratios.items())]
+    primitives = sum(v for n, v in med.items() if n.startswith("primitive: "))
+    op = "op, no grad, launched" if "op, no grad, launched" in med else "op, no grad"
+    lines += ["", f"The forward's torch calls on the device besides its launch (the "
+              f"`primitive` rows, one each a forward; the event query is a later call's) add "
+              f"up to {primitives:.1f} us, {primitives / med[op]:.0%} of `{op}` "
+              f"({med[op]:.1f} us)."]
     result = {"command": command_line("host_overhead", argv), "device": device.type,
               "batch": args.batch, "reps": args.reps, "calls": args.calls,
               "medians": med, "lower_quartiles": low, "cached_over_jit": ratios,
+              "primitives_us": primitives,
               "samples_us": samples}
     publish(args.out, "host_overhead", lines, result)
     return result

@@ -37,6 +37,11 @@ def test_every_row_is_timed(tmp_path, monkeypatch):
     assert all(v > 0 for v in result["medians"].values())
     assert all(len(v) == 2 for v in result["samples_us"].values())
     assert result["device"] == "cpu" and result["machine"]["torch"] == torch.__version__
+    primitives = [n for n in rows if n.startswith("primitive: ")]
+    assert len(primitives) == 2  # the output's allocation and the counts' (CUDA adds two)
+    assert result["primitives_us"] == pytest.approx(sum(result["medians"][n] for n in primitives))
+    report = (tmp_path / "host_overhead.md").read_text()
+    assert "torch calls on the device besides its launch" in report
 
 
 @pytest.mark.slow
