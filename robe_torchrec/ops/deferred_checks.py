@@ -55,9 +55,9 @@ import weakref
 from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from robe_torchrec.ops.validation import IdCheck, check_data
+from robe_torchrec.ops.weak_ids import WeakIdDict
 
 #: unread answers allowed before the oldest is waited for (bounds the inputs kept alive)
 MAX_PENDING = 16
@@ -167,7 +167,7 @@ class _Record:
 
 _pending: Deque[_Pending] = collections.deque()
 #: values tensor -> the last check of it (weak keys: a record never keeps its inputs alive)
-_records: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_records: WeakIdDict = WeakIdDict()
 
 
 def _versions(*tensors: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:

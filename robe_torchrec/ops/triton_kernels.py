@@ -19,7 +19,6 @@ import types
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from robe_torchrec.hashing import reference_block_terms, to_signed64
 from robe_torchrec.ops import deferred_checks
@@ -38,6 +37,7 @@ from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
                                           check_data_summarized, check_layout,
                                           check_optimizer_args, meta_facts)
+from robe_torchrec.ops.weak_ids import WeakIdDict
 
 #: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
 POISON_EMPTY = os.environ.get("ROBE_TRITON_POISON", "0") == "1"
@@ -257,7 +257,7 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
 
 
 #: CPU table_meta -> (its version, its copy on the kernels' device)
-_DEVICE_META: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_DEVICE_META: WeakIdDict = WeakIdDict()
 
 
 def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -349,6 +349,8 @@ class _BackwardPlan(NamedTuple):
     tiles: "_Tiles"
     #: some feature pools by its mean (the kernels then divide by the bag's size)
     mean: bool
+    #: the scatter's launch (its guard added by each call)
+    launch: "_BagLaunch"
 
 
 def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block_size,
@@ -368,9 +370,11 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
         facts = meta_facts(meta_cpu, block_size, grad_output.shape[1])
         tiles = _Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
                        _is_interpreted(_kernels_for(weights.device)))
+        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None,
+                             table_meta.shape[1], offsets.numel() - 1, block_size, hash_mode)
         return _BackwardPlan(meta_cpu, id_check,
                              _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
-                             tiles, facts.any_mean)
+                             tiles, facts.any_mean, launch)
 
     return _cached_plan(table_meta, key, build)
 
@@ -424,16 +428,13 @@ class _ForwardPlan(NamedTuple):
     batch: int
     counted: bool
     covers_output: bool
-    tiles: "_Tiles"
-    check_constants: dict
+    launch: "_BagLaunch"
     key_limit: int
-    #: some feature pools by its mean (the kernels then divide by the bag's size)
-    mean: bool
 
 
 #: table_meta -> {everything else a plan depends on: plan}; weak keys, so a module's plan
 #: lives as long as its table_meta
-_PLANS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_PLANS: WeakIdDict = WeakIdDict()
 
 
 def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_size,
@@ -461,11 +462,12 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
             key_limit = _key_limit_arg(id_check)
         else:  # the kernel never touches the problem counts
             check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
+        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None,
+                             table_meta.shape[1], num_bags, block_size, hash_mode,
+                             check_constants)
         return _ForwardPlan(meta_cpu, id_check,
                             _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
-                            batch, counted,
-                            facts.covers_output, tiles, check_constants, key_limit,
-                            facts.any_mean)
+                            batch, counted, facts.covers_output, launch, key_limit)
 
     return _cached_plan(table_meta, key, build)
 
@@ -535,9 +537,8 @@ def forward(
     else:  # any pointer will do
         check_args = (out, 0)
     _launch_bag_kernel((kernels._forward_kernel, kernels._forward_short_bags_kernel),
-                       plan.tiles, plan.mean, weights, weights, out, values, offsets, psw,
-                       table_meta, output_dim, block_size, hash_mode, plan.params, check_args,
-                       plan.check_constants)
+                       plan.launch, weights, weights, out, values, offsets, psw, table_meta,
+                       output_dim, block_size, hash_mode, plan.params, check_args)
     # bad input made the kernel compute a wrong output but touch nothing outside its
     # tensors; the problem is raised here, or by a later call when the checks are deferred
     if plan.counted and not _answer(problems, values, offsets, psw, table_meta, meta_cpu,
@@ -546,39 +547,64 @@ def forward(
     return out
 
 
-def _launch_bag_kernel(variants, tiles: _Tiles, mean: bool, source: torch.Tensor,
+class _BagLaunch(NamedTuple):
+    """A bag kernel's launch as far as its plan fixes it (:func:`_bag_launch`)."""
+    tiles: "_Tiles"
+    grid: tuple
+    #: every constant of the launch but those a call adds (a backward's guard)
+    constants: dict
+
+
+def _bag_launch(tiles: "_Tiles", mean: bool, weights: torch.Tensor, has_psw: bool,
+                num_features: int, num_bags: int, block_size: int, hash_mode: int,
+                extra_constants: Optional[dict] = None) -> _BagLaunch:
+    """The launch of the bag kernels ``tiles`` picks: the short-bags variant (several short
+    bags a program) when ``tiles`` says the bags are short, else the one-bag-a-program
+    variant; ``mean``: some feature pools by its mean (else the kernel is compiled without
+    the division). Made once per plan: building the constants at every call was host time
+    a forward waits on."""
+    batch = num_bags // num_features
+    constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=has_psw,
+                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
+                     COMPACT=tiles.compact_hash, MEAN=mean, **(extra_constants or {}))
+    if tiles.short_bags:
+        grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
+        constants.update(BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps)
+    else:
+        grid = (num_bags, tiles.col_tiles)
+        constants.update(BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                         STARTS=tiles.two_pass, NUM_BLOCKS=tiles.num_blocks)
+    return _BagLaunch(tiles, grid, constants)
+
+
+def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
                        weights: torch.Tensor, target: torch.Tensor, values: torch.Tensor,
                        offsets: torch.Tensor,
                        per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                        width: int, block_size: int, hash_mode: int, params: list,
                        extra_args: tuple = (), extra_constants: Optional[dict] = None) -> None:
     """Launch a bag kernel that reads ``source`` (weights, or the output gradient of ``width``
-    columns) and writes ``target``: ``variants[1]`` (several short bags a program) when
-    ``tiles`` says the bags are short, else ``variants[0]`` (one bag a program); ``mean``:
-    some feature pools by its mean (else the kernel is compiled without the division).
-    ``extra_args`` and ``extra_constants`` are the forward kernels' check arguments."""
+    columns) and writes ``target``: ``variants[1]`` (several short bags a program) or
+    ``variants[0]`` (one bag a program), as ``launch`` says. ``extra_args`` are the forward
+    kernels' check arguments or the backward's guard, ``extra_constants`` the constants the
+    call adds to ``launch``'s (the backward's guard)."""
     num_features = table_meta.shape[1]
-    num_bags = offsets.numel() - 1
-    batch = num_bags // num_features
     psw = per_sample_weights
     args = (_dense(source), _dense(values), _dense(offsets),
             weights if psw is None else _dense(psw),
             _meta_on(table_meta, weights.device), target,
-            batch, num_features, values.numel(), width, *params, *extra_args)
-    constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=psw is not None,
-                     ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
-                     COMPACT=tiles.compact_hash, MEAN=mean, **(extra_constants or {}))
+            (offsets.numel() - 1) // num_features, num_features, values.numel(), width,
+            *params, *extra_args)
+    constants = ({**launch.constants, **extra_constants} if extra_constants
+                 else launch.constants)
     per_bag, short_bags = variants
+    tiles = launch.tiles
     if tiles.short_bags:
-        grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
-        short_bags[grid](*args, BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps,
-                         **constants)
+        short_bags[launch.grid](*args, **constants)
         return
-    starts = _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode, params,
+    starts = _hash_starts(values, offsets, table_meta, args[6], block_size, hash_mode, params,
                           tiles, weights) if tiles.two_pass else values
-    per_bag[(num_bags, tiles.col_tiles)](*args, starts, BLOCK_N=tiles.block_n,
-                                         num_warps=tiles.num_warps, STARTS=tiles.two_pass,
-                                         NUM_BLOCKS=tiles.num_blocks, **constants)
+    per_bag[launch.grid](*args, starts, **constants)
 
 
 def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor,
@@ -655,8 +681,8 @@ def _scatter_gradient(grad_output, weights, values, offsets, per_sample_weights,
         _gather_gradient(grad, grad_output, values, offsets, per_sample_weights, table_meta,
                          block_size, hash_mode, params, tiles, guard_args, guard_constants)
         return grad, guard
-    _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel), tiles,
-                       plan.mean, grad_output, weights, grad, values, offsets,
+    _launch_bag_kernel((kernels._backward_kernel, kernels._backward_short_bags_kernel),
+                       plan.launch, grad_output, weights, grad, values, offsets,
                        per_sample_weights, table_meta, output_dim, block_size, hash_mode,
                        params, guard_args, guard_constants)
     return grad, guard

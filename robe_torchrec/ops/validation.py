@@ -12,10 +12,10 @@ import functools
 from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from robe_torchrec.hashing import HashMode, reference_key_limit
 from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.weak_ids import WeakIdDict
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -247,7 +247,7 @@ Summarize = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.
                       torch.Tensor, IdCheck], bool]
 
 #: table_meta tensor -> (its version, the arguments it was checked with, its CPU copy)
-_CHECKED_META: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_CHECKED_META: WeakIdDict = WeakIdDict()
 
 
 def checked_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: int,
