@@ -402,8 +402,9 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
     """The fused backward's optimizer arguments: a known optimizer, 5 hparams, contiguous
     weights, and the state tensors that optimizer reads, of the right size and dtype. Call
     it after :func:`check_static`, which checks ``block_size`` (the row-wise state's size
-    divides by it)."""
-    if optimizer not in tuple(int(o) for o in m.Optimizer):
+    divides by it). Runs at every fused step, so it builds nothing it can look up."""
+    kind = _OPTIMIZERS.get(optimizer)
+    if kind is None:
         raise ValueError(f"robe: unknown fused optimizer {optimizer}; optimizer must be 0 (sgd), "
                          "1 (adagrad), 2 (adam) or 3 (rowwise_adagrad)")
     if len(hparams) != len(m.HPARAM_NAMES):
@@ -412,11 +413,14 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
     if not weights.is_contiguous():
         raise ValueError("robe: the fused backward updates weights in place; they must be "
                          "contiguous")
-    rows = (m.rowwise_state_size(weights.numel(), block_size),)
-    needed = {m.Optimizer.SGD: (), m.Optimizer.ADAGRAD: (("state1", state1, weights.shape),),
-              m.Optimizer.ADAM: (("state1", state1, weights.shape),
-                                 ("state2", state2, weights.shape)),
-              m.Optimizer.ROWWISE_ADAGRAD: (("state1", state1, rows),)}[m.Optimizer(optimizer)]
+    if kind == m.Optimizer.SGD:
+        needed: Tuple[Tuple[str, torch.Tensor, tuple], ...] = ()
+    elif kind == m.Optimizer.ROWWISE_ADAGRAD:
+        needed = (("state1", state1, (m.rowwise_state_size(weights.numel(), block_size),)),)
+    elif kind == m.Optimizer.ADAM:
+        needed = (("state1", state1, weights.shape), ("state2", state2, weights.shape))
+    else:
+        needed = (("state1", state1, weights.shape),)
     acc = m.accumulation_dtype(weights.dtype)
     for name, state, shape in needed:
         if state.shape != shape or not state.is_contiguous() or state.dtype != acc \
@@ -425,8 +429,12 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
                              f"{tuple(shape)} on {weights.device} for {weights.dtype} weights "
                              f"{tuple(weights.shape)}, got {state.dtype} {tuple(state.shape)} "
                              f"on {state.device}")
-    if optimizer == m.Optimizer.ADAM and step < 1:
+    if kind == m.Optimizer.ADAM and step < 1:
         raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
+
+
+#: the fused optimizers by their number
+_OPTIMIZERS = {int(o): o for o in m.Optimizer}
 
 
 #: the end of the out-of-range id message (the C++ kernel's ``kRawIdsHint`` says the same)

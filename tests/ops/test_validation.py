@@ -1,5 +1,6 @@
 """The checks' memory of ``table_meta``: checked once per tensor and version, never trusted
-after an in-place change, and forgotten with the tensor."""
+after an in-place change, and forgotten with the tensor; and the fused step's optimizer
+arguments, checked at every step."""
 
 import gc
 import weakref
@@ -74,3 +75,46 @@ def test_meta_facts_follow_the_tensor_version_and_arguments():
     meta[m.POOLING, 0] = int(m.Pooling.MEAN)
     assert validation.meta_facts(meta, 4, 17) == validation.MetaFacts(9, 3, 97, True, 20, 8,
                                                                       True)
+
+
+_HPARAMS = [0.01, 1e-8, 0.9, 0.999, 0.0]
+
+
+def _states(weights, optimizer, block_size):
+    """The state tensors ``optimizer`` reads, as its fused step wants them."""
+    full, empty = torch.zeros_like(weights), weights.new_empty(0)
+    rows = torch.zeros(m.rowwise_state_size(weights.numel(), block_size))
+    return {m.Optimizer.SGD: (empty, empty), m.Optimizer.ADAGRAD: (full, empty),
+            m.Optimizer.ADAM: (full, torch.zeros_like(weights)),
+            m.Optimizer.ROWWISE_ADAGRAD: (rows, empty)}[optimizer]
+
+
+@pytest.mark.parametrize("optimizer", list(m.Optimizer))
+def test_optimizer_args_take_each_optimizers_own_state(optimizer):
+    """Each fused optimizer's state is accepted as its step wants it, and a state of another
+    length is refused, naming the state that is wrong."""
+    weights, block_size = torch.zeros(250), 8
+    state1, state2 = _states(weights, optimizer, block_size)
+    validation.check_optimizer_args(weights, state1, state2, int(optimizer), _HPARAMS, 1,
+                                    block_size)
+    wrong = torch.zeros(7)
+    if optimizer != m.Optimizer.SGD:
+        with pytest.raises(ValueError, match="state1 must be a contiguous"):
+            validation.check_optimizer_args(weights, wrong, state2, int(optimizer), _HPARAMS, 1,
+                                            block_size)
+    if optimizer == m.Optimizer.ADAM:
+        with pytest.raises(ValueError, match="state2 must be a contiguous"):
+            validation.check_optimizer_args(weights, state1, wrong, int(optimizer), _HPARAMS, 1,
+                                            block_size)
+        with pytest.raises(ValueError, match="Adam's step counts from 1"):
+            validation.check_optimizer_args(weights, state1, state2, int(optimizer), _HPARAMS,
+                                            0, block_size)
+    with pytest.raises(ValueError, match="hparams must hold 5 floats"):
+        validation.check_optimizer_args(weights, state1, state2, int(optimizer), _HPARAMS[:4],
+                                        1, block_size)
+
+
+def test_an_unknown_optimizer_number_is_refused():
+    weights = torch.zeros(16)
+    with pytest.raises(ValueError, match="unknown fused optimizer 7"):
+        validation.check_optimizer_args(weights, weights, weights, 7, _HPARAMS, 1, 4)
