@@ -165,6 +165,21 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
     return {name: [s / per_sample * 1e6 for s in v["wall"]] for name, v in samples.items()}
 
 
+def op_floor(med: Dict[str, float]) -> Optional[Dict[str, float]]:
+    """What any forward op doing this work through a Python kernel registered with
+    ``torch.library`` spends on this host, whatever its wrapper does, from the medians: the
+    dispatcher reaching a Python kernel (the same-schema op returning its input), the
+    forward's device primitives, and the launch path (the launched wrapper less the stubbed
+    one). ``None`` without launched rows."""
+    if "wrapper, launched" not in med:
+        return None
+    return {"the dispatcher reaching a Python kernel":
+            med["op of the same schema returning its input"],
+            "the device primitives": sum(v for n, v in med.items()
+                                         if n.startswith("primitive: ")),
+            "the launch path": med["wrapper, launched"] - med["wrapper"]}
+
+
 def can_compile() -> bool:
     """Whether this process's Triton compiles for NVIDIA GPUs (no GPU needed)."""
     if triton_kernels.interpreted():
@@ -245,10 +260,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
               f"`primitive` rows, one each a forward; the event query is a later call's) add "
               f"up to {primitives:.1f} us, {primitives / med[op]:.0%} of `{op}` "
               f"({med[op]:.1f} us)."]
+    floor = op_floor(med)
+    if floor:
+        total = sum(floor.values())
+        lines += ["", "A floor for a forward op on this host, whatever its wrapper does: "
+                  + ", ".join(f"{part} {us:.1f} us" for part, us in floor.items())
+                  + f", {total:.1f} us in all. `{op}` takes {med[op] / total:.2f}x that; the "
+                  "rest is the Python of the wrapper and of the op's layers."]
     result = {"command": command_line("host_overhead", argv), "device": device.type,
               "batch": args.batch, "reps": args.reps, "calls": args.calls,
               "medians": med, "lower_quartiles": low, "cached_over_jit": ratios,
-              "primitives_us": primitives,
+              "primitives_us": primitives, "floor_us": floor,
               "samples_us": samples}
     publish(args.out, "host_overhead", lines, result)
     return result

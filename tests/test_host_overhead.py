@@ -42,6 +42,8 @@ def test_every_row_is_timed(tmp_path, monkeypatch):
     assert result["primitives_us"] == pytest.approx(sum(result["medians"][n] for n in primitives))
     report = (tmp_path / "host_overhead.md").read_text()
     assert "torch calls on the device besides its launch" in report
+    if triton_kernels.interpreted():  # no launched rows, so no floor
+        assert result["floor_us"] is None
 
 
 @pytest.mark.slow
@@ -51,10 +53,15 @@ def test_launched_rows_compare_cached_with_jit_launches(tmp_path):
     out = tmp_path / "out"
     run_compiled(["-m", "benchmarks.host_overhead", "--reps", "2", "--calls", "1", "--batch",
                   "8", "--out", str(out)], tmp_path / "cache")
-    medians = json.loads((out / "host_overhead.json").read_text())["medians"]
+    result = json.loads((out / "host_overhead.json").read_text())
+    medians = result["medians"]
     for row in host_overhead.LAUNCHED:
         assert medians[f"{row}, launched"] > 0
         assert medians[f"{row}, launched via JITFunction.run"] > 0
+    # the floor any forward op pays here: the dispatcher, the primitives, the launch path
+    floor = result["floor_us"]
+    assert floor == host_overhead.op_floor(medians) and len(floor) == 3
+    assert "A floor for a forward op on this host" in (out / "host_overhead.md").read_text()
 
 
 @pytest.mark.skipif(not triton_kernels.interpreted(), reason="needs Triton's interpreter")
