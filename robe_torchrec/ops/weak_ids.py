@@ -66,6 +66,8 @@ def _forgetter(entries: Dict[int, Tuple[weakref.KeyedRef, Any]]):
     def forget(ref: weakref.KeyedRef) -> None:
         entry = entries.get(ref.key)
         if entry is not None and entry[0] is ref:
-            del entries[ref.key]
+            # pop, not del: another thread may have dropped or replaced it meanwhile (the
+            # worst a race can do is drop a newer entry: a cache miss)
+            entries.pop(ref.key, None)
 
     return forget
