@@ -29,6 +29,7 @@ from benchmarks.common import (command_line, header, interleaved, keep_freed_mem
                                publish, table)
 from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, triton_kernels
+from robe_torchrec.ops.count_rows import zeroed_counts
 from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
 from robe_torchrec.ops.tuning import tuned
 
@@ -113,14 +114,14 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
 
 def forward_primitives(device: torch.device, out_shape: tuple) -> Dict[str, Callable[[], object]]:
     """The torch calls a forward makes on the device besides its kernel's launch, each on its
-    own (rows named ``primitive: ...``): the output's allocation, the check counts' (zeroed,
-    a fill launch on CUDA), and, where the checks are deferred, the counts' copy to pinned
-    memory with its event recorded, and the event query of a later call (CUDA only: on CPU
-    tensors the counts stay where they are). What of a forward's host time is torch's own
-    work, whatever the wrapper does."""
+    own (rows named ``primitive: ...``): the output's allocation, the check counts' zeroed
+    row (:mod:`~robe_torchrec.ops.count_rows`: a block's fill, on CUDA a launch, every 256
+    rows), and, where the checks are deferred, the counts' copy to pinned memory with its
+    event recorded, and the event query of a later call (CUDA only: on CPU tensors the
+    counts stay where they are). What of a forward's host time is torch's own work, whatever
+    the wrapper does."""
     rows = {"primitive: torch.empty of the output": lambda: torch.empty(out_shape, device=device),
-            "primitive: torch.zeros of the check counts":
-                lambda: torch.zeros(4, dtype=torch.int64, device=device)}
+            "primitive: the check counts' zeroed row": lambda: zeroed_counts(device)}
     if device.type == "cuda":
         counts = torch.zeros(4, dtype=torch.int64, device=device)
         pinned, event = torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event()

@@ -21,7 +21,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from robe_torchrec.hashing import reference_block_terms, to_signed64
-from robe_torchrec.ops import deferred_checks
+from robe_torchrec.ops import count_rows, deferred_checks
 from robe_torchrec.ops import meta as m
 # the kernels, attributes of this module (see the module's docstring)
 from robe_torchrec.ops.triton.backward import (  # noqa: F401
@@ -282,6 +282,15 @@ def _id_check_constants(id_check: IdCheck) -> dict:
                 KEY_LIMIT=id_check.key_limit is not None and not id_check.in_bounds)
 
 
+def _check_counts(device: torch.device) -> torch.Tensor:
+    """Four zeroed counts for a kernel's input checks: a row never handed out before
+    (:mod:`~robe_torchrec.ops.count_rows`, no device call), or ``torch.zeros`` where a row
+    will not do (a CUDA graph capture, CUDA graph trees)."""
+    if count_rows.usable(device):
+        return count_rows.zeroed_counts(device)
+    return torch.zeros(count_rows.COUNTS, dtype=torch.int64, device=device)
+
+
 def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
                     per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                     id_check: IdCheck) -> torch.Tensor:
@@ -290,7 +299,7 @@ def _launch_summary(values: torch.Tensor, offsets: torch.Tensor,
     kernels = _kernels_for(values.device)
     num_bags = offsets.numel() - 1
     num_features = table_meta.shape[1]
-    problems = torch.zeros(4, dtype=torch.int64, device=values.device)
+    problems = _check_counts(values.device)
     programs = _cdiv(max(values.numel(), num_bags, 1), _SUMMARY_BLOCK)
     psw = per_sample_weights
     kernels._input_summary_kernel[(programs,)](
@@ -532,7 +541,7 @@ def forward(
         return out
     if plan.counted:
         deferred_checks.raise_ready()
-        problems = torch.zeros(4, dtype=torch.int64, device=weights.device)
+        problems = _check_counts(weights.device)
         check_args = (problems, plan.key_limit)
     else:  # any pointer will do
         check_args = (out, 0)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from robe_torchrec.hashing import HashMode
-from robe_torchrec.ops import raise_pending_checks
+from robe_torchrec.ops import count_rows, raise_pending_checks
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.deferred_checks import DeferredCheckError, raise_ready
 from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
@@ -161,6 +161,39 @@ def check_no_host_sync() -> None:
     with _no_host_sync():
         for _ in range(3):
             step()
+    raise_pending_checks()
+
+
+def check_count_rows_on_streams() -> None:
+    """The check counts' zeroed rows (``robe_torchrec/ops/count_rows.py``) on CUDA: forwards
+    on the current stream and on a side stream, more of them than a block of rows holds,
+    each take a fresh row of their own stream's block. Clean batches are never reported, a
+    bad one on the side stream is reported and named, and the clean batches after it are
+    clean again: a row handed out twice, not zero, or zeroed after its kernel would show as
+    a false report or a missed one."""
+    case = _graph_case()
+    args = case.forward_args()
+    bad_values = case.values.clone()
+    bad_values[-1] = 10**9
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+
+    def forwards(count: int, values: torch.Tensor = case.values) -> None:
+        with torch.no_grad():
+            for _ in range(count):
+                torch.ops.robe.forward(args[0], values, *args[2:])
+                with torch.cuda.stream(side):
+                    torch.ops.robe.forward(args[0], values, *args[2:])
+        torch.cuda.current_stream().wait_stream(side)
+
+    forwards(count_rows.ROWS_PER_BLOCK + 8)
+    raise_pending_checks()
+    with torch.no_grad(), torch.cuda.stream(side):
+        torch.ops.robe.forward(args[0], bad_values, *args[2:])
+    torch.cuda.current_stream().wait_stream(side)
+    assert _raised(raise_pending_checks, "id 1000000000 at position"), \
+        "a bad batch on a side stream was not reported"
+    forwards(count_rows.ROWS_PER_BLOCK)
     raise_pending_checks()
 
 
@@ -450,6 +483,7 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
     checks = [(f"matrix[{seed}: {matrix_case(seed)[0]}]",
                lambda s=seed: check_matrix_case(s)) for seed in range(matrix)]
     checks += [("no_host_sync", check_no_host_sync),
+               ("count_rows_on_streams", check_count_rows_on_streams),
                ("graph_forward", check_graph_forward),
                ("graph_fused_backward", check_graph_fused_backward),
                ("graph_capturable_adam", check_graph_capturable_adam),

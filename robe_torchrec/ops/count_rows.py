@@ -1,0 +1,96 @@
+"""Zeroed rows for the input checks' four problem counts, handed out without a device call.
+
+Every Triton forward whose kernel counts its input's problems needs four zeroed int64 counts
+of its own (the kernel adds to them, and a backward may read them later as its guard, see
+:mod:`robe_torchrec.ops.deferred_checks`). ``torch.zeros(4)`` per call costs an allocation
+and, on CUDA, a fill kernel's launch: on a GPU's host, host time that a forward of one id a
+bag waits on. Here a whole block of rows is zeroed at once and each row is handed out once,
+never zeroed again or reused: a row is as fresh as a ``torch.zeros(4)`` of its own, and the
+block's memory goes back to the allocator when the last row is dropped.
+
+A block serves only the stream it was zeroed on (one block at a time for each device and
+stream), so that every kernel adding to a row runs after the fill, as stream order
+guarantees for ``torch.zeros`` too.
+
+Two places take ``torch.zeros(4)`` instead (:func:`usable` says where): a CUDA graph
+capture, whose replays must zero their counts again, and CUDA once Inductor's CUDA graph
+trees are loaded (``torch.compile(mode="reduce-overhead")``): their warm-up runs allocate
+from the graphs' private memory pool, and a later recording may take back a block that only
+a long-lived tensor still holds (torch's ``_use_cuda_memory_pool_manager`` warns of it); a
+block of rows lives for 256 forwards, a ``torch.zeros(4)`` no longer than its answer.
+
+Example::
+
+    >>> counts = zeroed_counts(torch.device("cpu"))
+    >>> counts.tolist(), zeroed_counts(torch.device("cpu")).data_ptr() != counts.data_ptr()
+    ([0, 0, 0, 0], True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Dict, Optional, Tuple
+
+import torch
+
+#: counts of a row (the kernels' four problem kinds, see ``deferred_checks._PROBLEMS``)
+COUNTS = 4
+#: rows zeroed at once: one fill for this many forwards (8 KiB)
+ROWS_PER_BLOCK = 256
+
+
+class _Block:
+    """Rows of one zeroed ``[ROWS_PER_BLOCK, COUNTS]`` tensor, each handed out once; safe to
+    share between threads (the counter is atomic under the GIL)."""
+
+    def __init__(self, device: torch.device):
+        self._rows = torch.zeros(ROWS_PER_BLOCK, COUNTS, dtype=torch.int64,
+                                 device=device).unbind(0)
+        self._taken = itertools.count()
+
+    def take(self) -> Optional[torch.Tensor]:
+        i = next(self._taken)
+        return self._rows[i] if i < ROWS_PER_BLOCK else None
+
+
+#: (device, stream) -> the block its rows come from now
+_blocks: Dict[Tuple[torch.device, int], _Block] = {}
+
+
+def _stream_of(device: torch.device) -> int:
+    """The device's current stream, as an int (0 for a CPU)."""
+    if device.type != "cuda":
+        return 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:  # what Inductor's generated code calls; a Stream object is slower
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def usable(device: torch.device) -> bool:
+    """Whether a launch on ``device`` may take its counts from a block (see the module's
+    docstring): not under a CUDA graph capture, and on CUDA not once Inductor's CUDA graph
+    trees are loaded (the check is whether their module was imported: cheap, and on the
+    safe side)."""
+    if device.type != "cuda":
+        return True
+    return (_CUDA_GRAPH_TREES not in sys.modules
+            and not torch.cuda.is_current_stream_capturing())
+
+
+#: the module whose CUDA graph trees warm up in a private memory pool
+_CUDA_GRAPH_TREES = "torch._inductor.cudagraph_trees"
+
+
+def zeroed_counts(device: torch.device) -> torch.Tensor:
+    """Four zeroed int64 counts on ``device`` for one kernel launch on its current stream,
+    never handed out before. Only where :func:`usable` says so."""
+    key = (device, _stream_of(device))
+    while True:
+        block = _blocks.get(key)
+        row = None if block is None else block.take()
+        if row is not None:
+            return row
+        # another thread may empty the new block before this one takes from it: try again
+        _blocks[key] = _Block(device)
