@@ -598,12 +598,12 @@ def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
     kernels' check arguments or the backward's guard, ``extra_constants`` the constants the
     call adds to ``launch``'s (the backward's guard)."""
     num_features = table_meta.shape[1]
+    batch = (offsets.numel() - 1) // num_features
     psw = per_sample_weights
     args = (_dense(source), _dense(values), _dense(offsets),
             weights if psw is None else _dense(psw),
             _meta_on(table_meta, weights.device), target,
-            (offsets.numel() - 1) // num_features, num_features, values.numel(), width,
-            *params, *extra_args)
+            batch, num_features, values.numel(), width, *params, *extra_args)
     constants = ({**launch.constants, **extra_constants} if extra_constants
                  else launch.constants)
     per_bag, short_bags = variants
@@ -611,7 +611,7 @@ def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
     if tiles.short_bags:
         short_bags[launch.grid](*args, **constants)
         return
-    starts = _hash_starts(values, offsets, table_meta, args[6], block_size, hash_mode, params,
+    starts = _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode, params,
                           tiles, weights) if tiles.two_pass else values
     per_bag[launch.grid](*args, starts, **constants)
 

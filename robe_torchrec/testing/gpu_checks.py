@@ -178,12 +178,12 @@ def check_count_rows_on_streams() -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
 
-    def forwards(count: int, values: torch.Tensor = case.values) -> None:
+    def forwards(count: int) -> None:
         with torch.no_grad():
             for _ in range(count):
-                torch.ops.robe.forward(args[0], values, *args[2:])
+                torch.ops.robe.forward(*args)
                 with torch.cuda.stream(side):
-                    torch.ops.robe.forward(args[0], values, *args[2:])
+                    torch.ops.robe.forward(*args)
         torch.cuda.current_stream().wait_stream(side)
 
     forwards(count_rows.ROWS_PER_BLOCK + 8)
