@@ -56,6 +56,8 @@ class _Block:
 
 #: (device, stream) -> the block its rows come from now
 _blocks: Dict[Tuple[torch.device, int], _Block] = {}
+#: blocks kept for their streams before starting over (rows already handed out keep theirs)
+_MAX_BLOCKS = 64
 
 
 def _stream_of(device: torch.device) -> int:
@@ -93,4 +95,6 @@ def zeroed_counts(device: torch.device) -> torch.Tensor:
         if row is not None:
             return row
         # another thread may empty the new block before this one takes from it: try again
+        if len(_blocks) >= _MAX_BLOCKS:  # streams come and go (external ones): start over
+            _blocks.clear()
         _blocks[key] = _Block(device)

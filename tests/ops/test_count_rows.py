@@ -42,6 +42,19 @@ def test_each_stream_takes_rows_from_its_own_block(monkeypatch):
     assert zeroed_counts(CPU)._base is first._base
 
 
+def test_blocks_of_streams_gone_are_let_go(monkeypatch):
+    """A process that makes stream after stream (external ones) keeps a bounded number of
+    blocks; a row handed out keeps its own block alive, so it stays valid."""
+    stream = [0]
+    monkeypatch.setattr(count_rows, "_stream_of", lambda device: stream[0])
+    monkeypatch.setattr(count_rows, "_blocks", {})
+    first = zeroed_counts(CPU)
+    for stream[0] in range(1, 3 * count_rows._MAX_BLOCKS):
+        zeroed_counts(CPU)
+    assert len(count_rows._blocks) <= count_rows._MAX_BLOCKS
+    assert first.tolist() == [0] * 4
+
+
 def test_threads_never_share_a_row():
     rows, start = [[], []], threading.Barrier(2)
 
