@@ -35,6 +35,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from robe_torchrec.pipelines import SemiSyncPipeline, run_to_end
 from robe_torchrec.export import export_model
+from robe_torchrec.ops import raise_pending_checks
 from robe_torchrec.threads import choose_threads
 from robe_torchrec.train.checkpoint import (CheckpointError, CheckpointException, Checkpointer,
                                             load_unsharded, on_rank0, read_manifest)
@@ -377,6 +378,9 @@ class Trainer:
         batches = self.signals.until_stopped(self.data.train_batches(self.step,
                                                                      end - self.step))
         run_to_end(self.pipeline, batches, self.on_step)
+        # the GPU ops check their input after returning (deferred checks); every batch of
+        # the segment has passed before a checkpoint holds its updates or a metric its loss
+        raise_pending_checks()
         if self.step != end and not self.signals.agreed:
             raise RuntimeError(f"the data ran out at step {self.step} (expected {end})")
 
@@ -563,6 +567,7 @@ class Trainer:
         with torch.no_grad():
             run_to_end(self.pipeline, batches, update)
         self.dmp.train()
+        raise_pending_checks()  # no metric from a batch whose input failed its checks
         return metrics.compute()
 
     def write_predictions(self, split: str, outputs: List) -> None:

@@ -87,6 +87,51 @@ def test_nonfinite_loss_stops_and_keeps_the_good_checkpoint(tmp_path, caplog):
     assert _steps(tmp_path) == ["step_4"]
 
 
+def test_a_deferred_input_problem_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
+    """On a GPU the ops read their input checks after returning: a problem still unread at
+    a segment's end raises there, before the checkpoint of that segment is written (and the
+    earlier checkpoint stays)."""
+    from robe_torchrec.ops.deferred_checks import DeferredCheckError
+    from robe_torchrec.train import trainer as trainer_module
+
+    reads = []
+
+    def pending_problem_at_step_4():
+        reads.append(None)
+        if len(reads) == 2:  # the second segment's end (step 4)
+            raise DeferredCheckError("robe: id 7 at position 3 of feature 0 is out of range")
+
+    monkeypatch.setattr(trainer_module, "raise_pending_checks", pending_problem_at_step_4)
+    with one_rank_group(), pytest.raises(DeferredCheckError, match="id 7 at position 3"):
+        train(compose("run.steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=0",
+                      "run.eval_every=0"), tmp_path)
+    assert _steps(tmp_path) == ["step_2"]
+
+
+def test_a_deferred_input_problem_of_an_evaluation_pass_writes_no_metric(tmp_path,
+                                                                         monkeypatch):
+    """A problem unread when an evaluation pass ends raises before its metrics are
+    computed: no validation or test row comes from a batch whose input failed its checks."""
+    from robe_torchrec.ops.deferred_checks import DeferredCheckError
+    from robe_torchrec.train import trainer as trainer_module
+
+    evaluating, metrics = [], trainer_module.Trainer.metrics
+
+    def metrics_noted(self, *args, **kwargs):
+        evaluating.append(True)
+        return metrics(self, *args, **kwargs)
+
+    def problem_in_evaluation():
+        if evaluating:
+            raise DeferredCheckError("robe: id 7 at position 3 of feature 0 is out of range")
+
+    monkeypatch.setattr(trainer_module.Trainer, "metrics", metrics_noted)
+    monkeypatch.setattr(trainer_module, "raise_pending_checks", problem_in_evaluation)
+    with one_rank_group(), pytest.raises(DeferredCheckError, match="id 7 at position 3"):
+        train(compose("run.steps=2", "run.checkpoint_every=0"), tmp_path)
+    assert not any(phase in ("val", "test") for phase, _ in _metric_keys(tmp_path))
+
+
 def _poison_once_at(monkeypatch, step: int) -> None:
     """Fill a dense weight with NaN after ``step`` trains (once per test)."""
     on_step, done = Trainer.on_step, []
