@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import statistics
 from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
@@ -31,11 +32,13 @@ from robe_torchrec.hashing import HashMode, hash_params
 from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks, triton_kernels
 from robe_torchrec.ops.count_rows import zeroed_counts
 from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_meta
-from robe_torchrec.ops.tuning import tuned
+from robe_torchrec.ops.tuning import current as current_tuning, tuned
 
 FEATURES, DIM, BLOCK_SIZE, MEMORY = 26, 128, 32, 65536
 #: the rows also timed with their launches made (by a stand-in driver)
 LAUNCHED = ("wrapper", "op, no grad", "op + backward", "fused step")
+#: rows timed with a tuning of their own (set for each sample, not each call)
+ROW_TUNINGS = {"op, no grad, an answer copy each": {"answers_per_copy": 1}}
 #: kept alive here: a library's registrations last as long as the object
 _LIBRARIES: List[torch.library.Library] = []
 
@@ -101,6 +104,8 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     rows = {"wrapper": on_path(lambda: triton_kernels.forward(plain, *flat)),
             "wrapper, summary kernel": on_path(summary),
             "op, no grad": on_path(lambda: torch.ops.robe.forward(weights, *flat)),
+            "op, no grad, an answer copy each": on_path(
+                lambda: torch.ops.robe.forward(weights, *flat)),
             "op, with grad": on_path(lambda: torch.ops.robe.forward(weights, *flat), True),
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
             "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
@@ -116,22 +121,31 @@ def forward_primitives(device: torch.device, out_shape: tuple) -> Dict[str, Call
     """The torch calls a forward makes on the device besides its kernel's launch, each on its
     own (rows named ``primitive: ...``): the output's allocation, the check counts' zeroed
     row (:mod:`~robe_torchrec.ops.count_rows`: a block's fill, on CUDA a launch, every 256
-    rows), and, where the checks are deferred, the counts' copy to pinned memory with its
-    event recorded, and the event query of a later call (CUDA only: on CPU tensors the
-    counts stay where they are). What of a forward's host time is torch's own work, whatever
-    the wrapper does."""
+    rows), and, where the checks are deferred, the answers' copy to pinned memory with its
+    event recorded and the event query of a later call, each once a copy, which carries the
+    answers of ``answers_per_copy`` forwards (:mod:`~robe_torchrec.ops.answer_copies`; CUDA
+    only: on CPU tensors nothing waits for a copy). What of a forward's host time is torch's
+    own work, whatever the wrapper does."""
     rows = {"primitive: torch.empty of the output": lambda: torch.empty(out_shape, device=device),
             "primitive: the check counts' zeroed row": lambda: zeroed_counts(device)}
     if device.type == "cuda":
-        counts = torch.zeros(4, dtype=torch.int64, device=device)
-        pinned, event = torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+        per_copy = current_tuning().answers_per_copy
+        counts = torch.zeros(per_copy, 4, dtype=torch.int64, device=device)
+        pinned = torch.empty(per_copy, 4, dtype=torch.int64, pin_memory=True)
+        event, copies, queries = torch.cuda.Event(), itertools.count(1), itertools.count(1)
 
         def copy_and_record():
-            pinned.copy_(counts, non_blocking=True)
-            event.record()
+            if next(copies) % per_copy == 0:
+                pinned.copy_(counts, non_blocking=True)
+                event.record()
 
-        rows["primitive: counts to pinned memory, event recorded"] = copy_and_record
-        rows["primitive: event query"] = event.query
+        def query():
+            if next(queries) % per_copy == 0:
+                event.query()
+
+        rows[f"primitive: answers to pinned memory, event recorded, 1 in {per_copy} calls"] = \
+            copy_and_record
+        rows[f"primitive: event query, 1 in {per_copy} calls"] = query
     return rows
 
 
@@ -198,11 +212,17 @@ def launching(on_cpu: bool, cached: bool):
         yield
 
 
+@contextlib.contextmanager
+def _stubbed(tuning: dict):
+    with triton_kernels.stubbed_launches(), tuned(**tuning):
+        yield
+
+
 def with_launched(rows: Dict[str, Callable[[], object]], cuda: bool, launched: bool):
     """``rows``, run with launches stubbed, and (``launched``) the :data:`LAUNCHED` ones
     again with their launches made, cached and through ``JITFunction.run``; with the context
     of each row."""
-    contexts = {name: triton_kernels.stubbed_launches for name in rows}
+    contexts = {name: functools.partial(_stubbed, ROW_TUNINGS.get(name, {})) for name in rows}
     rows = dict(rows)
     for name in LAUNCHED if launched else ():
         for cached, suffix in ((True, "launched"), (False, "launched via JITFunction.run")):
@@ -255,10 +275,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     if ratios:
         lines += ["", "Launched cached / through `JITFunction.run` (medians): " + ", ".join(
             f"{n} {r:.2f}x" for n, r in ratios.items())]
+    one_each = "op, no grad, an answer copy each"
+    per_copy = current_tuning().answers_per_copy
+    lines += ["", f"`op, no grad` (the answers of {per_copy} forwards a copy) / `{one_each}`: "
+              f"{med['op, no grad'] / med[one_each]:.2f}x (medians)."]
     primitives = sum(v for n, v in med.items() if n.startswith("primitive: "))
     op = "op, no grad, launched" if "op, no grad, launched" in med else "op, no grad"
     lines += ["", f"The forward's torch calls on the device besides its launch (the "
-              f"`primitive` rows, one each a forward; the event query is a later call's) add "
+              f"`primitive` rows, each its share of one forward; the event query is a later "
+              f"call's) add "
               f"up to {primitives:.1f} us, {primitives / med[op]:.0%} of `{op}` "
               f"({med[op]:.1f} us)."]
     floor = op_floor(med)

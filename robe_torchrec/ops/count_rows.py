@@ -98,3 +98,17 @@ def zeroed_counts(device: torch.device) -> torch.Tensor:
         if len(_blocks) >= _MAX_BLOCKS:  # streams come and go (external ones): start over
             _blocks.clear()
         _blocks[key] = _Block(device)
+
+
+def position(counts: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
+    """``(block, index)``: the ``[ROWS_PER_BLOCK, COUNTS]`` tensor a row of
+    :func:`zeroed_counts` was handed out from, and the row's index in it; ``None`` for counts
+    of their own (a ``torch.zeros``). Rows one stream took one after the other sit one after
+    the other in their block, so their answers can be copied to the host in one go."""
+    block = counts._base
+    if block is None or block.shape != _BLOCK_SHAPE:
+        return None
+    return block, (counts.storage_offset() - block.storage_offset()) // COUNTS
+
+
+_BLOCK_SHAPE = (ROWS_PER_BLOCK, COUNTS)

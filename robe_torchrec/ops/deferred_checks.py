@@ -5,13 +5,15 @@ The Triton ops reduce their data-dependent input checks (offsets, ids, per-sampl
 four counts on the device (counted by the forward kernel as it pools, else by
 ``_input_summary_kernel``). Reading the counts at once makes the
 host wait for the GPU on every call, which stalls a host that would otherwise queue work
-ahead (a train pipeline, or just the next layer). With deferred checks the op queues the
-counts' copy to pinned host memory and returns; the answer is read later:
+ahead (a train pipeline, or just the next layer). With deferred checks the op leaves its
+counts to a copy to pinned host memory that carries the answers of several forwards at once
+(:mod:`~robe_torchrec.ops.answer_copies`, ``tuned(answers_per_copy=...)``, 8 by default)
+and returns; the answer is read later:
 
-* at the start of any later Triton op, for every earlier check the device has finished
-  (no wait);
+* at the start of any later Triton op, for every earlier check whose copy has gone out and
+  whose counts the device has copied (no wait);
 * by the backward ops, for the inputs the forward checked (the same ``values``, ``offsets``
-  and per-sample weights, unchanged since), if the device has finished that check: a
+  and per-sample weights, unchanged since), if that answer has reached the host: a
   problem raises before anything is written. If it has not, the backward does not wait:
   its kernels get the forward's counts on the device and write nothing (no gradient, no
   weight or optimizer-state change) when a count is not 0, and the problem raises at a
@@ -56,6 +58,8 @@ from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from robe_torchrec.ops import answer_copies
+from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import IdCheck, check_data
 from robe_torchrec.ops.weak_ids import WeakIdDict
 
@@ -105,8 +109,10 @@ def deferred_for(device: torch.device) -> bool:
 @dataclasses.dataclass
 class _Pending:
     """One summary's counts on their way to the host, and the inputs it checked (kept until
-    the counts are read, to name the first problem)."""
-    counts: torch.Tensor
+    the counts are read, to name the first problem). The counts travel in an answer copy
+    shared with other forwards (``copy``, ``row``), or on their own (``counts``, ``event``:
+    counts that are no row of a block, see :mod:`~robe_torchrec.ops.answer_copies`)."""
+    counts: Optional[torch.Tensor]
     event: Optional["torch.cuda.Event"]
     inputs: Optional[Tuple]
     versions: Tuple[int, ...]
@@ -119,11 +125,17 @@ class _Pending:
     device_counts: Optional[torch.Tensor] = None
     #: recorded in a CUDA graph: the counts are meaningful only after a replay
     captured: bool = False
+    copy: Optional[answer_copies.AnswerCopy] = None
+    row: int = 0
 
     def done(self) -> bool:
         if self.captured:
             return False
-        return self.clean is not None or self.event is None or self.event.query()
+        if self.clean is not None:
+            return True
+        if self.copy is not None:
+            return self.copy.ready()
+        return self.event is None or self.event.query()
 
     def guard(self) -> Optional[torch.Tensor]:
         """The answer for a backward that must not wait: ``None`` when the inputs are known
@@ -139,9 +151,13 @@ class _Pending:
         """Wait for the counts if needed; raise the first problem's message if any (again
         on every later call: a backward must not take inputs already found bad)."""
         if self.clean is None:
-            if self.event is not None:
-                self.event.synchronize()
-            counts, inputs, self.inputs = self.counts.tolist(), self.inputs, None
+            if self.copy is not None:
+                counts, self.copy = self.copy.read(self.row), None
+            else:
+                if self.event is not None:
+                    self.event.synchronize()
+                counts = self.counts.tolist()
+            inputs, self.inputs = self.inputs, None
             self.device_counts = None
             if self.slot_key is not None:  # read: the next deferred check may reuse them
                 _spare_slots[self.slot_key].append((self.counts, self.event))
@@ -187,26 +203,33 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         _submit_captured(problems, values, offsets, per_sample_weights, table_meta, meta_cpu,
                          id_check, versions)
         return
-    event, slot_key = None, None
+    inputs = (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
     if problems.is_cuda:
+        # the device's first deferred check, outside any capture: make its replay tally too
+        _prepare_tally(problems)
+    per_copy = current_tuning().answers_per_copy
+    joined = answer_copies.join(problems, per_copy) if per_copy > 1 else None
+    if joined is not None:
+        pending = _Pending(None, None, inputs, versions or (), device_counts=problems,
+                           copy=joined[0], row=joined[1])
+    elif problems.is_cuda:
         slot_key = (problems.device, problems.shape, problems.dtype)
         counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
-        event.record(torch.cuda.current_stream(problems.device))
+        event.record()
+        pending = _Pending(counts, event, inputs, versions or (), slot_key=slot_key,
+                           device_counts=problems)
     else:
-        counts = problems
-    pending = _Pending(counts, event,
-                       (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check),
-                       versions or (), slot_key=slot_key, device_counts=problems)
+        pending = _Pending(problems, None, inputs, versions or (), device_counts=problems)
     _pending.append(pending)
     _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
     while len(_pending) > MAX_PENDING:
         _pending.popleft().resolve()
 
 
-#: pinned host buffers for the counts and their events, back from answers already read, by
-#: (device, shape, dtype): a deferred check reuses one instead of allocating new ones, host
-#: work a GPU forward waits on at small batches
+#: pinned host buffers for counts of their own and their events, back from answers already
+#: read, by (device, shape, dtype): a deferred check reuses one instead of allocating new
+#: ones, host work a GPU forward waits on at small batches
 _spare_slots: Dict[tuple, List[Tuple[torch.Tensor, "torch.cuda.Event"]]] = \
     collections.defaultdict(list)
 
@@ -215,9 +238,7 @@ def _slot(key: tuple) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
     spares = _spare_slots[key]
     if spares:
         return spares.pop()
-    device, shape, dtype = key
-    # the device's first deferred check, outside any capture: make its replay tally too
-    _prepare_tally(torch.empty(shape, dtype=dtype, device=device))
+    _, shape, dtype = key
     return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
 

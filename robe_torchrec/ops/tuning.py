@@ -5,7 +5,8 @@ The kernels' host wrappers read :func:`current` at every launch; :func:`tuned` c
 for a block. Every value only changes how the work is cut into programs (tile sizes, warps,
 which kernel variant pools the bags), never the result beyond float summation order: the
 defaults are the fastest measured settings (docs/benchmarks.md says where), and a
-benchmark sweeping them compares outputs too.
+benchmark sweeping them compares outputs too. ``answers_per_copy`` changes how soon a
+deferred input check's problem is found, not what any op computes.
 
 Example::
 
@@ -68,6 +69,14 @@ class TritonTuning:
     #: a compiled kernel variant is launched without ``JITFunction.run``'s per-call work
     #: (:mod:`robe_torchrec.ops.triton_launch`); False: every launch goes through it
     cached_launch: bool = True
+    #: deferred input checks' answers copied to the host in one copy, with one event
+    #: (:mod:`robe_torchrec.ops.answer_copies`): when a problem is found, not what the
+    #: result is; 1: each answer copied on its own (a pinned buffer and an event a forward,
+    #: as before copies were shared). 8 is not measured on a GPU yet: it spares 7 copies
+    #: and events in 8 (two device calls each) for about 4 us of Python a forward on a CPU
+    #: core (benchmarks/results/probes/answer_copies_ab.md); ``host_overhead --cuda``
+    #: times both
+    answers_per_copy: int = 8
 
 
 _current = TritonTuning()

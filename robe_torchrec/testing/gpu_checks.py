@@ -106,15 +106,15 @@ def check_matrix_case(seed: int, device: str = "cuda") -> None:
 # no host synchronisation, CUDA graphs
 # ---------------------------------------------------------------------------------------
 
-def _graph_case(seed: int = 5) -> OpCase:
+def _graph_case(device: str = "cuda", seed: int = 5) -> OpCase:
     """Two features, sum pooling, bags of up to 6 ids, per-sample weights of 1 and 2: with a
     gradient of small integers every sum is exact in float32, so the order of the atomic
     adds cannot change a bit and replays are compared bitwise (mean pooling would divide
     by the bag size and make the order matter)."""
     case = random_case(seed=seed, dims=[32, 64], batch=48, max_bag=6, block_size=16,
-                       memory_size=1 << 14, weighted=True, pooling=[0, 0]).to("cuda")
+                       memory_size=1 << 14, weighted=True, pooling=[0, 0]).to(device)
     case.per_sample_weights = torch.randint(1, 3, case.values.shape,
-                                            device="cuda").to(torch.float32)
+                                            device=device).to(torch.float32)
     return case
 
 
@@ -195,6 +195,41 @@ def check_count_rows_on_streams() -> None:
         "a bad batch on a side stream was not reported"
     forwards(count_rows.ROWS_PER_BLOCK)
     raise_pending_checks()
+
+
+def check_answers_copied_together(device: str = "cuda") -> None:
+    """Deferred answers carried four to a copy (``robe_torchrec/ops/answer_copies.py``): a
+    bad forward's problem is not read before the copy carrying it goes out, even once the
+    device has finished; after the fourth forward, a later call reads it without waiting and
+    names it; a wait for every answer sends a copy not yet full. Runs on CPU tensors too
+    (the Triton path in its interpreter, checks deferred), where the copy has no event."""
+    on = torch.device(device)
+    assert count_rows.usable(on), ("this process loaded CUDA graph trees before the check: "
+                                   "forwards take counts of their own; run it first")
+    case = _graph_case(device)
+    args = case.forward_args()
+    bad_values = case.values.clone()
+    bad_values[-1] = 10**9
+    sync = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
+    forward = torch.ops.robe.forward
+    with torch.no_grad(), tuned(answers_per_copy=4):
+        raise_pending_checks()
+        # start a block of rows: its last row would send a copy before it is full
+        block_end = count_rows.ROWS_PER_BLOCK - 1
+        while count_rows.position(count_rows.zeroed_counts(on))[1] != block_end:
+            pass
+        forward(args[0], bad_values, *args[2:])
+        forward(*args)
+        forward(*args)
+        sync()
+        raise_ready()  # raises if an answer was read before its copy went out
+        forward(*args)
+        sync()
+        assert _raised(raise_ready, "id 1000000000 at position"), \
+            "a full copy's answer was not read by a later call"
+        forward(args[0], bad_values, *args[2:])
+        assert _raised(raise_pending_checks, "id 1000000000 at position"), \
+            "waiting for every answer did not send a copy not yet full"
 
 
 @contextlib.contextmanager
@@ -484,6 +519,7 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
                lambda s=seed: check_matrix_case(s)) for seed in range(matrix)]
     checks += [("no_host_sync", check_no_host_sync),
                ("count_rows_on_streams", check_count_rows_on_streams),
+               ("answers_copied_together", check_answers_copied_together),
                ("graph_forward", check_graph_forward),
                ("graph_fused_backward", check_graph_fused_backward),
                ("graph_capturable_adam", check_graph_capturable_adam),

@@ -33,9 +33,10 @@ if not tk._is_interpreted(tk):
 
 @pytest.fixture(autouse=True)
 def deferred():
-    """Deferred checks on CPU tensors, and no answer left over from another test."""
+    """Deferred checks on CPU tensors, each answer on its own (answers that share a copy:
+    ``test_answers_copied_together_*``), and no answer left over from another test."""
     dc._pending.clear()
-    with defer_checks(True):
+    with defer_checks(True), tuned(answers_per_copy=1):
         yield
     dc._pending.clear()
 
@@ -254,6 +255,53 @@ def test_unread_answers_are_bounded(lagging_device):
         assert len(dc._pending) <= dc.MAX_PENDING
     raise_pending_checks()
     assert not dc._pending
+
+
+def test_answers_copied_together_are_read_once_the_copy_is_full(summaries):
+    """Four answers a copy: a bad forward's problem is not known until the copy carrying it
+    has gone out, three forwards later; the backward of the bad input, given in between,
+    writes nothing; then the next call raises it, named."""
+    case, clean = bad_ids(weighted_case()), weighted_case()
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    weights, state = case.weights.clone(), fused_states(case, optimizer)
+    kept = [weights.clone()] + [s.clone() for s in state]
+    with tuned(answers_per_copy=4):
+        tk.forward(*case.forward_args())
+        tk.forward(*clean.forward_args())
+        assert not any(p.done() for p in dc._pending), "an answer was read before its copy"
+        grad, _, *lookup = case.backward_args(case.grad())
+        tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+        assert len(summaries) == 2, "the backward ran a summary of its own"
+        for before, after in zip(kept, [weights] + state):
+            assert torch.equal(before, after)
+        tk.forward(*clean.forward_args())
+        tk.forward(*clean.forward_args())  # the fourth answer: the copy goes out
+        with pytest.raises(DeferredCheckError, match=r"id 1000000000 at position .* deferred"):
+            tk.forward(*clean.forward_args())
+    raise_pending_checks()
+
+
+def test_answers_copied_together_are_read_at_once_when_waited_for():
+    """A wait for every answer sends the copy not yet full, and the answers are bounded as
+    they are one a copy."""
+    case = weighted_case()
+    with tuned(answers_per_copy=8):
+        tk.forward(*bad_ids(case).forward_args())
+        with pytest.raises(DeferredCheckError, match="id 1000000000"):
+            raise_pending_checks()
+        for _ in range(dc.MAX_PENDING + 5):
+            tk.forward(*case.forward_args())
+            assert len(dc._pending) <= dc.MAX_PENDING
+        raise_pending_checks()
+    assert not dc._pending
+
+
+def test_the_gpu_check_of_answer_copies_runs_on_cpu():
+    from robe_torchrec.ops import cpu_backend
+    from robe_torchrec.testing.gpu_checks import check_answers_copied_together
+
+    with cpu_backend("triton"):
+        check_answers_copied_together("cpu")
 
 
 def test_module_training_step_raises_before_the_fused_update():
