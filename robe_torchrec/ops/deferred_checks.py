@@ -216,7 +216,7 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         slot_key = (problems.device, problems.shape, problems.dtype)
         counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
-        event.record()
+        event.record(torch.cuda.current_stream(problems.device))
         pending = _Pending(counts, event, inputs, versions or (), slot_key=slot_key,
                            device_counts=problems)
     else:
