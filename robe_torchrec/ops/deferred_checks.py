@@ -21,7 +21,8 @@ and returns; the answer is read later:
   guards its writes with that answer the same way. Either way bad input never changes a
   weight;
 * by :func:`raise_pending_checks`, which waits for all of them;
-* once more than :data:`MAX_PENDING` answers are unread, the oldest is waited for.
+* once more than :data:`MAX_PENDING` answers are unread, the oldest is waited for;
+* when the process ends, where each problem found is printed to stderr.
 
 A problem raises the message it raises at the call in immediate mode, with a note that the
 call returned before it was found. The kernels never read or write outside their tensors on
@@ -49,10 +50,12 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import os
+import sys
 import weakref
 from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -285,6 +288,33 @@ def raise_pending_checks() -> None:
         _pending.popleft().resolve()
     if _captured and not is_capturing():  # reading a graph's counts waits for the device
         _read_replays(wait=True)
+
+
+def _report_unread_at_exit() -> None:
+    """Read every answer still unread when the process ends and print each problem found
+    to stderr: a script that never calls :func:`raise_pending_checks` (or whose last calls
+    left their answers unread) would otherwise never hear of them. Nothing can raise at
+    exit, so the exit status stays what it was."""
+    found = []
+    try:
+        while _pending:
+            try:
+                _pending.popleft().resolve()
+            except DeferredCheckError as exc:
+                found.append(str(exc))
+        if _captured and not is_capturing():
+            try:
+                _read_replays(wait=True)
+            except DeferredCheckError as exc:
+                found.append(str(exc))
+    except Exception as exc:  # noqa: BLE001  e.g. the device is gone by now: say so
+        found.append(f"robe: the input checks still unread could not be read ({exc})")
+    for message in found:
+        print(f"robe: an input check unread when the process ended found a problem: "
+              f"{message}", file=sys.stderr)
+
+
+atexit.register(_report_unread_at_exit)
 
 
 # --- checks recorded in a CUDA graph -------------------------------------------------------

@@ -389,6 +389,32 @@ def test_wild_input_never_reads_outside_its_tensors():
     assert "ids that wrap the reference hash -> robe: id" in result.stdout, result.stdout
 
 
+_UNREAD_AT_EXIT = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from robe_torchrec.hashing import HashMode, hash_params
+    from robe_torchrec.ops import defer_checks
+    from robe_torchrec.ops import triton_kernels as tk
+    from robe_torchrec.ops.meta import build_table_meta
+
+    meta = build_table_meta([8], [0], [64], [0], [10], [0])
+    with defer_checks(True):  # 8 answers a copy: this one never went out
+        tk.forward(torch.randn(64), torch.tensor([1, 50]), torch.tensor([0, 1, 2]), None,
+                   meta, 8, 4, 0, hash_params(HashMode.REFERENCE, seed=3), 0)
+    print("returned")
+""")
+
+
+def test_a_problem_unread_at_exit_is_printed():
+    """A script that ends without reading its last answers still hears of their problem."""
+    result = subprocess.run([sys.executable, "-c", _UNREAD_AT_EXIT], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "returned" in result.stdout, result.stderr[-2000:]
+    assert "unread when the process ended found a problem: robe: id 50 at position 1" \
+        in result.stderr, result.stderr[-2000:]
+
+
 def test_wrapped_reference_hash_still_lands_in_the_array():
     """Keys past the reference hash's limit overflow int64 and could give a negative start
     (a read before the array); the kernels' hash moves every start into ``[0, span)``."""
