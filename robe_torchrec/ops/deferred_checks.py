@@ -294,7 +294,11 @@ def _report_unread_at_exit() -> None:
     """Read every answer still unread when the process ends and print each problem found
     to stderr: a script that never calls :func:`raise_pending_checks` (or whose last calls
     left their answers unread) would otherwise never hear of them. Nothing can raise at
-    exit, so the exit status stays what it was."""
+    exit, so the exit status stays what it was. A child forked from the process that
+    queued the answers reads none (its copy of the queue is the parent's, and CUDA cannot
+    be used after a fork)."""
+    if os.getpid() != _PID:
+        return
     found = []
     try:
         while _pending:
@@ -314,6 +318,7 @@ def _report_unread_at_exit() -> None:
               f"{message}", file=sys.stderr)
 
 
+_PID = os.getpid()
 atexit.register(_report_unread_at_exit)
 
 
