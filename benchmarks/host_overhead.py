@@ -5,7 +5,8 @@ calls run with every Triton launch stubbed (``triton_kernels.stubbed_launches``)
 tensors (checks deferred as on CUDA) or, ``--cuda``, on a GPU, whose ``launched`` rows add the
 launcher back. Rows, microseconds a call: the wrapper, also with the checks in the summary
 kernel (``tuned(count_in_forward=False)``); the op without and with autograd, its backward,
-the fused step (through the ops, and calling the wrappers); a second trip through the
+the fused step (through the ops, and calling the wrappers); a TorchRec user's training
+forward through the module (where torchrec is installed); a second trip through the
 dispatcher; the host's speed (a same-schema op returning its input, ``torch.add``, 1000
 Python additions). Where Triton can compile for NVIDIA GPUs (no GPU needed), the
 ``launched`` rows run four of them with the launches made down to Triton's C launcher, which
@@ -110,11 +111,41 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
             "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
             "through the dispatcher twice": on_path(twice)}
+    module_forward = fused_module_forward(device, ids, batch)
+    if module_forward is not None:
+        rows["module forward, fused Adagrad, training"] = on_path(module_forward, True)
     rows.update({"op of the same schema returning its input": lambda: identity(plain, *flat),
                  "torch.add of 4-element tensors": lambda: torch.add(small, small),
                  "pure Python: 1000 additions": lambda: sum(range(1000))})
     rows.update(forward_primitives(device, (batch, DIM * FEATURES)))
     return rows
+
+
+def fused_module_forward(device: torch.device, ids: torch.Tensor, batch: int
+                         ) -> Optional[Callable[[], object]]:
+    """A TorchRec user's training forward at the same setting: a
+    ``RobeEmbeddingBagCollection`` of the 26 tables on one array, its optimizer fused into the
+    backward (``apply_optimizer_in_backward``, Adagrad), called on a ``KeyedJaggedTensor``:
+    the op plus the module's own work (the features' split, the fused lookup's autograd node,
+    the ``KeyedTensor``). ``None`` where torchrec is not installed."""
+    try:
+        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        from torchrec.optim import apply_optimizer_in_backward
+    except ImportError:
+        return None
+    from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+
+    names = [f"f{t}" for t in range(FEATURES)]
+    tables = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=100_000,
+                                 feature_names=[name]) for t, name in enumerate(names)]
+    module = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=MEMORY,
+                                                           block_size=BLOCK_SIZE),
+                                        device=device)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [module.weight], {"lr": 0.01})
+    features = KeyedJaggedTensor(keys=names, values=ids,
+                                 lengths=torch.ones(ids.numel(), dtype=torch.int64,
+                                                    device=device))
+    return lambda: module(features)
 
 
 def forward_primitives(device: torch.device, out_shape: tuple) -> Dict[str, Callable[[], object]]:
