@@ -140,9 +140,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         # requires_grad off, and the graph must take the array as it is then
         if not self._sync_fused_optimizer():
             return None
-        # a compiled graph guards on what in_backward_optimizer() reads (the attributes
-        # apply_optimizer_in_backward sets on the weight): applying one later recompiles
-        if self.in_backward_optimizer() is None:
+        # a compiled graph guards on the attribute apply_optimizer_in_backward sets on the
+        # weight: applying one later recompiles (the sync refused more than one)
+        if not getattr(self.weight, "_optimizer_classes", None):
             return None
         return self._fused
 
@@ -155,17 +155,21 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         take the array out of autograd, as FBGEMM's fused tables are: the fused backward
         updates it, no gradient ever reaches it (see :mod:`robe_torchrec.fused_lookup`).
         ``False`` while torchrec.fx traces an inference graph (the weight is a Proxy)."""
-        if isinstance(self.weight, torch.fx.Proxy):
+        weight = self.weight
+        if isinstance(weight, torch.fx.Proxy):
             return False
-        applied = self.in_backward_optimizer()
-        if applied is not None:
-            optimizer_class, kwargs = applied
-            if self._fused is None or self._fused.optimizer_class is not optimizer_class:
-                self._fused = RobeFusedOptimizer("weight", self.weight, optimizer_class, kwargs,
+        # runs before every eager forward: the recorded classes are read without copying
+        # the kwargs, which only a new optimizer needs
+        classes = getattr(weight, "_optimizer_classes", None)
+        if classes:
+            if len(classes) != 1 or self._fused is None or \
+                    self._fused.optimizer_class is not classes[0]:
+                optimizer_class, kwargs = self.in_backward_optimizer()  # raises for several
+                self._fused = RobeFusedOptimizer("weight", weight, optimizer_class, kwargs,
                                                  block_size=self._layout.block_size)
                 self._applied = self._recorded_in_backward()
-            if self.weight.requires_grad:  # an eager forward's host work: only when needed
-                self.weight.requires_grad_(False)
+            if weight.requires_grad:  # an eager forward's host work: only when needed
+                weight.requires_grad_(False)
         return True
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------

@@ -220,6 +220,16 @@ def test_unsupported_fused_optimizer_is_refused():
         ebc(random_kjt(make_tables()))
 
 
+def test_a_second_in_backward_optimizer_is_refused_at_the_next_forward():
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300))
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    ebc(random_kjt(tables)).values().sum().backward()  # the fused optimizer exists by now
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match="exactly one in-backward optimizer"):
+        ebc(random_kjt(tables))
+
+
 def test_weighted_gradients_flow_to_per_sample_weights():
     tables = make_tables()
     ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4), is_weighted=True)
