@@ -21,7 +21,8 @@ class _Compiled:
         self.runs = []
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        # Triton's returns None without an enter hook; this one says it was called
+        return ("metadata", grid, stream, args)
 
     def run(self, *args):
         self.runs.append(args)
@@ -72,12 +73,32 @@ def test_a_compiled_variant_is_launched_without_the_kernel(stand_ins):
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     assert kernel.compiled.runs == [(5, 1, 1, 7, "function", "metadata", None, *hooks,
                                      1, 2, 4)] * 2
+    assert not hooks[0].calls  # an empty chain: the launch metadata was never built
     stand_ins[0] = [("i32", None)]  # another specialisation: another variant
     launch[(5,)](3, 2, BLOCK=4)
     assert len(kernel.launches) == 2 and launch.variants == 2
     with tuned(cached_launch=False):
         launch[(5,)](3, 2, BLOCK=4)
     assert len(kernel.launches) == 3 and len(kernel.compiled.runs) == 2
+
+
+@pytest.mark.parametrize("how", ["added to the chain", "in place of the chain"])
+def test_a_launch_enter_hook_gets_the_launch_metadata(stand_ins, monkeypatch, how):
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    launch[(5,)](1, 2, BLOCK=4)  # compiled, remembered
+    hook = print  # a profiler's, say: the launcher calls it with the metadata
+    if how == "added to the chain":
+        chain = knobs.HookChain()
+        chain.add(hook)
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    launch[(5,)](1, 2, BLOCK=4)
+    metadata = ("metadata", (5,), 7, (1, 2, 4))
+    assert kernel.compiled.runs == [(5, 1, 1, 7, "function", "metadata", metadata,
+                                     knobs.runtime.launch_enter_hook,
+                                     knobs.runtime.launch_exit_hook, 1, 2, 4)]
 
 
 def test_a_specialisation_that_cannot_be_hashed_is_never_cached(stand_ins):
