@@ -33,7 +33,7 @@ from robe_torchrec.ops.triton.hash import _block_starts_kernel  # noqa: F401
 from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
 from robe_torchrec.ops.triton_launch import CachedLaunch
-from robe_torchrec.ops.tuning import current as current_tuning
+from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
                                           check_data_summarized, check_layout,
                                           check_optimizer_args, meta_facts)
@@ -158,6 +158,22 @@ def _acc_dtype(weights: torch.Tensor):
     return tl.float64 if m.accumulation_dtype(weights.dtype) == torch.float64 else tl.float32
 
 
+def _bag_lengths(num_values: int, num_bags: int, tuning: TritonTuning) -> tuple:
+    """What a launch's tiles take from the number of ids a call looks up: whether the mean
+    bag holds at most ``short_bag_mean`` ids (several bags a program), whether it holds at
+    least ``two_pass_mean_bag`` (block starts hashed first), and the power of two at or
+    above it rounded up (the id tile's bound). Calls whose bags hold more or fewer ids in
+    all (multi-hot bags, whose count changes every batch) share a plan while these agree.
+    A plain tuple: it is made on every call."""
+    bags = num_bags if num_bags > 0 else 1
+    mean_bag = num_values / bags
+    short = mean_bag <= tuning.short_bag_mean
+    ceil_mean = -(-num_values // bags)
+    # _next_pow2(max(ceil_mean, 1)), without its calls: this runs before every plan lookup
+    return (short, not short and mean_bag >= tuning.two_pass_mean_bag,
+            1 << (ceil_mean - 1).bit_length() if ceil_mean > 1 else 1)
+
+
 class _Tiles:
     """Constexpr tile sizes of a launch (powers of two, so few compiled variants), from the
     current :class:`~robe_torchrec.ops.tuning.TritonTuning`.
@@ -172,19 +188,19 @@ class _Tiles:
     def __init__(self, max_dim: int, block_size: int, num_values: int, num_bags: int,
                  interpreted: bool = False):
         tuning = current_tuning()
+        # the number of ids counts only through its bag lengths, which a plan's key holds
+        short, two_pass, mean_pow2 = _bag_lengths(num_values, num_bags, tuning)
         max_dim = max(int(max_dim), 1)
         num_blocks = -(-max_dim // block_size)
         self.num_blocks = num_blocks
         self.block_z = _next_pow2(min(block_size, max_dim))
         self.block_b = min(_next_pow2(num_blocks), max(1, tuning.col_tile // self.block_z))
         self.col_tiles = -(-num_blocks // self.block_b)
-        mean_bag = num_values / max(num_bags, 1)
-        self.short_bags = mean_bag <= tuning.short_bag_mean
-        self.two_pass = not self.short_bags and mean_bag >= tuning.two_pass_mean_bag
+        self.short_bags = short
+        self.two_pass = two_pass
         tile = (tuning.interpreter_tile if interpreted
                 else tuning.two_pass_tile if self.two_pass else tuning.tile)
-        self.block_n = min(_next_pow2(max(-(-num_values // max(num_bags, 1)), 1)),
-                           max(1, tile // (self.block_b * self.block_z)))
+        self.block_n = min(mean_pow2, max(1, tile // (self.block_b * self.block_z)))
         self.block_bags = tuning.bags_per_program or max(
             1, tuning.blocks_per_program // self.block_b)
         elements = self.block_n * self.block_b * self.block_z
@@ -366,9 +382,10 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
                    hash_mode, hash_params) -> _BackwardPlan:
     """The checked static layout of a backward call and its tiles, from the cache when an
     earlier call had the same layout (see :func:`_forward_plan`)."""
+    tuning = current_tuning()
     key = ("backward", grad_output.dtype, grad_output.shape, grad_output.device,
-           *_tensor_facts(weights, values, offsets, psw), block_size, hash_mode,
-           tuple(hash_params), current_tuning())
+           *_tensor_facts(weights, values, offsets, psw, tuning), block_size, hash_mode,
+           tuple(hash_params), tuning)
 
     def build() -> _BackwardPlan:
         _same_device(weights.device, grad_output=grad_output, values=values, offsets=offsets,
@@ -452,8 +469,9 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
     when an earlier call had the same layout: the same ``table_meta`` (and version), the same
     dtypes, shapes, devices and scalar arguments, the same tuning. A module calls with the
     same layout every step, and re-deriving it is most of a GPU forward's host time."""
-    key = (*_tensor_facts(weights, values, offsets, psw), output_dim, block_size, hash_mode,
-           tuple(hash_params), bounds_check, current_tuning())
+    tuning = current_tuning()
+    key = (*_tensor_facts(weights, values, offsets, psw, tuning), output_dim, block_size,
+           hash_mode, tuple(hash_params), bounds_check, tuning)
 
     def build() -> _ForwardPlan:
         kernels = _kernels_for(weights.device)
@@ -481,11 +499,15 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
     return _cached_plan(table_meta, key, build)
 
 
-def _tensor_facts(weights, values, offsets, psw) -> tuple:
-    """The dtypes, shapes and devices of a call's tensors: what a plan depends on."""
-    return (weights.dtype, weights.shape, weights.device, values.dtype, values.shape,
+def _tensor_facts(weights, values, offsets, psw, tuning: TritonTuning) -> tuple:
+    """What a plan depends on in a call's tensors: their dtypes, shapes and devices, but of
+    the number of ids only its bag lengths (:func:`_bag_lengths`) and whether the per-sample
+    weights match the ids. Bags of several ids hold more or fewer in all every batch; a
+    plan made again for each took 16 of a 40 us forward's host time on a CPU core."""
+    return (weights.dtype, weights.shape, weights.device, values.dtype, values.dim(),
             values.device, offsets.dtype, offsets.shape, offsets.device,
-            None if psw is None else (psw.dtype, psw.shape, psw.device))
+            _bag_lengths(values.numel(), offsets.numel() - 1, tuning),
+            None if psw is None else (psw.dtype, psw.shape == values.shape, psw.device))
 
 
 def _cached_plan(table_meta: torch.Tensor, key: tuple, build):

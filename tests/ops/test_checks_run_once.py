@@ -2,6 +2,8 @@
 (``check_backward_inputs``) check ``grad_output`` between the static checks and the layout
 ones, and used to run the static ones twice."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,3 +110,51 @@ def test_the_triton_wrappers_check_a_layout_once(layout_calls):
         case.table_meta[m.DIM, 0] += 10**6  # past the output: refused at once
         with pytest.raises(ValueError):
             triton_kernels.backward_dense(*case.backward_args(grad))
+
+
+def _with_batch(case, other):
+    """``case`` with the ids (offsets, per-sample weights) of ``other``: a later batch of the
+    same tables."""
+    return dataclasses.replace(case, values=other.values, offsets=other.offsets,
+                               per_sample_weights=other.per_sample_weights)
+
+
+def test_batches_with_more_or_fewer_ids_share_a_layout_check(layout_calls):
+    """Bags of several ids hold a different number in all every batch. The wrappers check a
+    layout once for all such batches while their bags tile alike (the mean bag on the same
+    side of the tuning's thresholds, the same power of two above it), and again for a batch
+    whose bags tile otherwise; each batch's output and gradient are its own. Per-sample weights that do
+    not match the ids are refused whatever plan exists."""
+    from robe_torchrec.ops import defer_checks, triton_kernels
+
+    if not triton_kernels.interpreted():
+        pytest.skip("triton is imported without its interpreter in this process")
+    rows = [300, 4000, 50, 900]
+    first = random_case(seed=21, weighted=True, batch=16, max_bag=4, num_rows=rows)
+    batches = [first] + [_with_batch(first, random_case(seed=s, weighted=True, batch=16,
+                                                          max_bag=4, num_rows=rows))
+                         for s in (22, 23)]
+    assert len({b.values.numel() for b in batches}) == 3
+    tuning = triton_kernels.current_tuning()
+    lengths = {triton_kernels._bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
+               for b in batches}
+    assert len(lengths) == 1  # the premise: the three batches tile alike
+    grad = first.grad()
+    with defer_checks(False):
+        for batch in batches:
+            torch.testing.assert_close(triton_kernels.forward(*batch.forward_args()),
+                                       reference.forward(*batch.forward_args()))
+            torch.testing.assert_close(triton_kernels.backward_dense(*batch.backward_args(grad)),
+                                       reference.backward_dense(*batch.backward_args(grad)))
+        assert layout_calls == ["check_layout", "check_backward_layout"]
+        layout_calls.clear()
+        long_bags = _with_batch(first, random_case(seed=24, weighted=True, batch=16,
+                                                   max_bag=64, fixed_bags=True,
+                                                   empty_fraction=0.0, num_rows=rows))
+        torch.testing.assert_close(triton_kernels.forward(*long_bags.forward_args()),
+                                   reference.forward(*long_bags.forward_args()))
+        assert layout_calls == ["check_layout"]
+        short_psw = dataclasses.replace(batches[1],
+                                        per_sample_weights=batches[2].per_sample_weights)
+        with pytest.raises(ValueError, match="per_sample_weights has"):
+            triton_kernels.forward(*short_psw.forward_args())
