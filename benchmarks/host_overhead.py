@@ -4,7 +4,8 @@ A GPU forward with one id a bag is bound by its host, whose work is Python and t
 calls run with every Triton launch stubbed (``triton_kernels.stubbed_launches``) on CPU
 tensors (checks deferred as on CUDA) or, ``--cuda``, on a GPU, whose ``launched`` rows add the
 launcher back. Rows, microseconds a call: the wrapper, also with the checks in the summary
-kernel (``tuned(count_in_forward=False)``); the op without and with autograd, its backward,
+kernel (``tuned(count_in_forward=False)``); the op without and with autograd, also on
+multi-hot bags (one batch again, and a batch of another number of ids every call); its backward,
 the fused step (through the ops, and calling the wrappers); a TorchRec user's training
 forward through the module (where torchrec is installed); a second trip through the
 dispatcher; the host's speed (a same-schema op returning its input, ``torch.add``, 1000
@@ -111,6 +112,12 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
             "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
             "through the dispatcher twice": on_path(twice)}
+    multi_hot = multi_hot_batches(device, batch, num_rows=cards[0])
+    new_batch = itertools.cycle(multi_hot)
+    rows["op, no grad, multi-hot, one batch again"] = on_path(
+        lambda: torch.ops.robe.forward(weights, *multi_hot[0], *flat[2:]))
+    rows["op, no grad, multi-hot, a new batch each call"] = on_path(
+        lambda: torch.ops.robe.forward(weights, *next(new_batch), *flat[2:]))
     module_forward = fused_module_forward(device, ids, batch)
     if module_forward is not None:
         rows["module forward, fused Adagrad, training"] = on_path(module_forward, True)
@@ -119,6 +126,24 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
                  "pure Python: 1000 additions": lambda: sum(range(1000))})
     rows.update(forward_primitives(device, (batch, DIM * FEATURES)))
     return rows
+
+
+def multi_hot_batches(device: torch.device, batch: int, num_rows: int, count: int = 64
+                      ) -> List[tuple]:
+    """``count`` batches ``(values, offsets)`` of the tables (``num_rows`` rows each) whose
+    bags hold 0 to 4 ids, 2 on average: each batch holds another number of ids in all, as
+    multi-hot features do from one batch to the next. 64 of them, twice the plans the ops
+    keep for one ``table_meta``: a batch never finds one made for its own number of ids
+    still kept, as in training, where that number seldom comes back."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(count):
+        lengths = torch.randint(0, 5, (FEATURES * batch,), generator=g)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        values = torch.randint(0, num_rows, (int(offsets[-1]),), generator=g)
+        batches.append((values.to(device), offsets.to(device)))
+    return batches
 
 
 def fused_module_forward(device: torch.device, ids: torch.Tensor, batch: int
@@ -310,6 +335,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     per_copy = current_tuning().answers_per_copy
     lines += ["", f"`op, no grad` (the answers of {per_copy} forwards a copy) / `{one_each}`: "
               f"{med['op, no grad'] / med[one_each]:.2f}x (medians)."]
+    again, new = ("op, no grad, multi-hot, one batch again",
+                  "op, no grad, multi-hot, a new batch each call")
+    lines += ["", f"Multi-hot bags, `{new}` / `{again}`: {med[new] / med[again]:.2f}x (medians): "
+              "what a batch holding another number of ids than the last costs the host."]
     primitives = sum(v for n, v in med.items() if n.startswith("primitive: "))
     op = "op, no grad, launched" if "op, no grad, launched" in med else "op, no grad"
     lines += ["", f"The forward's torch calls on the device besides its launch (the "
