@@ -164,6 +164,39 @@ def check_no_host_sync() -> None:
     raise_pending_checks()
 
 
+def check_unpooled_no_host_sync(device: str = "cuda") -> None:
+    """The unpooled lookup (``robe_torchrec/ops/unpooled.py``, what
+    ``RobeEmbeddingCollection`` runs) of three features holding different numbers of ids,
+    forward and backward, under ``torch.cuda.set_sync_debug_mode("error")``: its per-call
+    index tensors are built without a wait for the device, and its rows are those of the
+    CPU reference. Runs on CPU tensors too (without the sync mode)."""
+    from robe_torchrec.ops import cpu_backend
+    from robe_torchrec.ops.args import LayoutArgs
+    from robe_torchrec.ops.unpooled import robe_unpooled_lookup
+
+    on = torch.device(device)
+    case = random_case(seed=7, dims=[16, 16, 16], batch=1, memory_size=1 << 12,
+                       pooling=[0, 0, 0])
+    counts = [5, 0, 3]
+    values = torch.cat([torch.randint(0, int(case.table_meta[NUM_ROWS, f]), (n,),
+                                      generator=torch.Generator().manual_seed(f))
+                        for f, n in enumerate(counts)])
+    layout = LayoutArgs(case.table_meta, case.output_dim, case.block_size, case.hash_mode,
+                        case.hash_params, case.bounds_check)
+    with torch.no_grad(), cpu_backend("reference"):
+        want = robe_unpooled_lookup(case.weights.double(), values, counts, layout)
+    weights = case.weights.to(on).requires_grad_(True)
+    lookup = (values.to(on), counts, layout._replace(table_meta=case.table_meta.to(on)))
+    robe_unpooled_lookup(weights, *lookup).sum().backward()  # checks the layout once
+    weights.grad = None
+    with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+        rows = robe_unpooled_lookup(weights, *lookup)
+        rows.sum().backward()
+    raise_pending_checks()
+    torch.testing.assert_close(rows.detach().double().cpu(), want)
+    assert weights.grad is not None and bool(weights.grad.abs().sum() > 0)
+
+
 def check_count_rows_on_streams() -> None:
     """The check counts' zeroed rows (``robe_torchrec/ops/count_rows.py``) on CUDA: forwards
     on the current stream and on a side stream, more of them than a block of rows holds,
@@ -518,6 +551,7 @@ def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
     checks = [(f"matrix[{seed}: {matrix_case(seed)[0]}]",
                lambda s=seed: check_matrix_case(s)) for seed in range(matrix)]
     checks += [("no_host_sync", check_no_host_sync),
+               ("unpooled_no_host_sync", check_unpooled_no_host_sync),
                ("count_rows_on_streams", check_count_rows_on_streams),
                ("answers_copied_together", check_answers_copied_together),
                ("graph_forward", check_graph_forward),

@@ -304,6 +304,15 @@ def test_the_gpu_check_of_answer_copies_runs_on_cpu():
         check_answers_copied_together("cpu")
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_the_gpu_check_of_the_unpooled_lookup_runs_on_cpu(backend):
+    from robe_torchrec.ops import cpu_backend
+    from robe_torchrec.testing.gpu_checks import check_unpooled_no_host_sync
+
+    with cpu_backend(backend):
+        check_unpooled_no_host_sync("cpu")
+
+
 def test_module_training_step_raises_before_the_fused_update():
     """A TorchRec user's step: the module's forward on bad ids returns, the backward raises
     the deferred error (the feature's index, no name: it may be another call's input), and
