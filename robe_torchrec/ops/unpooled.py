@@ -75,8 +75,10 @@ def _on_device(counts: List[int], dtype: torch.dtype, device: torch.device) -> T
     copy from pageable memory first waits for the stream's earlier work, so the counts
     travel from pinned memory (whose block the caching host allocator keeps until the copy
     has run). Inside a CUDA graph capture they are copied as before, which the capture
-    refuses with CUDA's error: a replay would read a pinned block long since reused."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    refuses with CUDA's error (a replay would read a pinned block long since reused), and
+    in a graph torch.compile traces too, where the compiler places that copy."""
+    if device.type != "cuda" or torch.compiler.is_compiling() or \
+            torch.cuda.is_current_stream_capturing():
         return torch.tensor(counts, dtype=dtype, device=device)
     return torch.tensor(counts, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
