@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops.small_copies import ints_on_device
 
 
 def unpooled_args(values: Tensor, counts: List[int],
@@ -51,7 +52,8 @@ def unpooled_args(values: Tensor, counts: List[int],
     device = values.device
     # offsets in the values' dtype, as the op takes them (it refuses other value dtypes)
     index_dtype = values.dtype if values.dtype in (torch.int32, torch.int64) else torch.int64
-    count_t = _on_device(counts, index_dtype, device)
+    # (from pinned memory on CUDA: a copy from pageable memory would wait for the device)
+    count_t = ints_on_device(counts, index_dtype, device)
     starts = torch.cumsum(count_t, 0) - count_t
     # bag (f, b) holds id starts[f] + b while b < counts[f], else nothing
     position = torch.arange(width, dtype=count_t.dtype, device=device)
@@ -68,19 +70,6 @@ def unpooled_args(values: Tensor, counts: List[int],
                                       output_size=values.numel())
     local = torch.arange(values.numel(), device=device) - starts.to(torch.int64)[feature]
     return args, local * num_features + feature
-
-
-def _on_device(counts: List[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``counts`` as a tensor on ``device`` without making the host wait for it: a CUDA
-    copy from pageable memory first waits for the stream's earlier work, so the counts
-    travel from pinned memory (whose block the caching host allocator keeps until the copy
-    has run). Inside a CUDA graph capture they are copied as before, which the capture
-    refuses with CUDA's error (a replay would read a pinned block long since reused), and
-    in a graph torch.compile traces too, where the compiler places that copy."""
-    if device.type != "cuda" or torch.compiler.is_compiling() or \
-            torch.cuda.is_current_stream_capturing():
-        return torch.tensor(counts, dtype=dtype, device=device)
-    return torch.tensor(counts, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def gather_unpooled(pooled: Tensor, index: Optional[Tensor], dim: int) -> Tensor:
