@@ -22,10 +22,13 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from typing import List
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from robe_torchrec.ops.small_copies import ints_on_device
 
 
 def pad_variable_strides(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -36,13 +39,22 @@ def pad_variable_strides(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     strides = features.stride_per_key()
     width = max(strides)
     lengths = features.lengths()
-    stride_t = torch.tensor(strides, device=lengths.device)
-    # position b of feature f keeps its bag while b < stride[f]
-    keep = torch.arange(width, device=lengths.device)[None, :] < stride_t[:, None]
-    padded = lengths.new_zeros(len(strides), width)
-    padded[keep] = lengths
+    # bag i, the b-th of feature f (which starts at bag start[f]), goes to f * width + b,
+    # that is i + (f * width - start[f]): positions computed on the device from the strides
+    # and those shifts, without a boolean mask (whose nonzero would wait for the device)
+    starts = [0, *itertools.accumulate(strides)][:-1]
+    shifts = [f * width - start for f, start in enumerate(starts)]
+    steps = ints_on_device(strides + shifts, torch.int64, lengths.device)
+    total = lengths.numel()
+    if total != sum(strides):
+        raise ValueError(f"a KeyedJaggedTensor with strides {strides} per feature holds "
+                         f"{sum(strides)} bags, but its lengths have {total} entries")
+    position = torch.arange(total, device=lengths.device) + torch.repeat_interleave(
+        steps[len(strides):], steps[:len(strides)], output_size=total)
+    padded = lengths.new_zeros(len(strides) * width)
+    padded[position] = lengths
     return KeyedJaggedTensor(keys=features.keys(), values=features.values(),
-                             weights=features.weights_or_none(), lengths=padded.flatten(),
+                             weights=features.weights_or_none(), lengths=padded,
                              stride=width)
 
 

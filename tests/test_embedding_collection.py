@@ -222,6 +222,24 @@ def test_variable_batch_per_feature_matches_stock_modules():
     torch.testing.assert_close(ebc.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_vbe_padding_and_its_gpu_check_on_cpu():
+    """The padding a VBE batch gets before the lookup: each feature's bags, then empty ones
+    up to the largest stride (the GPU check also runs it under CUDA's sync debug mode);
+    lengths that do not match the strides are refused."""
+    from robe_torchrec.testing.gpu_checks import check_vbe_padding_no_host_sync
+    from robe_torchrec.variable_batch import pad_variable_strides
+
+    check_vbe_padding_no_host_sync("cpu")
+    kjt = random_kjt(seed=7, batch=6, strides=[3, 6, 1, 4])
+    padded = pad_variable_strides(kjt).lengths().view(4, 6)
+    for f, (stride, lengths) in enumerate(zip([3, 6, 1, 4], kjt.lengths().split([3, 6, 1, 4]))):
+        assert torch.equal(padded[f, :stride], lengths) and not padded[f, stride:].any()
+    short = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2]),
+                              lengths=torch.tensor([1, 1]), stride_per_key_per_rank=[[2], [1]])
+    with pytest.raises(ValueError, match="holds 3 bags, but its lengths have 2 entries"):
+        pad_variable_strides(short)
+
+
 def test_variable_batch_without_inverse_indices():
     jts = {"f0": JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2])),
            "f_extra": JaggedTensor(torch.tensor([4]), lengths=torch.tensor([1, 0, 0])),

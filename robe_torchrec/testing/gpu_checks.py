@@ -668,12 +668,41 @@ def check_deterministic_dlrm(steps: int = 20, device: str = "cuda") -> None:
     assert not differences, differences
 
 
+def check_vbe_padding_no_host_sync(device: str = "cuda") -> None:
+    """A KJT with a variable batch size per feature (VBE), padded to its largest stride as
+    the pooled module pads it (``robe_torchrec/variable_batch.py``), under
+    ``torch.cuda.set_sync_debug_mode("error")``: no wait for the device, and the padded
+    lengths are those of the same KJT padded on the CPU. Runs on CPU tensors too."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from robe_torchrec.variable_batch import pad_variable_strides
+
+    strides = [3, 1, 4]
+    lengths = torch.tensor([2, 0, 1, 3, 1, 1, 0, 2])
+    values = torch.arange(int(lengths.sum()))
+
+    def padded(on: torch.device) -> torch.Tensor:
+        kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=values.to(on),
+                                lengths=lengths.to(on),
+                                stride_per_key_per_rank=[[s] for s in strides])
+        return pad_variable_strides(kjt).lengths()
+
+    want = torch.tensor([2, 0, 1, 0, 3, 0, 0, 0, 1, 1, 0, 2])
+    assert torch.equal(padded(torch.device("cpu")), want)
+    on = torch.device(device)
+    padded(on)  # a first call may set up what later ones reuse
+    with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+        got = padded(on)
+    assert torch.equal(got.cpu(), want), got
+
+
 def torchrec_gpu_checks() -> List[Tuple[str, Callable[[], None]]]:
     """The checks that need torchrec on the GPU (none when it is not importable)."""
     import importlib.util
 
     if importlib.util.find_spec("torchrec") is None:
         return []
-    return [("dense_capturable_adam", check_dense_capturable_adam),
+    return [("vbe_padding_no_host_sync", check_vbe_padding_no_host_sync),
+            ("dense_capturable_adam", check_dense_capturable_adam),
             ("deterministic_dlrm", check_deterministic_dlrm),
             ("compiled_dlrm_reduce_overhead", check_compiled_dlrm)]
