@@ -123,8 +123,8 @@ def test_batches_with_more_or_fewer_ids_share_a_layout_check(layout_calls):
     """Bags of several ids hold a different number in all every batch. The wrappers check a
     layout once for all such batches while their bags tile alike (the mean bag on the same
     side of the tuning's thresholds, the same power of two above it), and again for a batch
-    whose bags tile otherwise; each batch's output and gradient are its own. Per-sample weights that do
-    not match the ids are refused whatever plan exists."""
+    whose bags tile otherwise; each batch's output and gradient are its own. Per-sample
+    weights that do not match the ids are refused whatever plan exists."""
     from robe_torchrec.ops import defer_checks, triton_kernels
 
     if not triton_kernels.interpreted():
@@ -158,3 +158,17 @@ def test_batches_with_more_or_fewer_ids_share_a_layout_check(layout_calls):
                                         per_sample_weights=batches[2].per_sample_weights)
         with pytest.raises(ValueError, match="per_sample_weights has"):
             triton_kernels.forward(*short_psw.forward_args())
+
+
+def test_the_bag_lengths_power_of_two_is_the_tiles_one():
+    """``_bag_lengths`` computes the power of two above the mean bag inline (it runs before
+    every plan lookup); it must stay the ``_next_pow2`` of the rounded-up mean that the
+    tiles were sized by, for empty batches and empty bags too."""
+    from robe_torchrec.ops import triton_kernels
+
+    tuning = triton_kernels.current_tuning()
+    for num_bags in range(0, 40):
+        for num_values in range(0, 300):
+            mean_up = -(-num_values // max(num_bags, 1))
+            assert triton_kernels._bag_lengths(num_values, num_bags, tuning)[2] == \
+                triton_kernels._next_pow2(max(mean_up, 1)), (num_values, num_bags)
