@@ -5,8 +5,9 @@ calls run with every Triton launch stubbed (``triton_kernels.stubbed_launches``)
 tensors (checks deferred as on CUDA) or, ``--cuda``, on a GPU, whose ``launched`` rows add the
 launcher back. Rows, microseconds a call: the wrapper, also with the checks in the summary
 kernel (``tuned(count_in_forward=False)``); the op without and with autograd, also on
-multi-hot bags (one batch again, and a batch of another number of ids every call); its backward,
-the fused step (through the ops, and calling the wrappers); a TorchRec user's training
+multi-hot bags (one batch again, and a batch of another number of ids every call) and on
+one-id bags of another batch size every call; its backward, the fused step (through the
+ops, and calling the wrappers); a TorchRec user's training
 forward through the module (where torchrec is installed); a second trip through the
 dispatcher; the host's speed (a same-schema op returning its input, ``torch.add``, 1000
 Python additions). Where Triton can compile for NVIDIA GPUs (no GPU needed), the
@@ -112,12 +113,16 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
             "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
             "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
             "through the dispatcher twice": on_path(twice)}
-    multi_hot = multi_hot_batches(device, batch, num_rows=cards[0])
+    multi_hot = varied_batches(device, batch, num_rows=cards[0], multi_hot=True)
     new_batch = itertools.cycle(multi_hot)
+    new_size = itertools.cycle(varied_batches(device, batch, num_rows=cards[0],
+                                              multi_hot=False))
     rows["op, no grad, multi-hot, one batch again"] = on_path(
         lambda: torch.ops.robe.forward(weights, *multi_hot[0], *flat[2:]))
     rows["op, no grad, multi-hot, a new batch each call"] = on_path(
         lambda: torch.ops.robe.forward(weights, *next(new_batch), *flat[2:]))
+    rows["op, no grad, a new batch size each call"] = on_path(
+        lambda: torch.ops.robe.forward(weights, *next(new_size), *flat[2:]))
     module_forward = fused_module_forward(device, ids, batch)
     if module_forward is not None:
         rows["module forward, fused Adagrad, training"] = on_path(module_forward, True)
@@ -128,17 +133,23 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     return rows
 
 
-def multi_hot_batches(device: torch.device, batch: int, num_rows: int, count: int = 64
-                      ) -> List[tuple]:
-    """``count`` batches ``(values, offsets)`` of the tables (``num_rows`` rows each) whose
-    bags hold 0 to 4 ids, 2 on average: each batch holds another number of ids in all, as
-    multi-hot features do from one batch to the next. 64 of them, twice the plans the ops
-    keep for one ``table_meta``: a batch never finds one made for its own number of ids
-    still kept, as in training, where that number seldom comes back."""
+def varied_batches(device: torch.device, batch: int, num_rows: int, multi_hot: bool,
+                   count: int = 64) -> List[tuple]:
+    """``count`` batches ``(values, offsets)`` of the tables (``num_rows`` rows each), each
+    unlike the last: ``multi_hot``, ``batch`` bags of 0 to 4 ids, 2 on average, another
+    number of ids in all each batch, as multi-hot features hold from one batch to the next;
+    else bags of one id, a batch size drawn from ``[batch / 2, batch]`` each batch, as the
+    padded batch of an unpooled lookup or of a variable batch per feature. 64 of them, twice
+    the plans the ops keep for one ``table_meta``: a batch never finds one made for its own
+    sizes still kept, as in training, where they seldom come back."""
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(count):
-        lengths = torch.randint(0, 5, (FEATURES * batch,), generator=g)
+        if multi_hot:
+            lengths = torch.randint(0, 5, (FEATURES * batch,), generator=g)
+        else:
+            size = int(torch.randint(batch // 2, batch + 1, (1,), generator=g))
+            lengths = torch.ones(FEATURES * size, dtype=torch.int64)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         offsets[1:] = lengths.cumsum(0)
         values = torch.randint(0, num_rows, (int(offsets[-1]),), generator=g)
@@ -339,6 +350,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                   "op, no grad, multi-hot, a new batch each call")
     lines += ["", f"Multi-hot bags, `{new}` / `{again}`: {med[new] / med[again]:.2f}x (medians): "
               "what a batch holding another number of ids than the last costs the host."]
+    sized = "op, no grad, a new batch size each call"
+    lines += ["", f"One id a bag, `{sized}` / `op, no grad`: "
+              f"{med[sized] / med['op, no grad']:.2f}x (medians): what a batch of another size "
+              "than the last (an unpooled lookup's, a variable batch's) costs the host."]
     primitives = sum(v for n, v in med.items() if n.startswith("primitive: "))
     op = "op, no grad, launched" if "op, no grad, launched" in med else "op, no grad"
     lines += ["", f"The forward's torch calls on the device besides its launch (the "

@@ -72,3 +72,17 @@ def test_stubbed_launches_skip_the_kernels_inside_the_block_only():
         stubbed = triton_kernels.forward(*args)
     assert stubbed.shape == want.shape and not torch.equal(stubbed, want)
     assert torch.allclose(triton_kernels.forward(*args), want)
+
+
+def test_varied_batches_change_what_they_say_they_change():
+    """The multi-hot batches keep the batch size and change the number of ids; the others
+    keep one id a bag and change the batch size (the premises of the rows' ratios)."""
+    cpu = torch.device("cpu")
+    multi_hot = host_overhead.varied_batches(cpu, 64, num_rows=100, multi_hot=True, count=8)
+    sized = host_overhead.varied_batches(cpu, 64, num_rows=100, multi_hot=False, count=8)
+    assert {offsets.numel() for _, offsets in multi_hot} == {host_overhead.FEATURES * 64 + 1}
+    assert len({values.numel() for values, _ in multi_hot}) == 8
+    assert len({offsets.numel() for _, offsets in sized}) > 4
+    for values, offsets in sized:
+        assert torch.equal(offsets, torch.arange(values.numel() + 1))
+        assert (offsets.numel() - 1) % host_overhead.FEATURES == 0

@@ -35,8 +35,9 @@ from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
 from robe_torchrec.ops.triton_launch import CachedLaunch
 from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
-                                          check_data_summarized, check_layout,
-                                          check_optimizer_args, meta_facts)
+                                          check_data_summarized, check_grad_rows,
+                                          check_layout, check_optimizer_args,
+                                          check_output_size, checked_batch, meta_facts)
 from robe_torchrec.ops.weak_ids import WeakIdDict
 
 #: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
@@ -356,11 +357,11 @@ def _summarize_inputs(values: torch.Tensor, offsets: torch.Tensor,
                    values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
 
 
-def _counts_in_kernel(batch: int, output_dim: int, facts) -> bool:
+def _counts_in_kernel(has_bags: bool, output_dim: int, facts) -> bool:
     """Whether the forward kernel counts the input checks' problems (one launch less): when
-    it reads every id, that is when it runs at all and every feature has a column (and the
-    tuning does not ask for the summary kernel)."""
-    return (current_tuning().count_in_forward and batch > 0 and output_dim > 0
+    it reads every id, that is when it runs at all (some bag, some column) and every
+    feature has a column (and the tuning does not ask for the summary kernel)."""
+    return (current_tuning().count_in_forward and has_bags and output_dim > 0
             and facts.min_dim > 0)
 
 
@@ -381,9 +382,10 @@ class _BackwardPlan(NamedTuple):
 def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block_size,
                    hash_mode, hash_params) -> _BackwardPlan:
     """The checked static layout of a backward call and its tiles, from the cache when an
-    earlier call had the same layout (see :func:`_forward_plan`)."""
+    earlier call had the same layout, for every batch size (see :func:`_forward_plan`;
+    :func:`_backward_checks` checks the output gradient's rows against the batch)."""
     tuning = current_tuning()
-    key = ("backward", grad_output.dtype, grad_output.shape, grad_output.device,
+    key = ("backward", grad_output.dtype, grad_output.shape[1:], grad_output.device,
            *_tensor_facts(weights, values, offsets, psw, tuning), block_size, hash_mode,
            tuple(hash_params), tuning)
 
@@ -396,8 +398,8 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
         facts = meta_facts(meta_cpu, block_size, grad_output.shape[1])
         tiles = _Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
                        _is_interpreted(_kernels_for(weights.device)))
-        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None,
-                             table_meta.shape[1], offsets.numel() - 1, block_size, hash_mode)
+        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None, block_size,
+                             hash_mode)
         return _BackwardPlan(meta_cpu, id_check,
                              _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
                              tiles, facts.any_mean, launch)
@@ -434,6 +436,7 @@ def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: t
 
     plan = _backward_plan(grad_output, weights, values, offsets, per_sample_weights,
                           table_meta, block_size, hash_mode, hash_params)
+    check_grad_rows(grad_output, checked_batch(offsets, table_meta.shape[1]))
     check_data_summarized(values, offsets, per_sample_weights, table_meta, plan.meta_cpu,
                           plan.id_check, summarize)
     return plan, (guards[0] if guards else None)
@@ -451,7 +454,6 @@ class _ForwardPlan(NamedTuple):
     id_check: IdCheck
     #: the kernels' hash arguments (:func:`_kernel_hash_args`)
     params: list
-    batch: int
     counted: bool
     covers_output: bool
     launch: "_BagLaunch"
@@ -467,8 +469,12 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
                   hash_mode, hash_params, bounds_check) -> _ForwardPlan:
     """The checked static layout of a forward call and its launch parameters, from the cache
     when an earlier call had the same layout: the same ``table_meta`` (and version), the same
-    dtypes, shapes, devices and scalar arguments, the same tuning. A module calls with the
-    same layout every step, and re-deriving it is most of a GPU forward's host time."""
+    dtypes, devices and scalar arguments, the same tuning, and of the batch only what picks
+    the tiles (see :func:`_tensor_facts`). A module calls with the same layout every step,
+    and re-deriving it is most of a GPU forward's host time. What the batch size changes
+    (its checks, the output's shape, the grid) each call works out itself, a few integer
+    operations: the padded batch of an unpooled lookup or of a variable batch per feature
+    has another size nearly every call."""
     tuning = current_tuning()
     key = (*_tensor_facts(weights, values, offsets, psw, tuning), output_dim, block_size,
            hash_mode, tuple(hash_params), bounds_check, tuning)
@@ -479,9 +485,8 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
         meta_cpu, id_check = check_layout(weights, values, offsets, psw, table_meta, output_dim,
                                           block_size, hash_mode, hash_params, bounds_check)
         num_bags = offsets.numel() - 1
-        batch = num_bags // table_meta.shape[1]
         facts = meta_facts(meta_cpu, block_size, output_dim)
-        counted = _counts_in_kernel(batch, output_dim, facts)
+        counted = _counts_in_kernel(num_bags > 0, output_dim, facts)
         tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
                        _is_interpreted(kernels))
         if counted:
@@ -489,24 +494,25 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
             key_limit = _key_limit_arg(id_check)
         else:  # the kernel never touches the problem counts
             check_constants, key_limit = dict(CHECK=False, IN_BOUNDS=False, KEY_LIMIT=False), 0
-        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None,
-                             table_meta.shape[1], num_bags, block_size, hash_mode,
-                             check_constants)
+        launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None, block_size,
+                             hash_mode, check_constants)
         return _ForwardPlan(meta_cpu, id_check,
                             _kernel_hash_args(hash_params, tiles.num_terms, weights.device),
-                            batch, counted, facts.covers_output, launch, key_limit)
+                            counted, facts.covers_output, launch, key_limit)
 
     return _cached_plan(table_meta, key, build)
 
 
 def _tensor_facts(weights, values, offsets, psw, tuning: TritonTuning) -> tuple:
-    """What a plan depends on in a call's tensors: their dtypes, shapes and devices, but of
-    the number of ids only its bag lengths (:func:`_bag_lengths`) and whether the per-sample
-    weights match the ids. Bags of several ids hold more or fewer in all every batch; a
-    plan made again for each took 16 of a 40 us forward's host time on a CPU core."""
+    """What a plan depends on in a call's tensors: their dtypes, devices, the weights'
+    shape, but of the numbers of ids and bags only the bag lengths (:func:`_bag_lengths`)
+    and whether there is a bag, and whether the per-sample weights match the ids. Bags of
+    several ids hold more or fewer in all every batch; a plan made again for each took 16
+    of a 40 us forward's host time on a CPU core."""
+    num_bags = offsets.numel() - 1
     return (weights.dtype, weights.shape, weights.device, values.dtype, values.dim(),
-            values.device, offsets.dtype, offsets.shape, offsets.device,
-            _bag_lengths(values.numel(), offsets.numel() - 1, tuning),
+            values.device, offsets.dtype, offsets.dim(), num_bags > 0, offsets.device,
+            _bag_lengths(values.numel(), num_bags, tuning),
             None if psw is None else (psw.dtype, psw.shape == values.shape, psw.device))
 
 
@@ -531,7 +537,7 @@ def _cached_plan(table_meta: torch.Tensor, key: tuple, build):
     return plan
 
 
-#: plans kept per table_meta (batch sizes and tunings a module sees; beyond, start over)
+#: plans kept per table_meta (the layouts and tunings a module sees; beyond, start over)
 _MAX_PLANS = 32
 
 
@@ -551,15 +557,17 @@ def forward(
     psw = per_sample_weights
     plan = _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_size,
                          hash_mode, hash_params, bounds_check)
+    batch = checked_batch(offsets, table_meta.shape[1])
+    check_output_size(batch, output_dim)
     meta_cpu, id_check = plan.meta_cpu, plan.id_check
     if not plan.counted and not _summarize_inputs(values, offsets, psw, table_meta, meta_cpu,
                                                   id_check):
         check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     # columns no feature covers (output_dim > sum of dims) must read 0
-    shape, dtype = (plan.batch, output_dim), m.accumulation_dtype(weights.dtype)
+    shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
     out = (_empty(*shape, dtype=dtype, device=weights.device) if plan.covers_output
            else torch.zeros(shape, dtype=dtype, device=weights.device))
-    if plan.batch == 0 or output_dim == 0:
+    if batch == 0 or output_dim == 0:
         return out
     if plan.counted:
         deferred_checks.raise_ready()
@@ -579,33 +587,30 @@ def forward(
 
 
 class _BagLaunch(NamedTuple):
-    """A bag kernel's launch as far as its plan fixes it (:func:`_bag_launch`)."""
+    """A bag kernel's launch as far as its plan fixes it (:func:`_bag_launch`): all but the
+    grid, which each call's number of bags sets (:func:`_launch_bag_kernel`)."""
     tiles: "_Tiles"
-    grid: tuple
     #: every constant of the launch but those a call adds (a backward's guard)
     constants: dict
 
 
 def _bag_launch(tiles: "_Tiles", mean: bool, weights: torch.Tensor, has_psw: bool,
-                num_features: int, num_bags: int, block_size: int, hash_mode: int,
+                block_size: int, hash_mode: int,
                 extra_constants: Optional[dict] = None) -> _BagLaunch:
     """The launch of the bag kernels ``tiles`` picks: the short-bags variant (several short
     bags a program) when ``tiles`` says the bags are short, else the one-bag-a-program
     variant; ``mean``: some feature pools by its mean (else the kernel is compiled without
     the division). Made once per plan: building the constants at every call was host time
     a forward waits on."""
-    batch = num_bags // num_features
     constants = dict(Z=block_size, HASH_MODE=int(hash_mode), HAS_PSW=has_psw,
                      ACC=_acc_dtype(weights), BLOCK_B=tiles.block_b, BLOCK_Z=tiles.block_z,
                      COMPACT=tiles.compact_hash, MEAN=mean, **(extra_constants or {}))
     if tiles.short_bags:
-        grid = (num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles)
         constants.update(BLOCK_BAGS=tiles.block_bags, num_warps=tiles.short_bags_warps)
     else:
-        grid = (num_bags, tiles.col_tiles)
         constants.update(BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
                          STARTS=tiles.two_pass, NUM_BLOCKS=tiles.num_blocks)
-    return _BagLaunch(tiles, grid, constants)
+    return _BagLaunch(tiles, constants)
 
 
 def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
@@ -620,7 +625,8 @@ def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
     kernels' check arguments or the backward's guard, ``extra_constants`` the constants the
     call adds to ``launch``'s (the backward's guard)."""
     num_features = table_meta.shape[1]
-    batch = (offsets.numel() - 1) // num_features
+    num_bags = offsets.numel() - 1
+    batch = num_bags // num_features
     psw = per_sample_weights
     args = (_dense(source), _dense(values), _dense(offsets),
             weights if psw is None else _dense(psw),
@@ -630,12 +636,13 @@ def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
                  else launch.constants)
     per_bag, short_bags = variants
     tiles = launch.tiles
-    if tiles.short_bags:
-        short_bags[launch.grid](*args, **constants)
+    if tiles.short_bags:  # a program a group of a feature's bags and a column tile
+        short_bags[num_features * _cdiv(batch, tiles.block_bags), tiles.col_tiles](
+            *args, **constants)
         return
     starts = _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode, params,
                           tiles, weights) if tiles.two_pass else values
-    per_bag[launch.grid](*args, starts, **constants)
+    per_bag[num_bags, tiles.col_tiles](*args, starts, **constants)
 
 
 def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor,

@@ -49,10 +49,7 @@ def check_static(
         raise ValueError("robe: values and offsets must be 1-D")
     if table_meta.dtype != torch.int64 or table_meta.dim() != 2 or table_meta.shape[0] != m.NUM_META_FIELDS:
         raise ValueError(f"robe: table_meta must be int64 [{m.NUM_META_FIELDS}, T]")
-    num_features = table_meta.shape[1]
-    if num_features == 0 or (offsets.numel() - 1) % num_features != 0 or offsets.numel() < 1:
-        raise ValueError(f"robe: offsets has {offsets.numel()} entries; expected T * B + 1 "
-                         f"with T = {num_features} features")
+    checked_batch(offsets, table_meta.shape[1])
     if per_sample_weights is not None:
         if not per_sample_weights.dtype.is_floating_point:
             raise ValueError(f"robe: per_sample_weights must be floating point, got "
@@ -63,6 +60,32 @@ def check_static(
     if block_size < 1:
         raise ValueError(f"robe: block_size must be >= 1, got {block_size}")
     check_enum("hash_mode", hash_mode, HashMode)
+
+
+def checked_batch(offsets: torch.Tensor, num_features: int) -> int:
+    """``B`` of ``offsets`` (``T * B + 1`` entries for ``T = num_features``); raises when
+    the count is not of that form. The Triton ops check a layout once, for every batch
+    size, and run this (a few integer operations) at every call."""
+    num_bags = offsets.numel() - 1
+    if num_features == 0 or num_bags < 0 or num_bags % num_features != 0:
+        raise ValueError(f"robe: offsets has {offsets.numel()} entries; expected T * B + 1 "
+                         f"with T = {num_features} features")
+    return num_bags // num_features
+
+
+def check_output_size(batch: int, output_dim: int) -> None:
+    """The ``[batch, output_dim]`` output's byte offsets must fit int64 (the kernels index
+    it that way)."""
+    if batch > 0 and output_dim > (2**63 - 1) // 8 // batch:
+        raise ValueError(f"robe: the output of {batch} samples x output_dim {output_dim} "
+                         "elements is too large to allocate")
+
+
+def check_grad_rows(grad_output: torch.Tensor, batch: int) -> None:
+    """``grad_output`` is ``[B, output_dim]`` for the batch of ``B`` samples."""
+    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
+        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
+                         f"{tuple(grad_output.shape)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,10 +141,7 @@ def check_backward_layout(
     :func:`check_layout` for the forward: ``(table_meta on the CPU, what ids are checked
     against)``."""
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
-    batch = (offsets.numel() - 1) // table_meta.shape[1]
-    if grad_output.dim() != 2 or grad_output.shape[0] != batch:
-        raise ValueError(f"robe: grad_output must be [B={batch}, output_dim], got "
-                         f"{tuple(grad_output.shape)}")
+    check_grad_rows(grad_output, (offsets.numel() - 1) // table_meta.shape[1])
     if not grad_output.dtype.is_floating_point:
         raise ValueError(f"robe: grad_output must be floating point, got {grad_output.dtype}")
     return _layout_after_static(weights, offsets, table_meta, grad_output.shape[1], block_size,
@@ -212,10 +232,7 @@ def _layout_after_static(weights: torch.Tensor, offsets: torch.Tensor,
         raise ValueError(f"robe: hash_params must hold 3 integers, got {len(hash_params)}")
     meta_cpu = checked_table_meta(table_meta, output_dim, block_size, weights.numel())
     facts = meta_facts(meta_cpu, block_size, output_dim)
-    batch = (offsets.numel() - 1) // table_meta.shape[1]
-    if batch > 0 and output_dim > (2**63 - 1) // 8 // batch:
-        raise ValueError(f"robe: the output of {batch} samples x output_dim {output_dim} "
-                         "elements is too large to allocate")
+    check_output_size((offsets.numel() - 1) // table_meta.shape[1], output_dim)
     if hash_mode == HashMode.MIX and facts.max_span >= 2**32:
         raise ValueError("robe: the mix hash needs memory_size - block_size + 1 < 2**32")
     key_limit = None

@@ -172,3 +172,76 @@ def test_the_bag_lengths_power_of_two_is_the_tiles_one():
             mean_up = -(-num_values // max(num_bags, 1))
             assert triton_kernels._bag_lengths(num_values, num_bags, tuning)[2] == \
                 triton_kernels._next_pow2(max(mean_up, 1)), (num_values, num_bags)
+
+
+def test_batches_of_other_sizes_share_a_layout_check(layout_calls):
+    """An unpooled lookup or a padded variable batch has another number of bags every
+    batch. The wrappers check a layout once for batches of every size (with bags that tile
+    alike); each batch gets its own output, gradient and grid. What depends on the size is
+    still checked for each: offsets that are not ``T * B + 1``, a ``grad_output`` of
+    another ``B``. A batch without bags has a layout of its own (nothing launched; its
+    offsets still checked)."""
+    from robe_torchrec.ops import defer_checks, triton_kernels
+
+    if not triton_kernels.interpreted():
+        pytest.skip("triton is imported without its interpreter in this process")
+    rows = [300, 4000, 50, 900]
+    first = random_case(seed=31, weighted=True, batch=5, max_bag=2, num_rows=rows)
+    batches = [first] + [_with_batch(first, random_case(seed=s, weighted=True, batch=b,
+                                                          max_bag=2, num_rows=rows))
+                         for s, b in ((32, 1), (33, 12), (34, 3))]
+    tuning = triton_kernels.current_tuning()
+    lengths = {triton_kernels._bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
+               for b in batches}
+    assert len(lengths) == 1  # the premise: the batches tile alike
+    with defer_checks(False):
+        for batch in batches:
+            grad = batch.grad(seed=batch.batch)
+            torch.testing.assert_close(triton_kernels.forward(*batch.forward_args()),
+                                       reference.forward(*batch.forward_args()))
+            torch.testing.assert_close(triton_kernels.backward_dense(*batch.backward_args(grad)),
+                                       reference.backward_dense(*batch.backward_args(grad)))
+            torch.testing.assert_close(
+                triton_kernels.per_sample_weights_grad(*batch.psw_grad_args(grad)),
+                reference.per_sample_weights_grad(*batch.psw_grad_args(grad)))
+        # the per-sample weights' gradient: a backward layout without them
+        checked = ["check_layout", "check_backward_layout", "check_backward_layout"]
+        assert layout_calls == checked
+
+        one_short = dataclasses.replace(first, offsets=first.offsets[:-1])
+        with pytest.raises(ValueError, match="expected T \\* B \\+ 1"):
+            triton_kernels.forward(*one_short.forward_args())
+        with pytest.raises(ValueError, match="expected T \\* B \\+ 1"):
+            triton_kernels.backward_dense(*one_short.backward_args(first.grad()))
+        other_rows = batches[1].grad()
+        with pytest.raises(ValueError, match="grad_output must be \\[B=5"):
+            triton_kernels.backward_dense(*first.backward_args(other_rows))
+        assert layout_calls == checked
+
+        empty = dataclasses.replace(first, values=first.values[:0],
+                                    offsets=first.offsets[:1].clone(),
+                                    per_sample_weights=first.per_sample_weights[:0])
+        assert triton_kernels.forward(*empty.forward_args()).shape == (0, first.output_dim)
+        bad_empty = dataclasses.replace(empty, offsets=empty.offsets + 3)
+        with pytest.raises(ValueError, match="offsets"):
+            triton_kernels.forward(*bad_empty.forward_args())
+        assert layout_calls[3:] == ["check_layout"]  # one for both empty batches
+
+
+def test_a_batch_too_large_for_its_output_is_refused_by_a_cached_plan(layout_calls):
+    """The output-size check runs for every batch size: a layout checked with a smaller
+    batch does not vouch for a larger one."""
+    from robe_torchrec.ops import defer_checks, triton_kernels
+
+    one_id = dict(max_bag=1, fixed_bags=True, empty_fraction=0.0, num_rows=[40] * 4)
+    case = random_case(seed=35, batch=1, **one_id)
+    args = list(case.forward_args())
+    args[5] = 2**59  # columns to spare read 0; the bytes of 2 samples overflow int64
+    two = random_case(seed=36, batch=2, **one_id)
+    with triton_kernels.stubbed_launches(), defer_checks(False):
+        with pytest.raises(RuntimeError):  # one sample fits the check, not the memory
+            triton_kernels.forward(*args)
+        args[1], args[2] = two.values, two.offsets
+        with pytest.raises(ValueError, match="too large to allocate"):
+            triton_kernels.forward(*args)
+        assert layout_calls == ["check_layout"]  # the plan of the first call
