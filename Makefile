@@ -19,8 +19,8 @@ TR16_STAMP := $(TR16_VENV)/.robe-installed
 # the tests that depend on which torchrec release is installed
 TR16_TESTS := tests/distributed tests/pipelines tests/test_torchrec_compat.py
 
-.PHONY: setup setup-tr16 demo test test-main test-slow test-tr16 test-gpu-triton bench compare \
-	quality clean
+.PHONY: setup setup-tr16 demo test test-main test-slow test-tr16 test-gpu-triton bench \
+	instructions compare quality clean
 
 setup: $(STAMP)
 
@@ -89,6 +89,11 @@ test-gpu-triton: $(GPU_TRITON_DIR)/.installed
 
 bench: setup
 	$(PY) -m benchmarks.cpu_ops --out benchmarks/results/cpu_ops.md
+
+# SASS instructions a bag of the bag kernels, compiled for sm_90 by the GPU image's Triton
+# (the one the GPU runs: another Triton compiles the same kernels to other counts)
+instructions: $(GPU_TRITON_DIR)/.installed
+	$(GPU_TRITON_ENV) $(PY) -m benchmarks.kernel_instructions --out benchmarks/results
 
 compare: setup
 	$(PY) -m robe_torchrec.pipelines.compare

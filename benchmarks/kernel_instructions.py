@@ -63,6 +63,17 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def toolchain() -> str:
+    """The compiler the counts come from: Triton's version and its bundled ``ptxas``'s.
+    Both change the code: the GPU image's Triton 3.6 and this machine's 3.9 count the same
+    kernel differently."""
+    import triton
+
+    ptxas = subprocess.run([_tool("ptxas"), "--version"], capture_output=True, text=True,
+                           check=True).stdout.strip().splitlines()[-2]
+    return f"Triton {triton.__version__}, ptxas {ptxas.rsplit(' ', 1)[-1]}"
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     """What Triton's ``cuobjdump`` prints for ``cubin`` with ``flag``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -131,9 +142,9 @@ def measure(block_sizes: Sequence[int], variants: Dict[str, dict]) -> List[dict]
     return rows
 
 
-def report(rows: List[dict], command: str) -> List[str]:
+def report(rows: List[dict], command: str, compiler: str) -> List[str]:
     lines = header("SASS instructions a bag of the bag kernels, compiled for an H100 (sm_90)",
-                   command,
+                   command, f"compiler: {compiler}",
                    f"setting: {FEATURES} features of dim {DIM}, one id a bag, sum pooling, int64 "
                    "ids, float32, reference hash unless the row says otherwise (the paper's; the "
                    "batch only has to specialise as 10240 does)",
@@ -171,8 +182,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if tk.interpreted():
         p.error("unset TRITON_INTERPRET: this compiles the kernels")
     rows = measure(args.block_sizes, {v: VARIANTS[v] for v in args.variants})
+    compiler = toolchain()
     publish(args.out, "kernel_instructions",
-            report(rows, command_line("kernel_instructions", argv)), {"rows": rows})
+            report(rows, command_line("kernel_instructions", argv), compiler),
+            {"compiler": compiler, "rows": rows})
     return 0
 
 

@@ -63,7 +63,8 @@ class TritonTuning:
     deterministic_backward: bool = False
     #: the bag kernels hash each (id, block) pair once, in a tile of its own, instead of in
     #: every thread that reads one of the block's columns (the same values either way).
-    #: Compiled for an H100 the one-id forward then has fewer instructions a bag
+    #: Compiled for an H100 the one-id forward then has fewer instructions a bag when a
+    #: program pools several bags (``bags_per_program``), more with one
     #: (benchmarks/results/kernel_instructions.md); off until a GPU run measures it
     compact_hash: bool = False
     #: a compiled kernel variant is launched without ``JITFunction.run``'s per-call work
