@@ -315,3 +315,39 @@ def test_state_dict_round_trip_layout_check_and_meta_init():
     torch.manual_seed(0)
     meta.reset_parameters()
     assert torch.equal(meta.weight, ec.weight)
+
+
+def _unpooled_layout_by_hand(counts):
+    """The unpooled lookup's offsets and gather index, one bag and one id at a time."""
+    width, num_features = max(counts, default=0), len(counts)
+    offsets, index, start = [], [], 0
+    for f, count in enumerate(counts):
+        offsets += [start + min(b, count) for b in range(width)]
+        index += [b * num_features + f for b in range(count)]
+        start += count
+    return offsets + [start], index
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_unpooled_args_lay_out_bags_and_rows_as_by_hand(dtype):
+    """Fresh random counts (features without ids, all features empty, one feature): the
+    offsets and the gather index the op's arguments hold are those laid out by hand."""
+    from robe_torchrec.ops.args import LayoutArgs
+    from robe_torchrec.ops.unpooled import unpooled_args
+
+    g = torch.Generator().manual_seed(5)
+    cases = [[0, 0, 0], [4], [0], [3, 0, 5, 1]]
+    cases += [torch.randint(0, 9, (int(t),), generator=g).tolist()
+              for t in torch.randint(1, 7, (12,), generator=g)]
+    for counts in cases:
+        table_meta = torch.zeros(7, len(counts), dtype=torch.int64)
+        layout = LayoutArgs(table_meta, 4 * len(counts), 4, 0, [1, 2, 3], 0)
+        values = torch.arange(sum(counts), dtype=dtype)
+        args, index = unpooled_args(values, counts, layout)
+        offsets, rows = _unpooled_layout_by_hand(counts)
+        assert args.offsets.dtype == dtype and args.offsets.tolist() == offsets, counts
+        assert args.layout.output_dim == 4 * len(counts)
+        if len(counts) == 1:
+            assert index is None
+        else:
+            assert index.dtype == torch.int64 and index.tolist() == rows, counts

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -41,7 +42,8 @@ def unpooled_args(values: Tensor, counts: List[int],
     its ``output_dim`` is replaced by ``T * dim``.
     """
     num_features = len(counts)
-    if values.dim() != 1 or values.numel() != sum(counts):
+    num_ids = values.numel()
+    if values.dim() != 1 or num_ids != sum(counts):
         raise ValueError(f"robe_unpooled_lookup: values must be 1-D with sum(counts) = "
                          f"{sum(counts)} ids, got shape {tuple(values.shape)}")
     if layout.table_meta.shape[1] != num_features:
@@ -52,24 +54,30 @@ def unpooled_args(values: Tensor, counts: List[int],
     device = values.device
     # offsets in the values' dtype, as the op takes them (it refuses other value dtypes)
     index_dtype = values.dtype if values.dtype in (torch.int32, torch.int64) else torch.int64
+    # What the features' counts give, worked out on the host (a few ints a feature) and
+    # copied in one go, so that the device runs a handful of ops a batch: each feature's
+    # first id, and a last feature past the end, holding no id from id N on, whose first bag
+    # is the offsets' final entry N; and the shift that turns id i of feature f into its
+    # row of the op's output seen as [B * T, dim], i * T - (starts[f] * T - f).
+    starts = list(itertools.accumulate(counts, initial=0))
+    shifts = [start * num_features - f for f, start in enumerate(starts[:-1])]
     # (from pinned memory on CUDA: a copy from pageable memory would wait for the device)
-    count_t = ints_on_device(counts, index_dtype, device)
-    starts = torch.cumsum(count_t, 0) - count_t
-    # bag (f, b) holds id starts[f] + b while b < counts[f], else nothing
-    position = torch.arange(width, dtype=count_t.dtype, device=device)
-    offsets = (starts[:, None] + torch.minimum(position[None, :], count_t[:, None])).flatten()
-    # (cumsum and sum promote to int64)
-    offsets = torch.cat([offsets, count_t.sum().reshape(1)]).to(index_dtype)
-    args = LookupArgs(values, offsets, None,
-                      layout._replace(output_dim=num_features * dim))
+    table = ints_on_device([*counts, 0, *starts, *shifts], torch.int64, device)
+    count_t, start_t = table[:num_features + 1], table[num_features + 1:2 * num_features + 2]
+    if width:
+        # bag (f, b) holds id starts[f] + b while b < counts[f], else nothing
+        bags = (torch.minimum(torch.arange(width, device=device), count_t[:, None])
+                + start_t[:, None])
+        offsets = bags.view(-1)[:num_features * width + 1].to(index_dtype)
+    else:  # no bag: only the final entry
+        offsets = torch.zeros(1, dtype=index_dtype, device=device)
+    args = LookupArgs(values, offsets, None, layout._replace(output_dim=num_features * dim))
     if num_features == 1:
         return args, None
-    # id i of feature f is bag b = i - starts[f]: row b, columns of feature f
     # output_size given: the op need not read the counts' sum back from the device
-    feature = torch.repeat_interleave(torch.arange(num_features, device=device), count_t,
-                                      output_size=values.numel())
-    local = torch.arange(values.numel(), device=device) - starts.to(torch.int64)[feature]
-    return args, local * num_features + feature
+    shift = torch.repeat_interleave(table[2 * num_features + 2:], count_t[:num_features],
+                                    output_size=num_ids)
+    return args, torch.arange(0, num_ids * num_features, num_features, device=device) - shift
 
 
 def gather_unpooled(pooled: Tensor, index: Optional[Tensor], dim: int) -> Tensor:
