@@ -105,7 +105,10 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
                                    self._layout.feature_names, "RobeEmbeddingCollection")
         counts = features.length_per_key()
         values = features.values()
-        args, index = unpooled_args(values, counts, self._layout.op_args(self.table_meta))
+        try:
+            args, index = unpooled_args(values, counts, self._layout.op_args(self.table_meta))
+        except ValueError as err:  # an id that fails its check
+            raise self._explain(err, features) from None
         rows = gather_unpooled(self._run_lookup(args, features), index, self._embedding_dim)
         lengths = features.lengths().split(features.stride_per_key())
         ids = values.split(counts)

@@ -152,11 +152,11 @@ class RobeShardedLookup(ArrayOwner):
         psw = features.weights_or_none() if self._is_weighted else None
         layout_args = self._layout.op_args(self.table_meta, self._output_dim)
         index = None
-        if self._unpooled:
-            args, index = unpooled_args(values, features.length_per_key(), layout_args)
-        else:
-            args = LookupArgs(values, offsets, psw, layout_args)
         try:
+            if self._unpooled:  # (ids may be checked here: see unpooled_args)
+                args, index = unpooled_args(values, features.length_per_key(), layout_args)
+            else:
+                args = LookupArgs(values, offsets, psw, layout_args)
             out = fused_lookup(self.weight, self.optimizer, args, self._anchor,
                                self._pg if self._data_parallel else None)
         except (ValueError, RuntimeError) as err:

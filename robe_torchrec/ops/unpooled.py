@@ -6,12 +6,21 @@ kernels, autograd and the fused optimizers in backward serve it unchanged, and a
 one id gives exactly the vector the unpooled module gives (by construction, tested).
 
 The op takes ``T * B`` bags, one ``B`` for all features, but features hold different numbers
-of ids. :func:`unpooled_args` therefore gives feature ``f`` (``n_f`` ids) the bags
-``f * B .. f * B + n_f - 1`` with ``B = max n_f``, the rest empty; the op writes
-``[B, T * dim]`` and :func:`gather_unpooled` picks each id's row and feature's columns into
-``[N, dim]`` (one gather; none for one feature, where it is the identity). The padding costs
-``T * max n_f - N`` zero rows: nothing when the features hold as many ids each (see
-``benchmarks/results/unpooled_ops.md``).
+of ids. :func:`unpooled_args` lays them out in one of two ways:
+
+* **One feature of keys** (the features share one array, as ``RobeConfig(shared=True)``, the
+  default, lays them out): feature ``t`` hashes id ``i`` as the key ``i + row_offset[t]``, so
+  the lookup of every id is that of its key in a single feature whose row offset is 0. The op
+  gets the ``N`` keys as ``N`` bags and writes ``[N, dim]``, the rows asked for: no padding and
+  no gather. The ids are checked against their own feature's rows before they become keys
+  (the op would see only keys), with the messages the op gives; as that check reads its
+  answer at the call, this layout is taken for CPU tensors, and on an accelerator only when
+  no id can fail a check (``hash="mix"`` with ``bounds_check="unbounded"``).
+* **Padded**, otherwise: feature ``f`` (``n_f`` ids) gets the bags ``f * B .. f * B + n_f - 1``
+  with ``B = max n_f``, the rest empty; the op writes ``[B, T * dim]`` and
+  :func:`gather_unpooled` picks each id's row and feature's columns into ``[N, dim]`` (one
+  gather). The padding costs ``T * max n_f - N`` zero rows: nothing when the features hold as
+  many ids each (see ``benchmarks/results/unpooled_ops.md``).
 
 Example::
 
@@ -23,32 +32,162 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.ops.small_copies import ints_on_device
+from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_facts
+from robe_torchrec.ops.weak_ids import WeakIdDict
 
 
 def unpooled_args(values: Tensor, counts: List[int],
                   layout: LayoutArgs) -> Tuple[LookupArgs, Optional[Tensor]]:
     """``(LookupArgs, index)`` of the unpooled lookup of ``values`` (feature-major, ``counts[f]``
-    ids of feature ``f``): one id per bag, bags padded to ``max(counts)`` per feature.
-    ``index`` is ``None`` when the op's output already is ``[N, dim]`` (one feature).
+    ids of feature ``f``): one id per bag, as one feature of keys or padded (see the module
+    docstring). ``index`` is ``None`` when the op's output already is ``[N, dim]``.
 
     ``layout`` must be that of features of one dim with SUM pooling (the unpooled module's);
-    its ``output_dim`` is replaced by ``T * dim``.
+    its ``output_dim`` is replaced by ``T * dim``. Ids that fail their check raise here when
+    the keys layout is taken (the op's message), else in the op.
     """
     num_features = len(counts)
-    num_ids = values.numel()
-    if values.dim() != 1 or num_ids != sum(counts):
+    if values.dim() != 1 or values.numel() != sum(counts):
         raise ValueError(f"robe_unpooled_lookup: values must be 1-D with sum(counts) = "
                          f"{sum(counts)} ids, got shape {tuple(values.shape)}")
     if layout.table_meta.shape[1] != num_features:
         raise ValueError(f"robe_unpooled_lookup: {num_features} counts for a table_meta of "
                          f"{layout.table_meta.shape[1]} features")
+    keys = _keys_layout(layout, values.device)
+    if keys is not None:
+        return _keys_args(values, counts, keys), None
+    return _padded_args(values, counts, layout)
+
+
+class KeysLayout(NamedTuple):
+    """A layout's features as one feature of keys (see the module docstring)."""
+    #: the op's layout: one feature on the shared array, row offset 0, keys below
+    #: ``num_rows``
+    layout: LayoutArgs
+    #: each feature's row offset on the device; ``None`` when all are 0
+    row_offsets: Optional[Tensor]
+    #: what each id is checked against in its own feature (``None``: nothing to check)
+    id_check: Optional[IdCheck]
+    #: what that check comes to: feature ``t``'s ids lie in ``[0, id_ends[t])``
+    id_ends: List[int]
+    #: the original table_meta on the CPU (the checks' messages read it)
+    meta_cpu: Tensor
+
+
+#: table_meta -> (its version, the layout's other arguments, its KeysLayout or None)
+_KEYS_LAYOUTS: WeakIdDict = WeakIdDict()
+
+
+def keys_layout_possible(layout: LayoutArgs, device: torch.device) -> bool:
+    """Whether the ids on ``device`` may be turned into keys at the call: their checks read
+    their answer at once, which only a CPU tensor gives without waiting."""
+    nothing_to_check = (layout.hash_mode == HashMode.MIX
+                        and layout.bounds_check == m.BoundsCheck.UNBOUNDED)
+    return device.type == "cpu" or nothing_to_check
+
+
+@torch.compiler.disable  # reads table_meta on the host, once per tensor version
+def _keys_layout(layout: LayoutArgs, device: torch.device) -> Optional[KeysLayout]:
+    if not keys_layout_possible(layout, device):
+        return None
+    table_meta = layout.table_meta
+    try:
+        version: Optional[int] = table_meta._version
+    except RuntimeError:  # an inference tensor: no version to key on
+        version = None
+    arguments = (layout.output_dim, layout.block_size, layout.hash_mode,
+                 tuple(layout.hash_params), layout.bounds_check)
+    hit = _KEYS_LAYOUTS.get(table_meta) if version is not None else None
+    if hit is not None and hit[0] == version and hit[1] == arguments:
+        return hit[2]
+    found = _derive_keys_layout(layout)
+    if version is not None:
+        _KEYS_LAYOUTS[table_meta] = (version, arguments, found)
+    return found
+
+
+def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
+    meta_cpu = layout.table_meta.cpu().clone()
+    num_features = meta_cpu.shape[1]
+    if num_features == 0 or layout.output_dim % num_features:
+        return None
+    dim = layout.output_dim // num_features
+    if num_features == 1:  # already one feature: the op checks its ids as they are
+        return KeysLayout(layout._replace(output_dim=dim), None, None, [], meta_cpu)
+    row_offsets, num_rows = meta_cpu[m.ROW_OFFSET].tolist(), meta_cpu[m.NUM_ROWS].tolist()
+    one_array = all(len(set(meta_cpu[f].tolist())) == 1 for f in (m.W_OFFSET, m.W_SIZE))
+    # keys of ids inside their features' rows lie in [0, key_end): the op's own bounds check
+    # then holds for every id that passed its feature's
+    key_end = max(r + n for r, n in zip(row_offsets, num_rows))
+    if (not one_array or meta_cpu[m.DIM].tolist() != [dim] * num_features
+            or any(p != m.Pooling.SUM for p in meta_cpu[m.POOLING].tolist())
+            or min(row_offsets) < 0 or min(num_rows) < 0 or key_end >= 2**63):
+        return None
+    table_meta = m.build_table_meta(
+        dims=[dim], weight_offsets=[int(meta_cpu[m.W_OFFSET, 0])],
+        weight_sizes=[int(meta_cpu[m.W_SIZE, 0])], row_offsets=[0], num_rows=[key_end],
+        poolings=[m.Pooling.SUM], device=layout.table_meta.device)
+    shifts = None
+    if any(row_offsets):
+        shifts = torch.tensor(row_offsets, dtype=torch.int64, device=layout.table_meta.device)
+    id_check = id_check_of(meta_facts(meta_cpu, layout.block_size, layout.output_dim),
+                           layout.hash_mode, layout.hash_params, layout.bounds_check)
+    if id_check.in_bounds:
+        id_ends = num_rows
+    elif id_check.key_limit is not None:
+        id_ends = [id_check.key_limit - r for r in row_offsets]
+    else:
+        id_ends = []
+    return KeysLayout(layout._replace(table_meta=table_meta, output_dim=dim), shifts,
+                      id_check if id_ends else None, id_ends, meta_cpu)
+
+
+def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArgs:
+    num_ids, device = values.numel(), values.device
+    if keys.id_check is not None:  # (on the CPU: see keys_layout_possible)
+        _check_ids_now(values, counts, keys)
+    if keys.row_offsets is not None:
+        # output_size given: the op need not read the counts' sum back from the device
+        shifts = torch.repeat_interleave(keys.row_offsets,
+                                         ints_on_device(counts, torch.int64, device),
+                                         output_size=num_ids)
+        # the op's key, formed here: int64 wraps as the kernels' key does
+        values = values.to(torch.int64) + shifts
+    offsets = torch.arange(num_ids + 1, dtype=values.dtype, device=device)
+    return LookupArgs(values, offsets, None, keys.layout)
+
+
+@torch.compiler.disable  # raises on what the data hold
+def _check_ids_now(values: Tensor, counts: List[int], keys: KeysLayout) -> None:
+    # each feature's smallest and largest id against its range: one pass over the ids
+    # without an index a feature, a tenth of the time of checking each id by its
+    # feature's range at 65,536 ids in 4 features
+    for ids, end in zip(values.split(counts), keys.id_ends):
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            if int(low) < 0 or int(high) >= end:
+                break
+    else:
+        return
+    feature = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts),
+                                      output_size=values.numel())
+    check_ids(values, feature, keys.meta_cpu, keys.meta_cpu, keys.id_check)
+    raise AssertionError("robe_unpooled_lookup: an id out of its range passed check_ids")
+
+
+def _padded_args(values: Tensor, counts: List[int],
+                 layout: LayoutArgs) -> Tuple[LookupArgs, Optional[Tensor]]:
+    num_features = len(counts)
+    num_ids = values.numel()
     width = max(counts) if counts else 0
     dim = layout.output_dim // max(num_features, 1)
     device = values.device

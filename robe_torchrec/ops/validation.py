@@ -235,15 +235,20 @@ def _layout_after_static(weights: torch.Tensor, offsets: torch.Tensor,
     check_output_size((offsets.numel() - 1) // table_meta.shape[1], output_dim)
     if hash_mode == HashMode.MIX and facts.max_span >= 2**32:
         raise ValueError("robe: the mix hash needs memory_size - block_size + 1 < 2**32")
+    return meta_cpu, id_check_of(facts, hash_mode, hash_params, bounds_check)
+
+
+def id_check_of(facts: "MetaFacts", hash_mode: int, hash_params: List[int],
+                bounds_check: int) -> "IdCheck":
+    """What every id of a layout (its :class:`MetaFacts`) is checked against."""
     key_limit = None
     if bounds_check != m.BoundsCheck.ERROR and hash_mode == HashMode.REFERENCE:
         key_limit = reference_key_limit(facts.max_blocks, hash_params)
     in_bounds = bounds_check == m.BoundsCheck.ERROR
     # whether ids inside [0, num_rows) already pass the key limit (a forward's bounds check
     # then vouches for a backward's key check)
-    id_check = IdCheck(in_bounds, key_limit,
-                       in_bounds or (key_limit is not None and facts.max_key_end <= key_limit))
-    return meta_cpu, id_check
+    return IdCheck(in_bounds, key_limit,
+                   in_bounds or (key_limit is not None and facts.max_key_end <= key_limit))
 
 
 class IdCheck(NamedTuple):
@@ -372,6 +377,13 @@ def check_data(values: torch.Tensor, offsets: torch.Tensor,
     # Feature of every value: features own contiguous runs of values.
     feature_ends = offs[torch.arange(1, num_features + 1, device=offs.device) * batch]
     feature = torch.bucketize(torch.arange(values.numel(), device=values.device), feature_ends, right=True)
+    check_ids(values, feature, table_meta, meta_cpu, id_check)
+
+
+def check_ids(values: torch.Tensor, feature: torch.Tensor, table_meta: torch.Tensor,
+              meta_cpu: torch.Tensor, id_check: IdCheck) -> None:
+    """The id checks of :func:`check_data`, given every value's feature: raises the first
+    id that fails ``id_check``, naming its position and feature."""
     vals = values.to(torch.int64)
     key_limit = id_check.key_limit
     if id_check.in_bounds:

@@ -26,7 +26,7 @@ from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import count_rows, raise_pending_checks
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.deferred_checks import DeferredCheckError, raise_ready
-from robe_torchrec.ops.meta import NUM_ROWS, Optimizer
+from robe_torchrec.ops.meta import NUM_ROWS, ROW_OFFSET, W_OFFSET, W_SIZE, BoundsCheck, Optimizer
 from robe_torchrec.ops.tuning import tuned
 
 from robe_torchrec.testing.op_cases import OpCase, random_case
@@ -167,12 +167,14 @@ def check_no_host_sync() -> None:
 def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     """The unpooled lookup (``robe_torchrec/ops/unpooled.py``, what
     ``RobeEmbeddingCollection`` runs) of three features holding different numbers of ids,
-    forward and backward, under ``torch.cuda.set_sync_debug_mode("error")``: its per-call
-    index tensors are built without a wait for the device, and its rows are those of the
-    CPU reference. Runs on CPU tensors too (without the sync mode)."""
+    forward and backward, under ``torch.cuda.set_sync_debug_mode("error")``, in both of its
+    layouts: padded (ids checked in their features) and one feature of keys (one shared
+    array, raw ids hashed by the mix hash, nothing checked). Its per-call index tensors are
+    built without a wait for the device, and its rows are those of the CPU reference. Runs
+    on CPU tensors too (without the sync mode)."""
     from robe_torchrec.ops import cpu_backend
     from robe_torchrec.ops.args import LayoutArgs
-    from robe_torchrec.ops.unpooled import robe_unpooled_lookup
+    from robe_torchrec.ops.unpooled import robe_unpooled_lookup, unpooled_args
 
     on = torch.device(device)
     case = random_case(seed=7, dims=[16, 16, 16], batch=1, memory_size=1 << 12,
@@ -181,20 +183,28 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     values = torch.cat([torch.randint(0, int(case.table_meta[NUM_ROWS, f]), (n,),
                                       generator=torch.Generator().manual_seed(f))
                         for f, n in enumerate(counts)])
-    layout = LayoutArgs(case.table_meta, case.output_dim, case.block_size, case.hash_mode,
-                        case.hash_params, case.bounds_check)
-    with torch.no_grad(), cpu_backend("reference"):
-        want = robe_unpooled_lookup(case.weights.double(), values, counts, layout)
-    weights = case.weights.to(on).requires_grad_(True)
-    lookup = (values.to(on), counts, layout._replace(table_meta=case.table_meta.to(on)))
-    robe_unpooled_lookup(weights, *lookup).sum().backward()  # checks the layout once
-    weights.grad = None
-    with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
-        rows = robe_unpooled_lookup(weights, *lookup)
-        rows.sum().backward()
-    raise_pending_checks()
-    torch.testing.assert_close(rows.detach().double().cpu(), want)
-    assert weights.grad is not None and bool(weights.grad.abs().sum() > 0)
+    padded = LayoutArgs(case.table_meta, case.output_dim, case.block_size, case.hash_mode,
+                        case.hash_params, int(BoundsCheck.ERROR))
+    keys_meta = case.table_meta.clone()
+    keys_meta[W_OFFSET], keys_meta[W_SIZE] = 0, case.weights.numel()
+    keys_meta[ROW_OFFSET] = keys_meta[NUM_ROWS].cumsum(0) - keys_meta[NUM_ROWS]
+    keys = padded._replace(table_meta=keys_meta, hash_mode=int(HashMode.MIX),
+                           bounds_check=int(BoundsCheck.UNBOUNDED))
+    # (on the CPU the padded case's layout may be taken as keys too)
+    for layout, gathers in ((padded, True if on.type == "cuda" else None), (keys, False)):
+        with torch.no_grad(), cpu_backend("reference"):
+            want = robe_unpooled_lookup(case.weights.double(), values, counts, layout)
+        weights = case.weights.to(on).requires_grad_(True)
+        lookup = (values.to(on), counts, layout._replace(table_meta=layout.table_meta.to(on)))
+        assert gathers in (None, unpooled_args(*lookup)[1] is not None), "the layout taken"
+        robe_unpooled_lookup(weights, *lookup).sum().backward()  # checks the layout once
+        weights.grad = None
+        with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+            rows = robe_unpooled_lookup(weights, *lookup)
+            rows.sum().backward()
+        raise_pending_checks()
+        torch.testing.assert_close(rows.detach().double().cpu(), want)
+        assert weights.grad is not None and bool(weights.grad.abs().sum() > 0)
 
 
 def check_count_rows_on_streams() -> None:

@@ -1,0 +1,180 @@
+"""The unpooled lookup's two layouts (robe_torchrec/ops/unpooled.py): features sharing one
+array looked up as one feature of keys, without padding, against a lookup of each feature on
+its own; the ids checked in their own feature before they become keys, with the op's
+messages; and the layouts the keys cannot serve, which stay padded."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+from robe_torchrec import RobeConfig, RobeEmbeddingCollection
+from robe_torchrec.hashing import HashMode, reference_key_limit
+from robe_torchrec.ops import cpu_backend, robe_unpooled_lookup
+from robe_torchrec.ops import meta as m
+from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops.unpooled import keys_layout_possible, unpooled_args
+from tests.test_embedding_collection import ec_tables, random_kjt
+
+DIM, Z, ARRAY = 7, 4, 301
+HASH_PARAMS = [1_000_003, 37, 11]
+
+
+def shared_layout(num_rows: List[int], hash_mode: int, bounds_check: int,
+                  row_offsets: List[int] = None) -> LayoutArgs:
+    """Features of one dim on one array, each table's keys after the tables before it."""
+    if row_offsets is None:
+        row_offsets = [sum(num_rows[:t]) for t in range(len(num_rows))]
+    meta = m.build_table_meta(dims=[DIM] * len(num_rows), weight_offsets=[0] * len(num_rows),
+                              weight_sizes=[ARRAY] * len(num_rows), row_offsets=row_offsets,
+                              num_rows=num_rows, poolings=[0] * len(num_rows))
+    return LayoutArgs(meta, DIM * len(num_rows), Z, hash_mode, HASH_PARAMS, bounds_check)
+
+
+def lookup_each_feature(weights, values, counts, layout: LayoutArgs) -> torch.Tensor:
+    """The reference: feature ``t``'s ids looked up by the op with its own column of
+    table_meta, one id a bag, concatenated."""
+    rows = []
+    for t, ids in enumerate(values.split(counts)):
+        meta = layout.table_meta[:, t:t + 1].clone()
+        meta[m.OUT_OFFSET] = 0
+        one = layout._replace(table_meta=meta, output_dim=DIM)
+        offsets = torch.arange(ids.numel() + 1, dtype=ids.dtype)
+        rows.append(LookupArgs(ids, offsets, None, one).forward(weights))
+    return torch.cat(rows)
+
+
+def random_case(g: torch.Generator, dtype: torch.dtype):
+    num_features = int(torch.randint(1, 6, (), generator=g))
+    num_rows = torch.randint(1, 60, (num_features,), generator=g).tolist()
+    # skewed: some features without ids, one with many
+    counts = [int(torch.randint(0, 4, (), generator=g)) ** 3 for _ in num_rows]
+    values = torch.cat([torch.randint(0, n, (c,), generator=g)
+                        for n, c in zip(num_rows, counts)]).to(dtype)
+    return num_rows, counts, values
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference", "triton"])
+def test_keys_layout_equals_a_lookup_of_each_feature(backend):
+    """Fresh random cases (skewed counts, features without ids, int32 and int64 ids, both
+    hashes, both bound checks): rows and the weights' gradient equal those of a lookup of
+    each feature on its own, and the keys layout is the one taken (no gather)."""
+    g = torch.Generator().manual_seed(11)
+    with cpu_backend(backend):
+        for case in range(12):
+            dtype = (torch.int64, torch.int32)[case % 2]
+            hash_mode = (HashMode.REFERENCE, HashMode.MIX)[case // 2 % 2]
+            bounds = (m.BoundsCheck.ERROR, m.BoundsCheck.UNBOUNDED)[case // 4 % 2]
+            num_rows, counts, values = random_case(g, dtype)
+            layout = shared_layout(num_rows, int(hash_mode), int(bounds))
+            args, index = unpooled_args(values, counts, layout)
+            assert index is None and args.layout.table_meta.shape[1] == 1, counts
+            weights = torch.randn(ARRAY, dtype=torch.float64, generator=g, requires_grad=True)
+            rows = robe_unpooled_lookup(weights, values, counts, layout)
+            want = lookup_each_feature(weights, values, counts, layout)
+            assert rows.shape == (sum(counts), DIM)
+            torch.testing.assert_close(rows, want, rtol=0, atol=1e-12)
+            grad_rows = torch.randn(rows.shape, dtype=torch.float64, generator=g)
+            got, = torch.autograd.grad(rows, weights, grad_rows)
+            expected, = torch.autograd.grad(want, weights, grad_rows)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_module_lookups_take_the_keys_layout_and_match_the_padded_one():
+    """``RobeEmbeddingCollection`` (two features on one table, so equal row offsets) gives
+    what the padded layout gives: the same module on a separate array per table is padded,
+    and with the arrays copied into one shared layout's places the rows agree."""
+    shared = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    kjt = random_kjt(seed=3)
+    layout = shared.layout.op_args(shared.table_meta)
+    args, index = unpooled_args(kjt.values(), kjt.length_per_key(), layout)
+    assert index is None
+    out = shared(kjt)
+    rows = torch.cat([out[k].values() for k in kjt.keys()])
+    # the padded layout of the same lookup: one array per feature, each a copy of the shared
+    # one, so that every feature hashes into the same floats
+    meta = shared.table_meta.clone()
+    num_features = meta.shape[1]
+    meta[m.W_OFFSET] = torch.arange(num_features) * shared.weight.numel()
+    padded_layout = layout._replace(table_meta=meta)
+    args, index = unpooled_args(kjt.values(), kjt.length_per_key(), padded_layout)
+    assert index is not None, "features on arrays of their own cannot be one feature of keys"
+    padded = robe_unpooled_lookup(shared.weight.detach().repeat(num_features), kjt.values(),
+                                  kjt.length_per_key(), padded_layout)
+    torch.testing.assert_close(rows, padded, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_an_id_outside_its_feature_is_refused_with_the_ops_message(backend):
+    """An id past its own feature's rows is a valid key of a later table: it must still be
+    refused, at its position, in its feature, as the op refuses it."""
+    num_rows = [10, 20, 30]
+    layout = shared_layout(num_rows, int(HashMode.REFERENCE), int(m.BoundsCheck.ERROR))
+    weights = torch.randn(ARRAY, dtype=torch.float64)
+    values = torch.tensor([1, 2, 5, 19, 20, 3, 29])  # id 20 of feature 1 (20 rows)
+    with cpu_backend(backend):
+        with pytest.raises(ValueError) as err:
+            robe_unpooled_lookup(weights, values, [2, 3, 2], layout)
+    assert str(err.value).startswith(
+        "robe: id 20 at position 4 of feature 1 is out of range [0, 20); ids must lie in")
+    # the reference hash with unbounded ids: a negative id whose key is not negative
+    unbounded = shared_layout(num_rows, int(HashMode.REFERENCE), int(m.BoundsCheck.UNBOUNDED))
+    with pytest.raises(ValueError, match=r"^robe: id -3 at position 5 of feature 2 cannot be "
+                                         r"hashed by the reference hash"):
+        robe_unpooled_lookup(weights, torch.tensor([1, 2, 5, 19, 20, -3, 29]), [2, 3, 2],
+                             unbounded)
+    # ... and an id below the key limit whose key (id + its table's row offset, 30) is not
+    limit = reference_key_limit(-(-DIM // Z), HASH_PARAMS)
+    fine = torch.tensor([1, 2, 5, 19, 20, 3, limit - 31])
+    robe_unpooled_lookup(weights, fine, [2, 3, 2], unbounded)
+    with pytest.raises(ValueError, match=rf"^robe: id {limit - 30} at position 6 of feature 2 "
+                                         r"cannot be hashed by the reference hash"):
+        robe_unpooled_lookup(weights, fine + torch.tensor([0] * 6 + [1]), [2, 3, 2], unbounded)
+
+
+def test_the_module_names_the_feature_of_a_refused_id():
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    kjt = random_kjt(seed=6)
+    counts = kjt.length_per_key()
+    values = kjt.values().clone()
+    values[counts[0] + counts[1]] = 40  # f1's first id: t1 has 300 rows, t0 (f0's) 40
+    values[0] = 40                      # f0's first id: one past t0's rows
+    bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"^robe: id 40 at position 0 of feature 0 \('f0'\) "
+                                         r"is out of range \[0, 40\)"):
+        ec(bad)
+
+
+def test_layouts_the_keys_cannot_serve_stay_padded():
+    num_rows = [10, 20]
+    values, counts = torch.tensor([1, 2, 3]), [1, 2]
+    layout = shared_layout(num_rows, int(HashMode.MIX), int(m.BoundsCheck.ERROR))
+    assert unpooled_args(values, counts, layout)[1] is None
+    for field, value in ((m.W_SIZE, ARRAY - 1), (m.W_OFFSET, 1), (m.DIM, DIM - 1),
+                         (m.POOLING, int(m.Pooling.MEAN))):
+        meta = layout.table_meta.clone()
+        meta[field, 1] = value
+        assert unpooled_args(values, counts, layout._replace(table_meta=meta))[1] is not None
+    # a negative row offset (a key below 0 would fail the op's check of the keys)
+    negative = shared_layout(num_rows, int(HashMode.MIX), int(m.BoundsCheck.ERROR), [0, -5])
+    assert unpooled_args(values, counts, negative)[1] is not None
+    # changed in place: derived again
+    meta = layout.table_meta
+    meta[m.W_OFFSET, 1] = 1
+    assert unpooled_args(values, counts, layout)[1] is not None
+    meta[m.W_OFFSET, 1] = 0
+    assert unpooled_args(values, counts, layout)[1] is None
+
+
+def test_keys_on_an_accelerator_only_when_no_id_can_fail():
+    """The ids' check reads its answer at the call: on a GPU that would wait for the
+    device, so there the keys layout is taken only when nothing is checked."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for hash_mode in HashMode:
+        for bounds in m.BoundsCheck:
+            layout = shared_layout([3], int(hash_mode), int(bounds))
+            assert keys_layout_possible(layout, cpu)
+            assert keys_layout_possible(layout, cuda) == (
+                hash_mode == HashMode.MIX and bounds == m.BoundsCheck.UNBOUNDED)
