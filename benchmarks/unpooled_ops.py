@@ -4,9 +4,10 @@ floors and its peers?
 ``--batch`` samples of ``--history`` ids, one table of ``--rows`` x ``--dim`` in ``--memory``
 floats. A forward and a step (forward, sum, backward with SGD fused) of: the floors (the
 output written from a cache-resident 256-row table, the gradient scattered back into it);
-the unpooled module with 1 feature, and with 4 holding 55/25/15/5 % of the ids (padding
-writes ``4 * max n_f - n`` zero rows); the pooled module, one id a bag; TorchRec's
-``EmbeddingCollection`` on the full table::
+the unpooled module with 1 feature, and with 4 holding 55/25/15/5 % of the ids: of one table,
+of 4 tables on one array (both looked up as one feature of keys), and of 4 tables on an array
+each (``shared=False``: padded, ``4 * max n_f - n`` zero rows written and a gather); the
+pooled module, one id a bag; TorchRec's ``EmbeddingCollection`` on the full table::
 
     python -m benchmarks.unpooled_ops --iters 25 --out benchmarks/results
 """
@@ -14,6 +15,7 @@ writes ``4 * max n_f - n`` zero rows); the pooled module, one id a bag; TorchRec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -25,6 +27,8 @@ from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingC
 
 SKEW = (0.55, 0.25, 0.15, 0.05)
 ONE, FOUR, POOLED = "unpooled, 1 feature", "unpooled, 4 features (skewed)", "pooled, one id per bag"
+FOUR_TABLES = "unpooled, 4 features (skewed), 4 tables on one array"
+FOUR_ARRAYS = "unpooled, 4 features (skewed), 4 tables, an array each (padded)"
 
 
 def _kjt(keys: List[str], ids: torch.Tensor, counts: List[int], per_bag: int) -> KeyedJaggedTensor:
@@ -47,12 +51,21 @@ def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
         return [cls(name="item_table", embedding_dim=args.dim, num_embeddings=args.rows,
                     feature_names=keys)]
 
+    def table_each(keys):  # each feature its own table, of a quarter of the rows
+        return [EmbeddingConfig(name=f"{k}_table", embedding_dim=args.dim,
+                                num_embeddings=args.rows // len(keys), feature_names=[k])
+                for k in keys]
+
     keys4 = [f"h{i}" for i in range(4)]
     counts4 = [int(n * s) // args.history * args.history for s in SKEW]
     history = _kjt(["history"], ids, [n], args.history)
+    four = _kjt(keys4, ids[: sum(counts4)] % (args.rows // len(keys4)), counts4, args.history)
+    separate = dataclasses.replace(robe, shared=False)
     modules = {ONE: (fused(RobeEmbeddingCollection(tables(["history"]), robe)), history),
                FOUR: (fused(RobeEmbeddingCollection(tables(keys4), robe)),
                       _kjt(keys4, ids[: sum(counts4)], counts4, args.history)),
+               FOUR_TABLES: (fused(RobeEmbeddingCollection(table_each(keys4), robe)), four),
+               FOUR_ARRAYS: (fused(RobeEmbeddingCollection(table_each(keys4), separate)), four),
                POOLED: (fused(RobeEmbeddingBagCollection(tables(["history"], EmbeddingBagConfig),
                                                          robe)), _kjt(["history"], ids, [n], 1)),
                "stock EmbeddingCollection": (EmbeddingCollection(tables(["history"])), history)}
@@ -90,7 +103,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     ms = {k: v["wall"] for k, v in medians_ms(interleaved(fns, args.iters, args.warmup)).items()}
     ratios = {"unpooled / pooled, forward": ms[f"{ONE}: forward"] / ms[f"{POOLED}: forward"],
               "unpooled / pooled, step": ms[f"{ONE}: step"] / ms[f"{POOLED}: step"],
-              "4 skewed features / 1, forward": ms[f"{FOUR}: forward"] / ms[f"{ONE}: forward"]}
+              "4 skewed features / 1, forward": ms[f"{FOUR}: forward"] / ms[f"{ONE}: forward"],
+              "4 skewed features / 1, step": ms[f"{FOUR}: step"] / ms[f"{ONE}: step"],
+              "4 tables on one array / 1 feature, forward":
+                  ms[f"{FOUR_TABLES}: forward"] / ms[f"{ONE}: forward"],
+              "4 tables, an array each (padded) / 4 tables on one array, forward":
+                  ms[f"{FOUR_ARRAYS}: forward"] / ms[f"{FOUR_TABLES}: forward"],
+              "4 tables, an array each (padded) / 4 tables on one array, step":
+                  ms[f"{FOUR_ARRAYS}: step"] / ms[f"{FOUR_TABLES}: step"]}
     lines = header("Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)",
                    command_line("unpooled_ops", argv),
                    f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim "
