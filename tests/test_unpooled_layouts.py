@@ -9,13 +9,15 @@ from typing import List
 
 import pytest
 import torch
+from torchrec.optim import apply_optimizer_in_backward
 
 from robe_torchrec import RobeConfig, RobeEmbeddingCollection
 from robe_torchrec.hashing import HashMode, reference_key_limit
-from robe_torchrec.ops import cpu_backend, robe_unpooled_lookup
+from robe_torchrec.ops import (DeferredCheckError, checks_deferred, cpu_backend, defer_checks,
+                               raise_pending_checks, robe_unpooled_lookup)
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
-from robe_torchrec.ops.unpooled import keys_layout_possible, unpooled_args
+from robe_torchrec.ops.unpooled import unpooled_args
 from tests.test_embedding_collection import ec_tables, random_kjt
 
 DIM, Z, ARRAY = 7, 4, 301
@@ -168,13 +170,72 @@ def test_layouts_the_keys_cannot_serve_stay_padded():
     assert unpooled_args(values, counts, layout)[1] is None
 
 
-def test_keys_on_an_accelerator_only_when_no_id_can_fail():
-    """The ids' check reads its answer at the call: on a GPU that would wait for the
-    device, so there the keys layout is taken only when nothing is checked."""
+def test_which_ops_defer_their_checks():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for hash_mode in HashMode:
-        for bounds in m.BoundsCheck:
-            layout = shared_layout([3], int(hash_mode), int(bounds))
-            assert keys_layout_possible(layout, cpu)
-            assert keys_layout_possible(layout, cuda) == (
-                hash_mode == HashMode.MIX and bounds == m.BoundsCheck.UNBOUNDED)
+    assert checks_deferred(cuda) and not checks_deferred(cpu)
+    with defer_checks(False):
+        assert not checks_deferred(cuda)
+    with defer_checks(True):
+        assert not checks_deferred(cpu)  # the C++ kernel reads its checks at the call
+        with cpu_backend("triton"):
+            assert checks_deferred(cpu)
+
+
+def test_deferred_checks_turn_an_id_outside_its_feature_into_a_refused_key():
+    """Where the op defers its checks (a GPU's default; here Triton on CPU tensors with
+    checks deferred), nothing is read at the call: an id outside its feature becomes the key
+    -1, the op's own check refuses it, and the problem is named from the ids: the message
+    the op gives at the call, with the deferred note. Good ids still give the rows of a
+    lookup of each feature on its own."""
+    num_rows = [10, 20, 30]
+    g = torch.Generator().manual_seed(2)
+    weights = torch.randn(ARRAY, dtype=torch.float64, generator=g, requires_grad=True)
+    good = torch.tensor([1, 2, 5, 19, 0, 3, 29])
+    bad = torch.tensor([1, 2, 5, 19, 20, 3, 29])  # id 20 of feature 1 (20 rows)
+    negative = torch.tensor([1, 2, 5, 19, 20, -3, 29])
+    with cpu_backend("triton"), defer_checks(True):
+        for hash_mode, bounds in ((HashMode.REFERENCE, m.BoundsCheck.ERROR),
+                                  (HashMode.MIX, m.BoundsCheck.ERROR),
+                                  (HashMode.REFERENCE, m.BoundsCheck.UNBOUNDED)):
+            layout = shared_layout(num_rows, int(hash_mode), int(bounds))
+            rows = robe_unpooled_lookup(weights, good, [2, 3, 2], layout)
+            torch.testing.assert_close(
+                rows, lookup_each_feature(weights, good, [2, 3, 2], layout), rtol=0, atol=1e-12)
+            args, _ = unpooled_args(bad, [2, 3, 2], layout)
+            refused = -1 if bounds == m.BoundsCheck.ERROR else 20 + 10  # unbounded: a key
+            assert args.values.tolist() == [1, 2, 15, 29, refused, 33, 59]
+            args, _ = unpooled_args(negative, [2, 3, 2], layout)
+            assert args.values.tolist() == [1, 2, 15, 29, refused, -1, 59]
+            raise_pending_checks()
+        layout = shared_layout(num_rows, int(HashMode.REFERENCE), int(m.BoundsCheck.ERROR))
+        robe_unpooled_lookup(weights, bad, [2, 3, 2], layout)   # returns
+        with pytest.raises(DeferredCheckError) as err:
+            raise_pending_checks()
+        assert str(err.value).startswith(
+            "robe: id 20 at position 4 of feature 1 is out of range [0, 20); ids must lie in")
+        assert "deferred input check" in str(err.value)
+        # the ids changed before the answer was read: told by the counts, not misnamed
+        changed = bad.clone()
+        robe_unpooled_lookup(weights, changed, [2, 3, 2], layout)
+        changed[4] = 21  # still bad, but not what the op was given
+        with pytest.raises(DeferredCheckError, match="had 1 ids that fail their check; it "
+                                                     "changed before the problem could be named"):
+            raise_pending_checks()
+
+
+def test_a_refused_key_changes_no_weight():
+    """A fused step on a batch with an id outside its feature, checks deferred: the
+    backward writes nothing and the error names the id."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.5})
+    kjt = random_kjt(seed=6)
+    values = kjt.values().clone()
+    values[0] = 40  # f0's first id: one past t0's rows, a key of t1's
+    bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    before = ec.weight.detach().clone()
+    with cpu_backend("triton"), defer_checks(True):
+        with pytest.raises(DeferredCheckError, match=r"id 40 at position 0 of feature 0 "):
+            out = ec(bad)
+            sum(jt.values().sum() for jt in out.values()).backward()
+            raise_pending_checks()
+    assert torch.equal(ec.weight.detach(), before)

@@ -47,53 +47,19 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import os
 import warnings
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Tuple
 
 import torch
 from torch import Tensor
 
 from robe_torchrec.ops import meta
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops.backends import (checks_deferred, cpu_backend, cpu_implementation,
+                                        cuda_implementation)
 from robe_torchrec.ops.deferred_checks import (DeferredCheckError, defer_checks,
                                                raise_pending_checks)
 from robe_torchrec.ops.validation import check_static
-
-_BACKENDS = ("cpp", "triton", "reference")
-_cpu_backend = os.environ.get("ROBE_CPU_BACKEND", "cpp")
-
-
-@functools.lru_cache(maxsize=None)
-def _module_for(backend: str):
-    if backend not in _BACKENDS:
-        raise ValueError(f"robe: unknown backend {backend!r}; expected one of {_BACKENDS}")
-    name = {"cpp": "cpu", "triton": "triton_kernels", "reference": "reference"}[backend]
-    return importlib.import_module(f"robe_torchrec.ops.{name}")
-
-
-@contextlib.contextmanager
-def cpu_backend(backend: str) -> Iterator[None]:
-    """Run the ``robe`` ops on CPU tensors with another implementation inside the block."""
-    global _cpu_backend
-    _module_for(backend)
-    previous, _cpu_backend = _cpu_backend, backend
-    try:
-        yield
-    finally:
-        _cpu_backend = previous
-
-
-def _cpu_impl():
-    return _module_for(_cpu_backend)
-
-
-def _cuda_impl():
-    return _module_for("triton")
-
 
 #: the ``robe`` namespace. Every op is defined with ``torch.library.define`` and its kernels
 #: registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call then
@@ -112,10 +78,10 @@ def _define(schema: str, fake: Callable[..., object]) -> None:
     _LIB.define(schema)
 
     def cpu_kernel(*args):
-        return getattr(_cpu_impl(), name)(*args)
+        return getattr(cpu_implementation(), name)(*args)
 
     def cuda_kernel(*args):
-        return getattr(_cuda_impl(), name)(*args)
+        return getattr(cuda_implementation(), name)(*args)
 
     torch.library.impl(qualname, "cpu", cpu_kernel, lib=_LIB)
     torch.library.impl(qualname, "cuda", cuda_kernel, lib=_LIB)
@@ -197,8 +163,8 @@ _FORWARD = torch.ops.robe.forward.default
 #: (launches stubbed, benchmarks/results/history/host_overhead_9bc96fe.md)
 _PLAIN_KEYS = {
     keys.raw_repr(): impl
-    for backend, impl in ((torch._C.DispatchKey.CPU, _cpu_impl),
-                          (torch._C.DispatchKey.CUDA, _cuda_impl))
+    for backend, impl in ((torch._C.DispatchKey.CPU, cpu_implementation),
+                          (torch._C.DispatchKey.CUDA, cuda_implementation))
     for keys in (torch._C.DispatchKeySet(backend),
                  torch._C.DispatchKeySet(backend).add(torch._C.DispatchKey.ADInplaceOrView))
 }
@@ -285,11 +251,11 @@ def _define_mutating(schema: str, written: Tuple[str, ...],
 
 
 def _backward_fused_cpu(*args) -> None:
-    _cpu_impl().backward_fused_(*args)
+    cpu_implementation().backward_fused_(*args)
 
 
 def _backward_fused_cuda(*args) -> None:
-    _cuda_impl().backward_fused_(*args)
+    cuda_implementation().backward_fused_(*args)
 
 
 _define_mutating(
@@ -314,15 +280,17 @@ def _counted_on_host(implementation, grad_output, weights, state1, state2, step,
 
 
 def _counted_backward_fused_cpu(*args) -> None:
-    _counted_on_host(_cpu_impl(), *args)
+    _counted_on_host(cpu_implementation(), *args)
 
 
 def _counted_backward_fused_cuda(grad_output, weights, state1, state2, step, *rest) -> None:
     """A count on the weights' device stays there; one on the CPU is read as on the CPU."""
     if step is not None and step.device == weights.device:
-        _cuda_impl().counted_backward_fused_(grad_output, weights, state1, state2, step, *rest)
+        cuda_implementation().counted_backward_fused_(grad_output, weights, state1, state2,
+                                                      step, *rest)
     else:
-        _counted_on_host(_cuda_impl(), grad_output, weights, state1, state2, step, *rest)
+        _counted_on_host(cuda_implementation(), grad_output, weights, state1, state2, step,
+                         *rest)
 
 
 #: ``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's scalar
@@ -356,6 +324,7 @@ __all__ = [
     "LookupArgs",
     "backward_dense",
     "backward_fused_",
+    "checks_deferred",
     "counted_backward_fused_",
     "cpu_backend",
     "defer_checks",

@@ -57,7 +57,7 @@ import dataclasses
 import os
 import sys
 import weakref
-from typing import Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -460,6 +460,19 @@ def _covers(done: IdCheck, wanted: IdCheck) -> bool:
             or (done.in_bounds and wanted.implied_by_bounds))
 
 
+#: values tensor -> what names a problem found in it instead of the op's own checks
+_NAMERS: WeakIdDict = WeakIdDict()
+
+
+def name_problems_with(values: torch.Tensor, namer: Callable[[], None]) -> None:
+    """Have a problem a deferred check finds in ``values`` named by ``namer``, which raises
+    ``ValueError`` with the message, or returns when it cannot name it (what it reads has
+    changed since): for values made from other inputs, whose own check gives the message
+    that means something to the caller (the unpooled lookup's keys, made from ids; see
+    :mod:`~robe_torchrec.ops.unpooled`). Unnamed, the problem is told by its counts."""
+    _NAMERS[values] = namer
+
+
 _PROBLEMS = ("bags with decreasing offsets", "ids that fail their check",
              "non-finite per-sample weights", "offsets that do not start at 0 or end at "
              "len(values)")
@@ -469,7 +482,15 @@ _NOTE = ("(found by a deferred input check, after the call that took this input 
 
 def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]) -> str:
     values, offsets, per_sample_weights, table_meta, meta_cpu, id_check = inputs
-    if _versions(values, offsets, per_sample_weights) == versions:
+    namer = _NAMERS.get(values)
+    unchanged = _versions(values, offsets, per_sample_weights) == versions
+    if namer is not None:
+        try:
+            if unchanged:
+                namer()
+        except ValueError as exc:
+            return f"{exc} {_NOTE}"
+    elif unchanged:
         try:
             check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
         except ValueError as exc:

@@ -12,11 +12,15 @@ of ids. :func:`unpooled_args` lays them out in one of two ways:
   default, lays them out): feature ``t`` hashes id ``i`` as the key ``i + row_offset[t]``, so
   the lookup of every id is that of its key in a single feature whose row offset is 0. The op
   gets the ``N`` keys as ``N`` bags and writes ``[N, dim]``, the rows asked for: no padding and
-  no gather. The ids are checked against their own feature's rows before they become keys
-  (the op would see only keys), with the messages the op gives; as that check reads its
-  answer at the call, this layout is taken for CPU tensors, and on an accelerator only when
-  no id can fail a check (``hash="mix"`` with ``bounds_check="unbounded"``).
-* **Padded**, otherwise: feature ``f`` (``n_f`` ids) gets the bags ``f * B .. f * B + n_f - 1``
+  no gather. An id outside its feature's rows may still be a key inside a later table's, so
+  the ids are checked against their own features, as the op would check them: at the call
+  when the op reads its checks there (then a problem raises the op's message), else (the
+  op's deferred checks, a GPU's default) on the device, where an id that fails becomes the
+  key -1, which the op's own check refuses. A deferred problem then writes nothing in
+  backward, as any other, and :func:`~robe_torchrec.ops.deferred_checks.name_problems_with`
+  names it from the ids, not the keys.
+* **Padded**, otherwise (features on arrays of their own, of other dims or pooled by their
+  mean): feature ``f`` (``n_f`` ids) gets the bags ``f * B .. f * B + n_f - 1``
   with ``B = max n_f``, the rest empty; the op writes ``[B, T * dim]`` and
   :func:`gather_unpooled` picks each id's row and feature's columns into ``[N, dim]`` (one
   gather). The padding costs ``T * max n_f - N`` zero rows: nothing when the features hold as
@@ -37,9 +41,10 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops.backends import checks_deferred
+from robe_torchrec.ops.deferred_checks import name_problems_with
 from robe_torchrec.ops.small_copies import ints_on_device
 from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_facts
 from robe_torchrec.ops.weak_ids import WeakIdDict
@@ -53,7 +58,8 @@ def unpooled_args(values: Tensor, counts: List[int],
 
     ``layout`` must be that of features of one dim with SUM pooling (the unpooled module's);
     its ``output_dim`` is replaced by ``T * dim``. Ids that fail their check raise here when
-    the keys layout is taken (the op's message), else in the op.
+    the keys layout is taken and the op reads its checks at the call (the op's message),
+    else in the op or, deferred, at a later call.
     """
     num_features = len(counts)
     if values.dim() != 1 or values.numel() != sum(counts):
@@ -62,7 +68,7 @@ def unpooled_args(values: Tensor, counts: List[int],
     if layout.table_meta.shape[1] != num_features:
         raise ValueError(f"robe_unpooled_lookup: {num_features} counts for a table_meta of "
                          f"{layout.table_meta.shape[1]} features")
-    keys = _keys_layout(layout, values.device)
+    keys = _keys_layout(layout)
     if keys is not None:
         return _keys_args(values, counts, keys), None
     return _padded_args(values, counts, layout)
@@ -79,6 +85,9 @@ class KeysLayout(NamedTuple):
     id_check: Optional[IdCheck]
     #: what that check comes to: feature ``t``'s ids lie in ``[0, id_ends[t])``
     id_ends: List[int]
+    #: ``[T, 2]`` int64 on the device: each feature's ``id_ends`` and row offset (the
+    #: check on the device); ``None`` when nothing is checked
+    id_table: Optional[Tensor]
     #: the original table_meta on the CPU (the checks' messages read it)
     meta_cpu: Tensor
 
@@ -87,18 +96,8 @@ class KeysLayout(NamedTuple):
 _KEYS_LAYOUTS: WeakIdDict = WeakIdDict()
 
 
-def keys_layout_possible(layout: LayoutArgs, device: torch.device) -> bool:
-    """Whether the ids on ``device`` may be turned into keys at the call: their checks read
-    their answer at once, which only a CPU tensor gives without waiting."""
-    nothing_to_check = (layout.hash_mode == HashMode.MIX
-                        and layout.bounds_check == m.BoundsCheck.UNBOUNDED)
-    return device.type == "cpu" or nothing_to_check
-
-
 @torch.compiler.disable  # reads table_meta on the host, once per tensor version
-def _keys_layout(layout: LayoutArgs, device: torch.device) -> Optional[KeysLayout]:
-    if not keys_layout_possible(layout, device):
-        return None
+def _keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     table_meta = layout.table_meta
     try:
         version: Optional[int] = table_meta._version
@@ -122,7 +121,7 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
         return None
     dim = layout.output_dim // num_features
     if num_features == 1:  # already one feature: the op checks its ids as they are
-        return KeysLayout(layout._replace(output_dim=dim), None, None, [], meta_cpu)
+        return KeysLayout(layout._replace(output_dim=dim), None, None, [], None, meta_cpu)
     row_offsets, num_rows = meta_cpu[m.ROW_OFFSET].tolist(), meta_cpu[m.NUM_ROWS].tolist()
     one_array = all(len(set(meta_cpu[f].tolist())) == 1 for f in (m.W_OFFSET, m.W_SIZE))
     # keys of ids inside their features' rows lie in [0, key_end): the op's own bounds check
@@ -136,9 +135,10 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
         dims=[dim], weight_offsets=[int(meta_cpu[m.W_OFFSET, 0])],
         weight_sizes=[int(meta_cpu[m.W_SIZE, 0])], row_offsets=[0], num_rows=[key_end],
         poolings=[m.Pooling.SUM], device=layout.table_meta.device)
+    device = layout.table_meta.device
     shifts = None
     if any(row_offsets):
-        shifts = torch.tensor(row_offsets, dtype=torch.int64, device=layout.table_meta.device)
+        shifts = torch.tensor(row_offsets, dtype=torch.int64, device=device)
     id_check = id_check_of(meta_facts(meta_cpu, layout.block_size, layout.output_dim),
                            layout.hash_mode, layout.hash_params, layout.bounds_check)
     if id_check.in_bounds:
@@ -147,13 +147,18 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
         id_ends = [id_check.key_limit - r for r in row_offsets]
     else:
         id_ends = []
+    id_table = None
+    if id_ends:
+        id_table = torch.tensor([id_ends, row_offsets], dtype=torch.int64, device=device).T
     return KeysLayout(layout._replace(table_meta=table_meta, output_dim=dim), shifts,
-                      id_check if id_ends else None, id_ends, meta_cpu)
+                      id_check if id_ends else None, id_ends, id_table, meta_cpu)
 
 
 def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArgs:
     num_ids, device = values.numel(), values.device
-    if keys.id_check is not None:  # (on the CPU: see keys_layout_possible)
+    if keys.id_check is not None:
+        if checks_deferred(device):
+            return _checked_on_device(values, counts, keys)
         _check_ids_now(values, counts, keys)
     if keys.row_offsets is not None:
         # output_size given: the op need not read the counts' sum back from the device
@@ -166,21 +171,50 @@ def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArg
     return LookupArgs(values, offsets, None, keys.layout)
 
 
+def _checked_on_device(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArgs:
+    # each id's range end and row offset, placed on the device without a wait
+    per_id = torch.repeat_interleave(keys.id_table,
+                                     ints_on_device(counts, torch.int64, values.device),
+                                     dim=0, output_size=values.numel())
+    ids = values.to(torch.int64)
+    inside = (ids >= 0) & (ids < per_id[:, 0])
+    # -1 fails the op's check of the keys (the bounds' and the reference hash's alike)
+    keys_of_ids = torch.where(inside, ids + per_id[:, 1], -1)
+    _name_from_ids(keys_of_ids, values, counts, keys)
+    offsets = torch.arange(values.numel() + 1, dtype=torch.int64, device=values.device)
+    return LookupArgs(keys_of_ids, offsets, None, keys.layout)
+
+
+@torch.compiler.disable  # a host-side record of the tensors
+def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
+                   keys: KeysLayout) -> None:
+    try:
+        version: Optional[int] = values._version
+    except RuntimeError:  # an inference tensor: nothing can tell whether it changed since
+        return
+
+    def name() -> None:
+        if values._version == version:
+            _check_ids_now(values.cpu(), counts, keys)
+
+    name_problems_with(keys_of_ids, name)
+
+
 @torch.compiler.disable  # raises on what the data hold
 def _check_ids_now(values: Tensor, counts: List[int], keys: KeysLayout) -> None:
-    # each feature's smallest and largest id against its range: one pass over the ids
-    # without an index a feature, a tenth of the time of checking each id by its
-    # feature's range at 65,536 ids in 4 features
-    for ids, end in zip(values.split(counts), keys.id_ends):
-        if ids.numel():
-            low, high = torch.aminmax(ids)
-            if int(low) < 0 or int(high) >= end:
-                break
-    else:
+    # each feature's smallest and largest id against its range, read in one copy: one pass
+    # over the ids without an index of their features, which took 11x as long at 65,536
+    # ids in 4 features (benchmarks/results/probes/unpooled_keys_ab.md)
+    present = [(ids, end) for ids, end in zip(values.split(counts), keys.id_ends)
+               if ids.numel()]
+    if not present:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)) for ids, _ in present]).tolist()
+    if all(low >= 0 and high < end for (low, high), (_, end) in zip(bounds, present)):
         return
     feature = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts),
                                       output_size=values.numel())
-    check_ids(values, feature, keys.meta_cpu, keys.meta_cpu, keys.id_check)
+    check_ids(values.cpu(), feature, keys.meta_cpu, keys.meta_cpu, keys.id_check)
     raise AssertionError("robe_unpooled_lookup: an id out of its range passed check_ids")
 
 

@@ -167,11 +167,13 @@ def check_no_host_sync() -> None:
 def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     """The unpooled lookup (``robe_torchrec/ops/unpooled.py``, what
     ``RobeEmbeddingCollection`` runs) of three features holding different numbers of ids,
-    forward and backward, under ``torch.cuda.set_sync_debug_mode("error")``, in both of its
-    layouts: padded (ids checked in their features) and one feature of keys (one shared
-    array, raw ids hashed by the mix hash, nothing checked). Its per-call index tensors are
-    built without a wait for the device, and its rows are those of the CPU reference. Runs
-    on CPU tensors too (without the sync mode)."""
+    forward and backward, under ``torch.cuda.set_sync_debug_mode("error")``, in each of its
+    layouts: padded (features on arrays of their own), one feature of keys with the ids
+    checked on the device, and one feature of keys with nothing to check (mix hash, raw
+    ids). Its per-call index tensors are built without a wait for the device, and its rows
+    are those of the CPU reference; an id outside its feature, a valid key of a later
+    table's, is refused by the deferred check with the id's own message. Runs on CPU tensors
+    too (without the sync mode; the ids are then checked at the call)."""
     from robe_torchrec.ops import cpu_backend
     from robe_torchrec.ops.args import LayoutArgs
     from robe_torchrec.ops.unpooled import robe_unpooled_lookup, unpooled_args
@@ -183,20 +185,22 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     values = torch.cat([torch.randint(0, int(case.table_meta[NUM_ROWS, f]), (n,),
                                       generator=torch.Generator().manual_seed(f))
                         for f, n in enumerate(counts)])
-    padded = LayoutArgs(case.table_meta, case.output_dim, case.block_size, case.hash_mode,
-                        case.hash_params, int(BoundsCheck.ERROR))
     keys_meta = case.table_meta.clone()
     keys_meta[W_OFFSET], keys_meta[W_SIZE] = 0, case.weights.numel()
     keys_meta[ROW_OFFSET] = keys_meta[NUM_ROWS].cumsum(0) - keys_meta[NUM_ROWS]
-    keys = padded._replace(table_meta=keys_meta, hash_mode=int(HashMode.MIX),
-                           bounds_check=int(BoundsCheck.UNBOUNDED))
-    # (on the CPU the padded case's layout may be taken as keys too)
-    for layout, gathers in ((padded, True if on.type == "cuda" else None), (keys, False)):
+    padded_meta = keys_meta.clone()
+    padded_meta[W_OFFSET], padded_meta[W_SIZE] = torch.arange(3), case.weights.numel() - 2
+    checked = LayoutArgs(keys_meta, case.output_dim, case.block_size, int(HashMode.REFERENCE),
+                         case.hash_params, int(BoundsCheck.ERROR))
+    layouts = ((checked._replace(table_meta=padded_meta), True), (checked, False),
+               (checked._replace(hash_mode=int(HashMode.MIX),
+                                 bounds_check=int(BoundsCheck.UNBOUNDED)), False))
+    for layout, gathers in layouts:
         with torch.no_grad(), cpu_backend("reference"):
             want = robe_unpooled_lookup(case.weights.double(), values, counts, layout)
         weights = case.weights.to(on).requires_grad_(True)
         lookup = (values.to(on), counts, layout._replace(table_meta=layout.table_meta.to(on)))
-        assert gathers in (None, unpooled_args(*lookup)[1] is not None), "the layout taken"
+        assert (unpooled_args(*lookup)[1] is not None) == gathers, "the layout taken"
         robe_unpooled_lookup(weights, *lookup).sum().backward()  # checks the layout once
         weights.grad = None
         with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
@@ -205,6 +209,19 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
         raise_pending_checks()
         torch.testing.assert_close(rows.detach().double().cpu(), want)
         assert weights.grad is not None and bool(weights.grad.abs().sum() > 0)
+    # feature 0's first id one past its rows: a key of feature 1's table
+    bad = values.clone()
+    bad[0] = int(keys_meta[NUM_ROWS, 0])
+    lookup = (bad.to(on), counts, checked._replace(table_meta=keys_meta.to(on)))
+    try:
+        with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+            robe_unpooled_lookup(case.weights.to(on), *lookup)
+        raise_pending_checks()
+    except ValueError as err:  # DeferredCheckError on CUDA, at the call on CPU
+        assert str(err).startswith(f"robe: id {int(bad[0])} at position 0 of feature 0 is "
+                                   "out of range"), err
+    else:
+        raise AssertionError("an id outside its feature was not refused")
 
 
 def check_count_rows_on_streams() -> None:
