@@ -17,6 +17,7 @@ from robe_torchrec.ops import (DeferredCheckError, checks_deferred, cpu_backend,
                                raise_pending_checks, robe_unpooled_lookup)
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
+from robe_torchrec.ops import unpooled
 from robe_torchrec.ops.unpooled import unpooled_args
 from tests.test_embedding_collection import ec_tables, random_kjt
 
@@ -109,9 +110,13 @@ def test_module_lookups_take_the_keys_layout_and_match_the_padded_one():
 
 
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
-def test_an_id_outside_its_feature_is_refused_with_the_ops_message(backend):
+@pytest.mark.parametrize("min_max_from", [0, 10**9])
+def test_an_id_outside_its_feature_is_refused_with_the_ops_message(backend, min_max_from,
+                                                                   monkeypatch):
     """An id past its own feature's rows is a valid key of a later table: it must still be
-    refused, at its position, in its feature, as the op refuses it."""
+    refused, at its position, in its feature, as the op refuses it (ranges checked by each
+    feature's smallest and largest id, and id by id)."""
+    monkeypatch.setattr(unpooled, "MIN_MAX_FROM_IDS_A_FEATURE", min_max_from)
     num_rows = [10, 20, 30]
     layout = shared_layout(num_rows, int(HashMode.REFERENCE), int(m.BoundsCheck.ERROR))
     weights = torch.randn(ARRAY, dtype=torch.float64)

@@ -200,22 +200,32 @@ def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
     name_problems_with(keys_of_ids, name)
 
 
+#: below this many ids a feature on average, each id is compared with its feature's range
+#: end; from it on, each feature's smallest and largest id (a few us of calls a feature,
+#: against a few ns an id: benchmarks/results/probes/unpooled_keys_ab.md)
+MIN_MAX_FROM_IDS_A_FEATURE = 2048
+
+
 @torch.compiler.disable  # raises on what the data hold
 def _check_ids_now(values: Tensor, counts: List[int], keys: KeysLayout) -> None:
-    # each feature's smallest and largest id against its range, read in one copy: one pass
-    # over the ids without an index of their features, which took 11x as long at 65,536
-    # ids in 4 features (benchmarks/results/probes/unpooled_keys_ab.md)
-    present = [(ids, end) for ids, end in zip(values.split(counts), keys.id_ends)
-               if ids.numel()]
-    if not present:
-        return
-    bounds = torch.stack([torch.stack(torch.aminmax(ids)) for ids, _ in present]).tolist()
-    if all(low >= 0 and high < end for (low, high), (_, end) in zip(bounds, present)):
+    if _ids_inside(values, counts, keys.id_ends):
         return
     feature = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts),
                                       output_size=values.numel())
     check_ids(values.cpu(), feature, keys.meta_cpu, keys.meta_cpu, keys.id_check)
     raise AssertionError("robe_unpooled_lookup: an id out of its range passed check_ids")
+
+
+def _ids_inside(values: Tensor, counts: List[int], ends: List[int]) -> bool:
+    """Whether every id of feature ``t`` lies in ``[0, ends[t])`` (one read of the answer)."""
+    if values.numel() < MIN_MAX_FROM_IDS_A_FEATURE * len(counts):
+        per_id = torch.repeat_interleave(torch.tensor(ends, device=values.device),
+                                         torch.tensor(counts, device=values.device),
+                                         output_size=values.numel())
+        return not bool(((values < 0) | (values >= per_id)).any())
+    present = [(ids, end) for ids, end in zip(values.split(counts), ends) if ids.numel()]
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)) for ids, _ in present]).tolist()
+    return all(low >= 0 and high < end for (low, high), (_, end) in zip(bounds, present))
 
 
 def _padded_args(values: Tensor, counts: List[int],
