@@ -244,3 +244,23 @@ def test_a_refused_key_changes_no_weight():
             sum(jt.values().sum() for jt in out.values()).backward()
             raise_pending_checks()
     assert torch.equal(ec.weight.detach(), before)
+
+
+def test_compiled_module_equals_eager():
+    """``torch.compile`` of a TorchRec user's sequence lookup: the layout's derivation and
+    the ids' check run outside the graph (they read the host), the rest inside, and the
+    compiled loss and gradient equal eager's on batches of new lengths."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+
+    def loss(kjt):
+        return sum((jt.values() ** 2).sum() for jt in ec(kjt).values())
+
+    compiled = torch.compile(loss)
+    for seed in range(3):
+        kjt = random_kjt(seed=seed)
+        want = loss(kjt)
+        want_grad, = torch.autograd.grad(want, ec.weight)
+        got = compiled(kjt)
+        got_grad, = torch.autograd.grad(got, ec.weight)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
