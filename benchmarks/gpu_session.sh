@@ -9,8 +9,9 @@
 #   bash benchmarks/gpu_session.sh OUT_DIR CARD COMMIT   # $OUT h100 "$(git rev-parse --short HEAD)"
 #
 # Writes OUT_DIR/gpu_check_CARD.md, OUT_DIR/host_overhead_CARD.md, OUT_DIR/ncu_CARD.csv,
-# OUT_DIR/pipelines_CARD.tgz (the pipelines report, its .json, trace and compare report) and a
-# log of each part. Exit status: the number of parts that failed.
+# OUT_DIR/pipelines_CARD.tgz (the pipelines report, its .json, trace, compare report and the
+# unpooled lookup's report) and a log of each part. Exit status: the number of parts that
+# failed.
 set -u
 out=${1:?OUT_DIR}; card=${2:?CARD}; commit=${3:?COMMIT}
 mkdir -p "$out" /tmp/robe_pipelines

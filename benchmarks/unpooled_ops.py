@@ -1,5 +1,6 @@
-"""How fast is the unpooled ROBE-Z lookup (``RobeEmbeddingCollection``) on CPU, against its
-floors and its peers?
+"""How fast is the unpooled ROBE-Z lookup (``RobeEmbeddingCollection``), against its floors
+and its peers? On CPU by default; ``--device cuda`` times the same rows on a GPU, each call
+followed by a synchronisation (``benchmarks.gpu_torchrec.run`` runs it there).
 
 ``--batch`` samples of ``--history`` ids, one table of ``--rows`` x ``--dim`` in ``--memory``
 floats. A forward and a step (forward, sum, backward with SGD fused) of: the floors (the
@@ -24,6 +25,7 @@ from torchrec.optim import apply_optimizer_in_backward
 
 from benchmarks.common import command_line, header, interleaved, medians_ms, parser, publish, table
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
+from robe_torchrec.ops import raise_pending_checks
 
 SKEW = (0.55, 0.25, 0.15, 0.05)
 ONE, FOUR, POOLED = "unpooled, 1 feature", "unpooled, 4 features (skewed)", "pooled, one id per bag"
@@ -40,10 +42,12 @@ def _kjt(keys: List[str], ids: torch.Tensor, counts: List[int], per_bag: int) ->
 
 def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
     n = args.batch * args.history
+    device = torch.device(args.device)
     ids = torch.randint(0, args.rows, (n,), generator=torch.Generator().manual_seed(0))
     robe = RobeConfig(memory_size=args.memory, block_size=args.block_size)
 
     def fused(module):
+        module = module.to(device)
         apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.01})
         return module
 
@@ -68,9 +72,12 @@ def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
                FOUR_ARRAYS: (fused(RobeEmbeddingCollection(table_each(keys4), separate)), four),
                POOLED: (fused(RobeEmbeddingBagCollection(tables(["history"], EmbeddingBagConfig),
                                                          robe)), _kjt(["history"], ids, [n], 1)),
-               "stock EmbeddingCollection": (EmbeddingCollection(tables(["history"])), history)}
-    source, small_ids = torch.randn(256, args.dim), ids % 256
-    out, grad = torch.empty(n, args.dim), torch.randn(n, args.dim)
+               "stock EmbeddingCollection": (EmbeddingCollection(tables(["history"]),
+                                                                 device=device), history)}
+    modules = {name: (module, kjt.to(device)) for name, (module, kjt) in modules.items()}
+    source, small_ids = torch.randn(256, args.dim, device=device), (ids % 256).to(device)
+    out, grad = (torch.empty(n, args.dim, device=device),
+                 torch.randn(n, args.dim, device=device))
     rows = {"forward floor": lambda: torch.index_select(source, 0, small_ids, out=out),
             "step floor": lambda: (torch.index_select(source, 0, small_ids, out=out),
                                    source.index_add_(0, small_ids, grad, alpha=0.0))}
@@ -92,6 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                           ("memory", 2_621_440), ("block-size", 32), ("threads", 1), ("warmup", 3),
                           ("iters", 15)):
         p.add_argument(f"--{flag}", type=int, default=default)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     p.add_argument("--out", default=None, help="a folder (unpooled_ops.md) or a .md file")
     args = p.parse_args(argv)
@@ -99,8 +107,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         args.batch, args.history, args.rows, args.memory, args.dim = 16, 4, 1000, 4096, 8
         args.warmup, args.iters = 1, 2
     torch.set_num_threads(args.threads)
-    fns = {name: (lambda it, fn=fn: fn()) for name, fn in build_rows(args).items()}
+    synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    fns = {name: (lambda it, fn=fn: (fn(), synchronize()))
+           for name, fn in build_rows(args).items()}
     ms = {k: v["wall"] for k, v in medians_ms(interleaved(fns, args.iters, args.warmup)).items()}
+    raise_pending_checks()  # (a GPU's checks are read later: none may be left unread)
     ratios = {"unpooled / pooled, forward": ms[f"{ONE}: forward"] / ms[f"{POOLED}: forward"],
               "unpooled / pooled, step": ms[f"{ONE}: step"] / ms[f"{POOLED}: step"],
               "4 skewed features / 1, forward": ms[f"{FOUR}: forward"] / ms[f"{ONE}: forward"],
@@ -111,7 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                   ms[f"{FOUR_ARRAYS}: forward"] / ms[f"{FOUR_TABLES}: forward"],
               "4 tables, an array each (padded) / 4 tables on one array, step":
                   ms[f"{FOUR_ARRAYS}: step"] / ms[f"{FOUR_TABLES}: step"]}
-    lines = header("Unpooled ROBE-Z lookup on CPU (`RobeEmbeddingCollection`)",
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    lines = header(f"Unpooled ROBE-Z lookup on {where} (`RobeEmbeddingCollection`)",
                    command_line("unpooled_ops", argv),
                    f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim "
                    f"{args.dim}, table {args.rows:,} rows, ROBE array {args.memory:,} floats, Z = "

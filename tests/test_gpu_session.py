@@ -151,7 +151,7 @@ def test_the_torchrec_side_cut_short_still_leaves_the_parts_done(tmp_path, monke
         run.main(["--cpu", "--out", str(out), "--commit", "test"])
     text = out.read_text()
     assert "shim fine" in text
-    assert "INCOMPLETE: written before pipelines, overlap, compare, app had run" in text
+    assert "INCOMPLETE: written before pipelines, overlap, compare, app, sequence had run" in text
     assert text.index("INCOMPLETE") < text.index("## Verdict")  # read before "passed"
     report = json.loads(out.with_suffix(".json").read_text())
     assert list(report["parts"]) == ["shim"] and report["not_run"][0] == "pipelines"

@@ -64,9 +64,9 @@ def test_no_gpu_activity_means_no_fraction() -> None:
 
 @pytest.mark.slow
 def test_cpu_mode_runs_every_part(tmp_path: Path) -> None:
-    """All five parts on CPU with gloo (about 90 s on 2 cores): the shim in this process and
-    in a spawned rank, the pipelines against plain, the profiler trace, robe_torchrec.pipelines.compare
-    and the app with a checkpoint and a resume."""
+    """All six parts on CPU with gloo (about 90 s on 2 cores): the shim in this process and
+    in a spawned rank, the pipelines against plain, the profiler trace, the sequence lookup's
+    benchmark, robe_torchrec.pipelines.compare and the app with a checkpoint and a resume."""
     out = tmp_path / "gpu_pipelines_cpu.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_torchrec.run", "--cpu",
@@ -75,7 +75,7 @@ def test_cpu_mode_runs_every_part(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.with_suffix(".json").read_text())
     parts = result["parts"]
-    assert set(parts) == {"shim", "pipelines", "overlap", "compare", "app"}
+    assert set(parts) == {"shim", "pipelines", "overlap", "sequence", "compare", "app"}
     assert all(p["ok"] for p in parts.values())
     assert parts["shim"]["status_in_spawned_rank"] == parts["shim"]["status_here"] != {}
     # every fbgemm op the pipelines and the app reached has a kernel in the shim
@@ -86,6 +86,8 @@ def test_cpu_mode_runs_every_part(tmp_path: Path) -> None:
     assert {r["pipeline"] for r in parts["compare"]["rows"]} >= {
         "sparse_dist", "fused_sparse_dist", "semi_sync"}
     assert parts["app"]["resumed"] and parts["app"]["trained_to_end"]
+    assert (tmp_path / parts["sequence"]["report"]).exists()
+    assert len(parts["sequence"]["ms"]) == 14
     assert result["environment"]["commit"] == "test" and result["failed"] == []
     sparse_dist = [r for r in parts["compare"]["rows"] if r["pipeline"] == "sparse_dist"][0]
     assert sparse_dist["p90_vs_sparse_dist"] == 0.0 and sparse_dist["torchrec_p90_vs_sparse_dist"] == 0.0

@@ -6,7 +6,8 @@ For a machine with a CUDA torch and Triton but no CUDA FBGEMM: the carried wheel
 (``wheels.sh``) give torchrec and fbgemm-gpu-cpu, ``robe_torchrec.testing.fbgemm_cuda_shim``
 gives CUDA kernels to the FBGEMM sparse ops TorchRec calls. Parts, each guarded: ``shim``,
 ``pipelines`` (each pipeline's losses and weights against plain's), ``overlap``
-(:mod:`overlap`), ``compare`` (``robe_torchrec.pipelines.compare``) and ``app``. Exit
+(:mod:`overlap`), ``compare`` (``robe_torchrec.pipelines.compare``), ``app`` and
+``sequence`` (``benchmarks.unpooled_ops`` on the device). Exit
 status: 0 when every part passed, 1 when one failed, 2 without a GPU unless ``--cpu`` (gloo,
 the C++ kernel: what CI runs). docs/benchmarks.md has the set-up::
 
@@ -52,7 +53,9 @@ SEMI_SYNC_ATOL = 0.05
 #: P90 change against SparseDist in TorchRec's FusedSparseDist pull request (SparseNN on GPUs)
 TORCHREC_P90_VS_SPARSE_DIST = {"fused_sparse_dist": -0.062, "fused_sparse_dist_after_opt": -0.071,
                                "semi_sync": -0.097, "sparse_dist": 0.0}
-PARTS = ("shim", "pipelines", "overlap", "compare", "app")
+#: in the order they run: ``sequence`` last, where a time limit that cuts the run short
+#: costs the least (the pipelines' proof comes first)
+PARTS = ("shim", "pipelines", "overlap", "compare", "app", "sequence")
 
 
 def sizes(cpu: bool) -> Dict[str, Any]:
@@ -60,10 +63,12 @@ def sizes(cpu: bool) -> Dict[str, Any]:
     if cpu:
         return {"parity_batch": 64, "parity_steps": 8, "num_sparse": 4, "semi_start": 3,
                 "overlap_batch": 128, "overlap_steps": 6, "compare_steps": 6, "compare_batch": 128,
-                "compare_scale": 0.001, "app_batch": 64, "app_steps": (4, 6), "app_scale": 0.001}
+                "compare_scale": 0.001, "app_batch": 64, "app_steps": (4, 6), "app_scale": 0.001,
+                "sequence_args": ["--quick"]}
     return {"parity_batch": 1024, "parity_steps": 12, "num_sparse": 26, "semi_start": 4,
             "overlap_batch": 8192, "overlap_steps": 10, "compare_steps": 40, "compare_batch": 4096,
-            "compare_scale": 0.1, "app_batch": 1024, "app_steps": (40, 60), "app_scale": 0.01}
+            "compare_scale": 0.1, "app_batch": 1024, "app_steps": (40, 60), "app_scale": 0.01,
+            "sequence_args": ["--iters", "10"]}
 
 
 @contextlib.contextmanager
@@ -287,6 +292,22 @@ def part_overlap(device: torch.device, sz: Dict[str, Any], out_dir: Path,
     return result
 
 
+def part_sequence(device: torch.device, sz: Dict[str, Any], out_dir: Path,
+                  stem: str) -> Dict[str, Any]:
+    """``RobeEmbeddingCollection`` on the device: ``benchmarks.unpooled_ops``'s rows (skewed
+    sequence features as one feature of keys, and padded on an array each), its report
+    beside this one."""
+    from benchmarks import unpooled_ops
+
+    report = out_dir / f"{stem}_unpooled_ops.md"
+    result = unpooled_ops.main([*sz["sequence_args"], "--device", device.type,
+                                "--out", str(report)])
+    keys_vs_padded = result["ratios"]["4 tables, an array each (padded) / 4 tables on one "
+                                      "array, forward"]
+    return {"report": report.name, "ms": result["ms"], "ratios": result["ratios"],
+            "summary": f"skewed features padded / as keys, forward {keys_vs_padded:.2f}x"}
+
+
 def part_compare(device: torch.device, sz: Dict[str, Any], out_dir: Path,
                  stem: str) -> Dict[str, Any]:
     from hydra import compose, initialize_config_dir
@@ -449,7 +470,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = {"shim": lambda: part_shim(device, sz), "pipelines": lambda: part_pipelines(device, sz),
             "overlap": lambda: part_overlap(device, sz, out.parent, out.stem),
             "compare": lambda: part_compare(device, sz, out.parent, out.stem),
-            "app": lambda: part_app(device, sz, out.parent, out.stem, args.app_device)}
+            "app": lambda: part_app(device, sz, out.parent, out.stem, args.app_device),
+            "sequence": lambda: part_sequence(device, sz, out.parent, out.stem)}
     command = "python -m benchmarks.gpu_torchrec.run " + " ".join(argv or sys.argv[1:])
     start, parts = time.time(), {}
     chosen = [name for name in jobs if not args.only or name in args.only]
