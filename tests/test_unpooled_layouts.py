@@ -264,3 +264,15 @@ def test_compiled_module_equals_eager():
         got_grad, = torch.autograd.grad(got, ec.weight)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_deferred_problems_of_inference_tensors_are_named_from_the_ids():
+    """Serving under ``torch.inference_mode()``: the ids carry no version, and a deferred
+    problem is still named from them, not from the key -1."""
+    layout = shared_layout([10, 20, 30], int(HashMode.REFERENCE), int(m.BoundsCheck.ERROR))
+    weights = torch.randn(ARRAY, dtype=torch.float64)
+    with cpu_backend("triton"), defer_checks(True), torch.inference_mode():
+        robe_unpooled_lookup(weights, torch.tensor([1, 2, 5, 19, 20, 3, 29]), [2, 3, 2],
+                             layout)
+        with pytest.raises(DeferredCheckError, match=r"^robe: id 20 at position 4 of feature 1 "):
+            raise_pending_checks()

@@ -483,14 +483,12 @@ _NOTE = ("(found by a deferred input check, after the call that took this input 
 def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]) -> str:
     values, offsets, per_sample_weights, table_meta, meta_cpu, id_check = inputs
     namer = _NAMERS.get(values)
-    unchanged = _versions(values, offsets, per_sample_weights) == versions
-    if namer is not None:
+    if namer is not None:  # (it says itself whether what it reads has changed)
         try:
-            if unchanged:
-                namer()
+            namer()
         except ValueError as exc:
             return f"{exc} {_NOTE}"
-    elif unchanged:
+    elif _versions(values, offsets, per_sample_weights) == versions:
         try:
             check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
         except ValueError as exc:

@@ -190,11 +190,11 @@ def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
                    keys: KeysLayout) -> None:
     try:
         version: Optional[int] = values._version
-    except RuntimeError:  # an inference tensor: nothing can tell whether it changed since
-        return
+    except RuntimeError:  # an inference tensor: no version says whether it changed since
+        version = None
 
     def name() -> None:
-        if values._version == version:
+        if version is None or values._version == version:
             _check_ids_now(values.cpu(), counts, keys)
 
     name_problems_with(keys_of_ids, name)
