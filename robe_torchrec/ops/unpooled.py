@@ -131,11 +131,11 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
             or any(p != m.Pooling.SUM for p in meta_cpu[m.POOLING].tolist())
             or min(row_offsets) < 0 or min(num_rows) < 0 or key_end >= 2**63):
         return None
+    device = layout.table_meta.device
     table_meta = m.build_table_meta(
         dims=[dim], weight_offsets=[int(meta_cpu[m.W_OFFSET, 0])],
         weight_sizes=[int(meta_cpu[m.W_SIZE, 0])], row_offsets=[0], num_rows=[key_end],
-        poolings=[m.Pooling.SUM], device=layout.table_meta.device)
-    device = layout.table_meta.device
+        poolings=[m.Pooling.SUM], device=device)
     shifts = None
     if any(row_offsets):
         shifts = torch.tensor(row_offsets, dtype=torch.int64, device=device)
