@@ -15,7 +15,7 @@ Example::
     >>> import robe_torchrec
     >>> robe_torchrec.install()     # done on import already: the names of the changes in effect
     ('rowwise_adagrad', 'kjt_safe_global', 'default_sharders', 'dmp_unsharded_check',
-     'shard_unsharded_check', 'quiet_torchrec_noise')
+     'shard_unsharded_check', 'fp_sharder_check', 'quiet_torchrec_noise')
     >>> from robe_torchrec.installation import CHANGES
     >>> print(CHANGES["dmp_unsharded_check"])     # what one of them changes, and why
     DistributedModelParallel.__init__ is wrapped to raise UnshardedRobeModuleError, ...
@@ -39,8 +39,10 @@ CHANGES: Dict[str, str] = {
         "full unpickle with a traceback in the log (robe_torchrec.export)",
     "default_sharders":
         "the get_default_sharders name in torchrec.distributed.model_parallel and "
-        "torchrec.distributed.shard returns ours first, so DistributedModelParallel(model) "
-        "shards a ROBE module with no sharders= (robe_torchrec.distributed.defaults)",
+        "torchrec.distributed.shard returns ours first (and our FP-EBC sharder in place of "
+        "TorchRec's), so DistributedModelParallel(model) shards a ROBE module, also inside a "
+        "FeatureProcessedEmbeddingBagCollection, with no sharders= "
+        "(robe_torchrec.distributed.defaults)",
     "dmp_unsharded_check":
         "DistributedModelParallel.__init__ is wrapped to raise UnshardedRobeModuleError, "
         "naming the missing sharder and the fix, where DMP would leave a ROBE module unsharded "
@@ -50,6 +52,12 @@ CHANGES: Dict[str, str] = {
         "UnshardedRobeModuleError for a model with a ROBE module: they would leave it "
         "unsharded (sharders without ours) or fail on their own unchanged-names check; the "
         "error says to use DistributedModelParallel (robe_torchrec.distributed.unsharded)",
+    "fp_sharder_check":
+        "TorchRec's FeatureProcessedEmbeddingBagCollectionSharder.shardable_parameters and "
+        ".shard raise UnshardedRobeModuleError for a FeatureProcessedEmbeddingBagCollection "
+        "around a ROBE module, naming the fix (our subclass of it, in get_default_sharders), "
+        "where they would fail on a missing embedding_bags "
+        "(robe_torchrec.distributed.fp_sharder)",
     "quiet_torchrec_noise":
         "logging and warnings filters for exactly the TorchRec messages printed per table "
         "and rank or about its own defaults when sharding; ROBE_TORCHREC_ALL_WARNINGS=1 "
@@ -61,6 +69,7 @@ def _installers() -> List[Tuple[str, Callable[[], bool]]]:
     # imported here, not at the top: they need torchrec, and this module must import without
     from robe_torchrec import quiet
     from robe_torchrec.distributed.defaults import install_default_sharder
+    from robe_torchrec.distributed.fp_sharder import install_fp_sharder_check
     from robe_torchrec.distributed.unsharded import install_dmp_check, install_shard_check
     from robe_torchrec.export import allow_kjt_in_saved_programs
     from robe_torchrec.rowwise_install import install_rowwise_adagrad
@@ -70,6 +79,7 @@ def _installers() -> List[Tuple[str, Callable[[], bool]]]:
             ("default_sharders", install_default_sharder),
             ("dmp_unsharded_check", install_dmp_check),
             ("shard_unsharded_check", install_shard_check),
+            ("fp_sharder_check", install_fp_sharder_check),
             ("quiet_torchrec_noise", quiet.install)]
 
 

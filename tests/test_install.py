@@ -19,6 +19,7 @@ from typing import Any, Dict, List
 import torch
 import torchrec.optim
 from torchrec.distributed import model_parallel
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the functions that change TorchRec or torch; only robe_torchrec.install() may call them
 INSTALLERS = {"install", "install_rowwise_adagrad", "allow_kjt_in_saved_programs",
-              "install_default_sharder", "install_dmp_check", "install_shard_check"}
+              "install_default_sharder", "install_dmp_check", "install_shard_check",
+              "install_fp_sharder_check"}
 
 
 def _patched_state() -> Dict[str, Any]:
@@ -46,6 +48,9 @@ def _patched_state() -> Dict[str, Any]:
         "model_parallel.get_default_sharders": model_parallel.get_default_sharders,
         "shard.get_default_sharders": shard_module.get_default_sharders,
         "DistributedModelParallel.__init__": DistributedModelParallel.__init__,
+        **{f"FeatureProcessedEmbeddingBagCollectionSharder.{name}":
+           getattr(FeatureProcessedEmbeddingBagCollectionSharder, name)
+           for name in ("shardable_parameters", "shard")},
         **{f"shard.{name}": getattr(shard_module, name) for name in SHARD_IMPLEMENTATIONS},
         "warnings filters": list(warnings.filters),
         **{f"logger {name}": list(logging.getLogger(None if name == "root" else name).filters)
@@ -61,7 +66,7 @@ def test_import_made_every_change_and_install_names_them():
     # the import made them: the wrapped objects carry their originals, once
     state = _patched_state()
     wrapped = [k for k in state if k.endswith(("__init__", "step", "get_default_sharders"))
-               or k.startswith("shard._")]
+               or k.startswith(("shard._", "FeatureProcessed"))]
     for key in wrapped:
         assert hasattr(state[key], "robe_wraps"), key
         assert not hasattr(state[key].robe_wraps, "robe_wraps"), f"{key} wrapped twice"

@@ -16,6 +16,10 @@ Example::
 """
 
 from robe_torchrec.distributed.defaults import get_default_sharders, install_default_sharder
+from robe_torchrec.distributed.fp_sharder import (
+    RobeFeatureProcessedEmbeddingBagCollectionSharder,
+    install_fp_sharder_check,
+)
 from robe_torchrec.distributed.sequence_sharder import (
     RobeEmbeddingCollectionSharder,
     ShardedRobeEmbeddingCollection,
@@ -37,6 +41,7 @@ from robe_torchrec.distributed.unsharded import (
 __all__ = [
     "RobeEmbeddingBagCollectionSharder",
     "RobeEmbeddingCollectionSharder",
+    "RobeFeatureProcessedEmbeddingBagCollectionSharder",
     "ShardedRobeEmbeddingBagCollection",
     "ShardedRobeEmbeddingCollection",
     "ShardedRobeFusedOptimizer",
@@ -44,6 +49,7 @@ __all__ = [
     "get_default_sharders",
     "install_default_sharder",
     "install_dmp_check",
+    "install_fp_sharder_check",
     "install_shard_check",
     "planner_sharding_types",
     "robe_sharding_constraints",

@@ -1,5 +1,6 @@
 """The default sharders: TorchRec's plus :class:`RobeEmbeddingBagCollectionSharder` and
-:class:`RobeEmbeddingCollectionSharder`.
+:class:`RobeEmbeddingCollectionSharder`, with TorchRec's ``FeatureProcessedEmbeddingBagCollection``
+sharder replaced by :class:`RobeFeatureProcessedEmbeddingBagCollectionSharder`.
 
 ``DistributedModelParallel(model)`` without ``sharders=`` shards with TorchRec's
 ``get_default_sharders()``, which knows nothing of ROBE: the ROBE module would stay unsharded
@@ -7,8 +8,10 @@ inside DDP. :func:`robe_torchrec.install` (run on import) therefore calls
 :func:`install_default_sharder`, which makes DMP's default list (and that of
 ``torchrec.distributed.shard``) start with our sharder. It wraps the name those two modules
 call, not TorchRec's function itself (``torchrec.distributed.sharding_plan
-.get_default_sharders`` is left as it is), and only adds a sharder for a module type TorchRec
-has none for, so models without ROBE modules are planned and sharded as before.
+.get_default_sharders`` is left as it is). It adds sharders for the module types TorchRec has
+none for, and replaces TorchRec's feature-processed collection sharder by its subclass that
+also takes a ROBE collection inside (and shards a stock one as TorchRec's does), so models
+without ROBE modules are planned and sharded as before.
 
 Example::
 
@@ -25,8 +28,10 @@ from typing import Callable, List
 
 from torch import nn
 from torchrec.distributed import sharding_plan
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.types import ModuleSharder
 
+from robe_torchrec.distributed.fp_sharder import RobeFeatureProcessedEmbeddingBagCollectionSharder
 from robe_torchrec.distributed.sequence_sharder import RobeEmbeddingCollectionSharder
 from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
 
@@ -37,21 +42,32 @@ PATCHED_MODULES = ("torchrec.distributed.model_parallel", "torchrec.distributed.
 def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
     """:class:`RobeEmbeddingBagCollectionSharder` and :class:`RobeEmbeddingCollectionSharder`
     followed by TorchRec's default sharders
-    (``torchrec.distributed.sharding_plan.get_default_sharders()``), fresh instances each call.
+    (``torchrec.distributed.sharding_plan.get_default_sharders()``), TorchRec's
+    ``FeatureProcessedEmbeddingBagCollectionSharder`` replaced by
+    :class:`RobeFeatureProcessedEmbeddingBagCollectionSharder`; fresh instances each call.
 
     Example::
 
         >>> DistributedModelParallel(model, sharders=get_default_sharders())
     """
-    return [RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder(),
-            *sharding_plan.get_default_sharders()]
+    return with_robe_sharders(sharding_plan.get_default_sharders())
+
+
+def with_robe_sharders(sharders: List[ModuleSharder[nn.Module]]
+                       ) -> List[ModuleSharder[nn.Module]]:
+    """Ours first, then ``sharders`` with each TorchRec FP-EBC sharder replaced by ours (the
+    same codecs): DMP and the planner keep the last sharder of a module type, so a
+    replacement, not an addition."""
+    replaced = [RobeFeatureProcessedEmbeddingBagCollectionSharder(
+        qcomm_codecs_registry=s.qcomm_codecs_registry)
+        if type(s) is FeatureProcessedEmbeddingBagCollectionSharder else s for s in sharders]
+    return [RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder(), *replaced]
 
 
 def _with_robe(torchrec_default: Callable[[], List[ModuleSharder[nn.Module]]]):
     @functools.wraps(torchrec_default)
     def default_sharders() -> List[ModuleSharder[nn.Module]]:
-        return [RobeEmbeddingBagCollectionSharder(), RobeEmbeddingCollectionSharder(),
-                *torchrec_default()]
+        return with_robe_sharders(torchrec_default())
 
     default_sharders.robe_wraps = torchrec_default  # type: ignore[attr-defined]
     return default_sharders

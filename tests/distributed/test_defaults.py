@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torchrec.distributed import model_parallel
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import get_default_sharders as torchrec_defaults
 from torchrec.optim import apply_optimizer_in_backward
@@ -17,6 +18,7 @@ from robe_torchrec import RobeConfig
 from robe_torchrec.distributed import (
     RobeEmbeddingBagCollectionSharder,
     RobeEmbeddingCollectionSharder,
+    RobeFeatureProcessedEmbeddingBagCollectionSharder,
     ShardedRobeEmbeddingBagCollection,
     get_default_sharders,
     install_default_sharder,
@@ -31,7 +33,12 @@ def test_get_default_sharders_is_ours_plus_torchrecs():
     sharders = get_default_sharders()
     assert [type(s) for s in sharders[:2]] == [RobeEmbeddingBagCollectionSharder,
                                                 RobeEmbeddingCollectionSharder]
-    assert [type(s) for s in sharders[2:]] == [type(s) for s in torchrec_defaults()]
+    # TorchRec's feature-processed collection sharder replaced by ours, a subclass of it
+    expected = [RobeFeatureProcessedEmbeddingBagCollectionSharder
+                if s is FeatureProcessedEmbeddingBagCollectionSharder else s
+                for s in map(type, torchrec_defaults())]
+    assert [type(s) for s in sharders[2:]] == expected
+    assert RobeFeatureProcessedEmbeddingBagCollectionSharder in expected
 
 
 def test_dmp_default_sharders_include_ours_once():

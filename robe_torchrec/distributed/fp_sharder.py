@@ -1,0 +1,167 @@
+"""Sharding TorchRec's ``FeatureProcessedEmbeddingBagCollection`` around a ROBE module.
+
+A TorchRec model with position-weighted features wraps its ``EmbeddingBagCollection`` in a
+``FeatureProcessedEmbeddingBagCollection`` (FP-EBC): the feature processors (for example
+``PositionWeightedModuleCollection``) turn each id's position in its bag into a per-sample
+weight, and the collection pools with those weights. Swapping the inner collection for a
+``RobeEmbeddingBagCollection(..., is_weighted=True)`` works unsharded as it is. Sharded,
+TorchRec's ``FeatureProcessedEmbeddingBagCollectionSharder`` hands the inner collection to an
+``EmbeddingBagCollectionSharder``, which cannot plan or shard a ROBE module (the planner
+stops on a missing ``embedding_bags``).
+
+:class:`RobeFeatureProcessedEmbeddingBagCollectionSharder` is that sharder with the inner
+sharder chosen per module: :class:`~robe_torchrec.distributed.RobeEmbeddingBagCollectionSharder`
+for a ROBE collection, TorchRec's otherwise (then it plans and shards exactly as TorchRec's
+does). TorchRec's ``ShardedFeatureProcessedEmbeddingBagCollection`` does the rest: feature
+processors after the input dist, the inner sharded module's ``compute`` and output dist,
+and its fused optimizer. :func:`~robe_torchrec.distributed.get_default_sharders` (and
+therefore ``DistributedModelParallel(model)`` without ``sharders=``) holds this sharder in
+place of TorchRec's, and :func:`robe_torchrec.install` makes TorchRec's own refuse a ROBE
+collection with an error naming that fix (:func:`install_fp_sharder_check`).
+
+Example::
+
+    >>> ebc = RobeEmbeddingBagCollection(tables, RobeConfig(compression=100), is_weighted=True)
+    >>> fp = FeatureProcessedEmbeddingBagCollection(
+    ...     ebc, PositionWeightedModuleCollection({"f0": 20}))
+    >>> dmp = DistributedModelParallel(Model(fp))   # default sharders: this one inside
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+from robe_torchrec.array_module import RobeArrayModule
+from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
+from robe_torchrec.distributed.unsharded import UnshardedRobeModuleError
+
+
+def inner_collection(module: FeatureProcessedEmbeddingBagCollection) -> nn.Module:
+    """The collection an FP-EBC pools with. TorchRec keeps it in ``_embedding_bag_collection``
+    with no public accessor; its own sharder reads that attribute too."""
+    return module._embedding_bag_collection
+
+
+def holds_robe(module: nn.Module) -> bool:
+    """Whether ``module`` is an FP-EBC whose collection is a ROBE module."""
+    return (isinstance(module, FeatureProcessedEmbeddingBagCollection)
+            and isinstance(inner_collection(module), RobeArrayModule))
+
+
+class RobeFeatureProcessedEmbeddingBagCollectionSharder(
+        FeatureProcessedEmbeddingBagCollectionSharder):
+    """TorchRec's FP-EBC sharder whose inner collection may be a ``RobeEmbeddingBagCollection``
+    (see the module docstring).
+
+    The planner asks :meth:`sharding_types` and :meth:`compute_kernels` (which take no
+    module) right after :meth:`shardable_parameters` for the same module; they answer for the
+    inner sharder that call chose. The ROBE module's types are its sharder's (data-parallel,
+    table-wise for per-table arrays, row-wise when ``robe_sharder`` offers it).
+
+    Args:
+        ebc_sharder: the sharder of a stock inner collection (TorchRec's default when None).
+        robe_sharder: the sharder of a ROBE inner collection (a default
+            :class:`RobeEmbeddingBagCollectionSharder` when None); its ``fused_params`` and
+            ``row_wise`` apply.
+        qcomm_codecs_registry: as TorchRec's sharders.
+
+    Example::
+
+        >>> sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder(
+        ...     robe_sharder=RobeEmbeddingBagCollectionSharder(row_wise=True))
+        >>> DistributedModelParallel(model, sharders=[sharder, *other_sharders])
+    """
+
+    def __init__(self, ebc_sharder: Optional[EmbeddingBagCollectionSharder] = None,
+                 robe_sharder: Optional[RobeEmbeddingBagCollectionSharder] = None,
+                 qcomm_codecs_registry: Optional[Dict[str, object]] = None) -> None:
+        super().__init__(ebc_sharder=ebc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
+        self.robe_sharder = robe_sharder or RobeEmbeddingBagCollectionSharder(
+            qcomm_codecs_registry=self.qcomm_codecs_registry)
+        self._robe_planned_last = False
+
+    def sharder_for(self, module: FeatureProcessedEmbeddingBagCollection
+                    ) -> Optional[RobeEmbeddingBagCollectionSharder]:
+        """The ROBE sharder when ``module`` holds a ROBE collection, else None (TorchRec's
+        path)."""
+        return self.robe_sharder if holds_robe(module) else None
+
+    def shard(self, module: FeatureProcessedEmbeddingBagCollection,
+              params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedFeatureProcessedEmbeddingBagCollection:
+        robe = self.sharder_for(module)
+        if robe is None:
+            return super().shard(module, params, env, device, module_fqn)
+        return ShardedFeatureProcessedEmbeddingBagCollection(
+            module, params, ebc_sharder=robe, env=env,
+            device=device if device is not None else torch.device("cuda"),
+            module_fqn=module_fqn)
+
+    def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection
+                             ) -> Dict[str, nn.Parameter]:
+        robe = self.sharder_for(module)
+        self._robe_planned_last = robe is not None
+        if robe is None:
+            return super().shardable_parameters(module)
+        return robe.shardable_parameters(inner_collection(module))
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        if self._robe_planned_last:
+            return self.robe_sharder.sharding_types(compute_device_type)
+        return super().sharding_types(compute_device_type)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if self._robe_planned_last:
+            return self.robe_sharder.compute_kernels(sharding_type, compute_device_type)
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+
+def _refuse_robe(original, action: str):
+    @functools.wraps(original)
+    def method(self, module, *args, **kwargs):
+        if holds_robe(module):
+            raise UnshardedRobeModuleError(
+                f"TorchRec's {type(self).__name__} cannot {action} the "
+                f"{type(inner_collection(module)).__name__} inside this "
+                "FeatureProcessedEmbeddingBagCollection: it hands the collection to "
+                "TorchRec's EmbeddingBagCollectionSharder. Fix: use "
+                "robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults with "
+                "RobeFeatureProcessedEmbeddingBagCollectionSharder in place of this one) for "
+                "the planner and DMP, or put RobeFeatureProcessedEmbeddingBagCollectionSharder() "
+                "in your list in its place")
+        return original(self, module, *args, **kwargs)
+
+    method.robe_wraps = original  # type: ignore[attr-defined]
+    return method
+
+
+def install_fp_sharder_check() -> bool:
+    """Make TorchRec's ``FeatureProcessedEmbeddingBagCollectionSharder`` refuse an FP-EBC
+    around a ROBE module with :class:`~robe_torchrec.distributed.UnshardedRobeModuleError`
+    (naming the fix), where it would fail on a missing ``embedding_bags`` in the planner or
+    in DMP. Our subclass overrides both methods, so it is not affected. True once installed;
+    idempotent; called by :func:`robe_torchrec.install` only.
+
+    Example::
+
+        >>> install_fp_sharder_check()
+        True
+    """
+    cls = FeatureProcessedEmbeddingBagCollectionSharder
+    for name, action in (("shardable_parameters", "plan"), ("shard", "shard")):
+        current = getattr(cls, name)
+        if not hasattr(current, "robe_wraps"):
+            setattr(cls, name, _refuse_robe(current, action))
+    return True
