@@ -276,3 +276,20 @@ def test_deferred_problems_of_inference_tensors_are_named_from_the_ids():
                              layout)
         with pytest.raises(DeferredCheckError, match=r"^robe: id 20 at position 4 of feature 1 "):
             raise_pending_checks()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_an_evaluation_under_inference_mode_leaves_training_working(backend):
+    """The keys layout is derived once and kept: first derived inside
+    ``torch.inference_mode()`` (an evaluation), it must still hold normal tensors for the
+    training steps after it, which save its table_meta for backward."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=ARRAY, block_size=Z))
+    with cpu_backend(backend), defer_checks(backend == "triton"):
+        with torch.inference_mode():
+            evaluated = ec(random_kjt(seed=3))
+        trained = ec(random_kjt(seed=3))
+        sum(jt.values().sum() for jt in trained.values()).backward()
+        raise_pending_checks()
+    assert ec.weight.grad is not None and ec.weight.grad.abs().sum() > 0
+    for name, jt in trained.items():
+        torch.testing.assert_close(jt.values().detach(), evaluated[name].values())

@@ -108,7 +108,10 @@ def _keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     hit = _KEYS_LAYOUTS.get(table_meta) if version is not None else None
     if hit is not None and hit[0] == version and hit[1] == arguments:
         return hit[2]
-    found = _derive_keys_layout(layout)
+    # normal tensors even when first asked for under inference_mode (an evaluation): the
+    # layout is kept for later training calls, which save its table_meta for backward
+    with torch.inference_mode(False):
+        found = _derive_keys_layout(layout)
     if version is not None:
         _KEYS_LAYOUTS[table_meta] = (version, arguments, found)
     return found
@@ -219,8 +222,8 @@ def _check_ids_now(values: Tensor, counts: List[int], keys: KeysLayout) -> None:
 def _ids_inside(values: Tensor, counts: List[int], ends: List[int]) -> bool:
     """Whether every id of feature ``t`` lies in ``[0, ends[t])`` (one read of the answer)."""
     if values.numel() < MIN_MAX_FROM_IDS_A_FEATURE * len(counts):
-        per_id = torch.repeat_interleave(torch.tensor(ends, device=values.device),
-                                         torch.tensor(counts, device=values.device),
+        table = ints_on_device([*ends, *counts], torch.int64, values.device)
+        per_id = torch.repeat_interleave(table[:len(ends)], table[len(ends):],
                                          output_size=values.numel())
         return not bool(((values < 0) | (values >= per_id)).any())
     present = [(ids, end) for ids, end in zip(values.split(counts), ends) if ids.numel()]
