@@ -18,6 +18,9 @@ trees are loaded (``torch.compile(mode="reduce-overhead")``): their warm-up runs
 from the graphs' private memory pool, and a later recording may take back a block that only
 a long-lived tensor still holds (torch's ``_use_cuda_memory_pool_manager`` warns of it); a
 block of rows lives for 256 forwards, a ``torch.zeros(4)`` no longer than its answer.
+Whether the trees are loaded is told by their module being imported, which
+``torch._dynamo.reset()`` does too where CUDA is present: from then on the process takes
+``torch.zeros(4)``, as correct, at a fill launch a forward.
 
 Example::
 
@@ -88,6 +91,10 @@ _CUDA_GRAPH_TREES = "torch._inductor.cudagraph_trees"
 def zeroed_counts(device: torch.device) -> torch.Tensor:
     """Four zeroed int64 counts on ``device`` for one kernel launch on its current stream,
     never handed out before. Only where :func:`usable` says so."""
+    if device.type == "cuda" and device.index is None:
+        # torch.device("cuda") is the current one: one block key with "cuda:N", and an index
+        # for the raw stream query, which refuses None
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, _stream_of(device))
     while True:
         block = _blocks.get(key)

@@ -118,3 +118,25 @@ def test_a_launch_takes_torch_zeros_where_rows_will_not_do(monkeypatch):
 def test_the_docstring_example_runs():
     result = doctest.testmod(count_rows, extraglobs={"torch": torch})
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
+    """``torch.device("cuda")`` (what a user or a benchmark writes) takes rows from the block
+    of ``cuda:N``, N the current device, and the stream query gets N, never None."""
+    asked = []
+
+    class Block:  # no CUDA memory here: a block that records where it was asked for
+        def __init__(self, device):
+            self.device = device
+
+        def take(self):
+            return self
+
+    monkeypatch.setattr(count_rows, "_Block", Block)
+    monkeypatch.setattr(count_rows, "_blocks", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(count_rows, "_stream_of", lambda device: asked.append(device) or 5)
+    plain = zeroed_counts(torch.device("cuda"))
+    assert zeroed_counts(torch.device("cuda:1")) is plain
+    assert plain.device == torch.device("cuda", 1)
+    assert [d.index for d in asked] == [1, 1]
