@@ -282,11 +282,15 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     keeps it elsewhere (a copy per call would wait on the host, and break a graph capture)."""
     if table_meta.device == device:
         return _dense(table_meta)
+    try:
+        version = table_meta._version
+    except RuntimeError:  # an inference tensor has no version to key a copy on: copy it
+        return table_meta.to(device).contiguous()
     hit = _DEVICE_META.get(table_meta)
-    if hit is not None and hit[0] == table_meta._version and hit[1].device == device:
+    if hit is not None and hit[0] == version and hit[1].device == device:
         return hit[1]
     copy = table_meta.to(device).contiguous()
-    _DEVICE_META[table_meta] = (table_meta._version, copy)
+    _DEVICE_META[table_meta] = (version, copy)
     return copy
 
 

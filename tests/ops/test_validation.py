@@ -57,6 +57,23 @@ def test_inference_tensors_are_checked_every_call():
             reference.forward(weights, values, offsets, psw, meta, *rest)
 
 
+def test_a_host_table_meta_goes_to_the_kernels_device_once_per_version():
+    """The Triton ops take a CPU table_meta with device weights: one copy per version (none
+    per call), and an inference tensor, which has no version, copied at each call instead of
+    failing (``meta`` stands in for CUDA here)."""
+    from robe_torchrec.ops import triton_kernels as tk
+
+    on = torch.device("meta")
+    meta = m.build_table_meta([8, 4], [0, 0], [100, 100], [0, 10], [10, 10], [0, 0])
+    first = tk._meta_on(meta, on)
+    assert first.device == on and tk._meta_on(meta, on) is first
+    meta[m.DIM, 1] = 5  # in place: a new copy
+    assert tk._meta_on(meta, on) is not first
+    with torch.inference_mode():
+        served = m.build_table_meta([8], [0], [100], [0], [10], [0])
+        assert tk._meta_on(served, on).shape == served.shape
+
+
 def test_meta_facts_follow_the_tensor_version_and_arguments():
     """The facts derived from a checked table_meta (widest and narrowest dim, blocks, hash
     span, whether the columns cover the output) are remembered, and recomputed after an in-place change or
