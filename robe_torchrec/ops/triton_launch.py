@@ -28,7 +28,9 @@ for sm_90, that every launch of the ops gets the same variant and arguments both
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
 
 from robe_torchrec.ops.tuning import current as current_tuning
 
@@ -56,6 +58,14 @@ def _hooks_block_caching(fn: "JITFunction") -> bool:
                                              None) is not None
 
 
+def _cuda_index(args: tuple) -> Optional[int]:
+    """The CUDA device index of the first tensor in ``args`` (None: a CPU tensor, none)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.get_device() if arg.is_cuda else None
+    return None
+
+
 class CachedLaunch:
     """``fn[grid](*args, **constants)`` with the variant found without ``JITFunction.run``
     once it has been compiled. Indexing by a grid returns the launch, as for ``fn``."""
@@ -71,6 +81,13 @@ class CachedLaunch:
         return lambda *args, **constants: self.launch(grid, args, constants)
 
     def launch(self, grid: Sequence[int], args: tuple, constants: dict) -> None:
+        tensors_on = _cuda_index(args)
+        if tensors_on is not None and tensors_on != torch.cuda.current_device():
+            # Triton launches on the current device, on its stream: the tensors' device
+            # for this launch, as torch's own ops guard theirs (no set_device was called)
+            with torch.cuda.device(tensors_on):
+                self.launch(grid, args, constants)
+            return
         if not SUPPORTED:
             self.fn[grid](*args, **constants)
             return

@@ -127,3 +127,47 @@ def test_an_unsupported_triton_launches_every_time_through_the_kernel(monkeypatc
         launch[(3, 2)](1, 2.5, BLOCK=4)
     assert kernel.launches == [((3, 2), (1, 2.5), {"BLOCK": 4})] * 2
     assert launch.variants == 0
+
+
+def test_a_launch_runs_on_its_tensors_device_not_the_current_one(stand_ins, monkeypatch):
+    """Triton launches on the current CUDA device. Tensors on another (``cuda:1`` without
+    ``torch.cuda.set_device(1)``) get a device guard for the launch, as torch's own ops do;
+    tensors on the current device get none."""
+    import contextlib
+
+    import torch
+
+    current, guards = [0], []
+
+    @contextlib.contextmanager
+    def guard(index):
+        guards.append(index)
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", guard)
+    monkeypatch.setattr(triton_launch.driver.active, "get_current_device", lambda: current[0])
+    tensors_on = [1]
+    monkeypatch.setattr(triton_launch, "_cuda_index", lambda args: tensors_on[0])
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    seen = []
+    kernel.compiled.run = lambda *args: seen.append(current[0])
+    for _ in range(2):
+        launch[(5,)](1, 2, BLOCK=4)
+    assert guards == [1, 1] and current == [0]
+    assert seen == [1]  # the second launch: the variant remembered for device 1, run there
+    tensors_on[0] = 0
+    launch[(5,)](1, 2, BLOCK=4)
+    assert guards == [1, 1]  # on the current device: no guard
+
+
+def test_the_tensors_device_is_that_of_the_first_tensor_argument():
+    import torch
+
+    assert triton_launch._cuda_index((3, torch.zeros(2), torch.zeros(1))) is None  # CPU
+    assert triton_launch._cuda_index((3, 4.0)) is None
