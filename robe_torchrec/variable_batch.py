@@ -136,7 +136,7 @@ def order_inverse_indices(features: KeyedJaggedTensor,
     if list(keys) == list(feature_order) or any(f not in keys for f in feature_order):
         # missing rows: left for TorchRec to report
         return features
-    index = torch.tensor([keys.index(f) for f in feature_order], device=rows.device)
+    index = ints_on_device([keys.index(f) for f in feature_order], torch.int64, rows.device)
     return KeyedJaggedTensor(
         keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
         lengths=features.lengths(), offsets=features.offsets_or_none(),
