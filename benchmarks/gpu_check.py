@@ -66,9 +66,13 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
 
     checks = triton_checks(device, quick=quick)
     if device == "cuda":
-        from robe_torchrec.testing.gpu_checks import gpu_checks, torchrec_gpu_checks
+        from robe_torchrec.testing.gpu_checks import (matrix_checks, sync_and_graph_checks,
+                                                      torchrec_gpu_checks)
 
-        checks += gpu_checks(matrix=matrix) + torchrec_gpu_checks()
+        # the sync and graph checks first: before the torch_compile check (see
+        # sync_and_graph_checks), and first to report if the session's time runs out
+        checks = (sync_and_graph_checks() + checks + matrix_checks(matrix)
+                  + torchrec_gpu_checks())
     results = []
     for name, check in [(n, c) for n, c in checks if not only or only in n]:
         start, error = time.perf_counter(), ""

@@ -91,6 +91,30 @@ def test_the_time_limits_fit_one_device_call():
     assert sum(limits) + UNLIMITED_PARTS <= DEVICE_CALL_LIMIT, limits
 
 
+def test_on_a_gpu_the_sync_and_graph_checks_run_before_anything_compiles(monkeypatch):
+    """``torch._dynamo.reset()`` (the ``torch_compile`` check) loads Inductor's CUDA graph
+    trees where CUDA is present, which turns count rows off for the process: the checks of
+    count rows and answer copies must run before it, and first, in case time runs out."""
+    from benchmarks import gpu_check
+    from robe_torchrec.testing import gpu_checks, op_checks
+
+    ran: List[str] = []
+
+    def recorded(*names: str):
+        return [(name, lambda n=name: ran.append(n)) for name in names]
+
+    monkeypatch.setattr(op_checks, "triton_checks",
+                        lambda device, quick: recorded("forward[case0]", "torch_compile"))
+    monkeypatch.setattr(gpu_checks, "sync_and_graph_checks",
+                        lambda: recorded("count_rows_on_streams", "answers_copied_together"))
+    monkeypatch.setattr(gpu_checks, "matrix_checks", lambda n: recorded("matrix[0]"))
+    monkeypatch.setattr(gpu_checks, "torchrec_gpu_checks",
+                        lambda: recorded("compiled_dlrm_reduce_overhead"))
+    gpu_check.run_checks("cuda", quick=False, only=None, matrix=1)
+    assert ran == ["count_rows_on_streams", "answers_copied_together", "forward[case0]",
+                   "torch_compile", "matrix[0]", "compiled_dlrm_reduce_overhead"]
+
+
 class _Killed(BaseException):
     """What a time limit does to the process, as far as the report is concerned: nothing
     after it runs (a check's own failure is an ``Exception``, reported and passed over)."""

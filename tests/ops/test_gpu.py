@@ -6,9 +6,19 @@ import pytest
 import torch
 
 from robe_torchrec.testing.op_checks import triton_checks
-from robe_torchrec.testing.gpu_checks import gpu_checks, torchrec_gpu_checks
+from robe_torchrec.testing.gpu_checks import (matrix_checks, sync_and_graph_checks,
+                                              torchrec_gpu_checks)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# first in the file: before triton_checks' torch_compile check (see sync_and_graph_checks)
+SYNC_CHECKS = sync_and_graph_checks()
+
+
+@pytest.mark.parametrize("check", [c for _, c in SYNC_CHECKS], ids=[n for n, _ in SYNC_CHECKS])
+def test_sync_and_graphs(check):
+    check()
+
 
 CHECKS = triton_checks("cuda")
 
@@ -18,7 +28,7 @@ def test_triton_matches_reference_on_cuda(check):
     check()
 
 
-GPU_CHECKS = gpu_checks(matrix=40) + torchrec_gpu_checks()
+GPU_CHECKS = matrix_checks(40) + torchrec_gpu_checks()
 
 
 @pytest.mark.parametrize("check", [c for _, c in GPU_CHECKS], ids=[n for n, _ in GPU_CHECKS])
