@@ -31,6 +31,9 @@ ALLOWED = {
     # does not run a collective (init_from_local_shards all-gathers the metadata)
     "_init_from_local_shards_and_global_metadata": "ShardedTensor constructor without a "
                                                    "collective",
+    # TorchRec's FeatureProcessedEmbeddingBagCollection keeps the collection it wraps here,
+    # with no accessor; TorchRec's own sharder of it reads the attribute too
+    "_embedding_bag_collection": "the collection an FP-EBC wraps (fp_sharder.inner_collection)",
 }
 
 
