@@ -59,9 +59,11 @@ ALWAYS = {"deterministic backward": {"deterministic_backward": True},
 
 def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
                on_check: Callable[[List[dict]], None] = lambda results: None,
-               ) -> List[Dict[str, object]]:
+               budget_s: Optional[float] = None) -> List[Dict[str, object]]:
     """Every check (``only``: those whose name contains it), each failure reported and the
-    rest still run; ``on_check`` gets the results so far after each."""
+    rest still run; ``on_check`` gets the results so far after each. Once ``budget_s``
+    seconds have gone, the checks left are listed as not run (the speed section after them
+    keeps its time within a session's limit)."""
     from robe_torchrec.testing.op_checks import triton_checks
 
     checks = triton_checks(device, quick=quick)
@@ -74,8 +76,13 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
         checks = (sync_and_graph_checks() + checks + matrix_checks(matrix)
                   + torchrec_gpu_checks())
     results = []
+    began = time.perf_counter()
     for name, check in [(n, c) for n, c in checks if not only or only in n]:
         start, error = time.perf_counter(), ""
+        if budget_s is not None and start - began > budget_s:
+            results.append({"name": name, "ok": True, "not_run": True, "seconds": 0.0,
+                            "error": f"not run: the checks' {budget_s:.0f} s had gone"})
+            continue
         try:
             check()
         except Exception as exc:  # noqa: BLE001  a failure is reported, the rest still run
@@ -186,6 +193,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--only", default=None, help="run only the checks whose name contains this")
     p.add_argument("--matrix", type=int, default=24, help="random configurations (CUDA only)")
+    p.add_argument("--checks-budget", type=float, default=None,
+                   help="seconds after which the checks left are listed as not run")
     p.add_argument("--ids-per-bag", type=int, default=IDS_PER_BAG,
                    help="ids a bag of the multi-hot rows")
     p.add_argument("--profile-launches", action="store_true", help="only the launches ncu profiles")
@@ -219,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     checks = [] if args.skip_checks else run_checks(
         str(device), args.cpu, args.only, args.matrix,
-        lambda done: report(done, [], [], left="the rest of the checks"))
+        lambda done: report(done, [], [], left="the rest of the checks"), args.checks_budget)
     if args.skip_speed:
         failed = report(checks, [], [])
     else:
@@ -246,6 +255,7 @@ def report_lines(args: argparse.Namespace, argv: Sequence[str], device: torch.de
     except ImportError:
         triton_version = "not importable"
     failed = [c["name"] for c in checks if not c["ok"]]
+    not_run = [c["name"] for c in checks if c.get("not_run")]
     lines = header("GPU check: Triton kernels against the reference, and their speed",
                    command_line("gpu_check", argv),
                    f"device: {device_name(device)}; CUDA {torch.version.cuda}, triton "
@@ -253,11 +263,14 @@ def report_lines(args: argparse.Namespace, argv: Sequence[str], device: torch.de
                    f"{'CPU mode, tiny sizes: the timings mean nothing; ' if args.cpu else ''}"
                    f"wall time {seconds:.0f} s"
                    + (f"; INCOMPLETE: written before {left} had run" if left else ""))
-    lines += ["## Checks", "", f"{len(checks) - len(failed)} of {len(checks)} passed"
-              + (f"; FAILED: {', '.join(failed)}" if failed else ""), "",
+    ran = len(checks) - len(not_run)
+    lines += ["## Checks", "", f"{ran - len(failed)} of {ran} passed"
+              + (f"; FAILED: {', '.join(failed)}" if failed else "")
+              + (f"; {len(not_run)} not run (--checks-budget): {', '.join(not_run)}"
+                 if not_run else ""), "",
               *table(["check", "result", "seconds", "error"],
-                     [[c["name"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["error"]]
-                      for c in checks])]
+                     [[c["name"], "not run" if c.get("not_run") else "ok" if c["ok"]
+                       else "FAILED", f"{c['seconds']:.1f}", c["error"]] for c in checks])]
     return lines + (["", "## Speed", "", *speed_lines] if speed_lines else [])
 
 

@@ -179,3 +179,21 @@ def test_the_torchrec_side_cut_short_still_leaves_the_parts_done(tmp_path, monke
     assert text.index("INCOMPLETE") < text.index("## Verdict")  # read before "passed"
     report = json.loads(out.with_suffix(".json").read_text())
     assert list(report["parts"]) == ["shim"] and report["not_run"][0] == "pipelines"
+
+
+def test_checks_past_their_budget_are_listed_as_not_run(tmp_path, monkeypatch):
+    """``--checks-budget``: once it has gone, the checks left are reported as not run
+    (neither passed nor failed), and the speed section still runs after them."""
+    from benchmarks import gpu_check
+    from robe_torchrec.testing import op_checks
+
+    clock = iter([0.0, 0.0, 5.0, 50.0, 50.0] + [60.0] * 1000)
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(op_checks, "triton_checks", lambda device, quick: [
+        ("forward[case0]", lambda: None), ("forward[case1]", lambda: None),
+        ("torch_compile", lambda: None)])
+    out = tmp_path / "gpu_check_h100.md"
+    gpu_check.main(["--cpu", "--skip-speed", "--checks-budget", "10", "--out", str(out)])
+    text = out.read_text()
+    assert "1 of 1 passed; 2 not run (--checks-budget): forward[case1], torch_compile" in text
+    assert "| forward[case1] | not run |" in text
