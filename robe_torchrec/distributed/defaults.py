@@ -50,10 +50,10 @@ def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
 
         >>> DistributedModelParallel(model, sharders=get_default_sharders())
     """
-    return with_robe_sharders(sharding_plan.get_default_sharders())
+    return _robe_and(sharding_plan.get_default_sharders())
 
 
-def with_robe_sharders(sharders: List[ModuleSharder[nn.Module]]
+def _robe_and(sharders: List[ModuleSharder[nn.Module]]
                        ) -> List[ModuleSharder[nn.Module]]:
     """Ours first, then ``sharders`` with each TorchRec FP-EBC sharder replaced by ours (the
     same codecs): DMP and the planner keep the last sharder of a module type, so a
@@ -67,7 +67,7 @@ def with_robe_sharders(sharders: List[ModuleSharder[nn.Module]]
 def _with_robe(torchrec_default: Callable[[], List[ModuleSharder[nn.Module]]]):
     @functools.wraps(torchrec_default)
     def default_sharders() -> List[ModuleSharder[nn.Module]]:
-        return with_robe_sharders(torchrec_default())
+        return _robe_and(torchrec_default())
 
     default_sharders.robe_wraps = torchrec_default  # type: ignore[attr-defined]
     return default_sharders

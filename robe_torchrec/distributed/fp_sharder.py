@@ -43,7 +43,8 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from robe_torchrec.array_module import RobeArrayModule
-from robe_torchrec.distributed.sharder import RobeEmbeddingBagCollectionSharder
+from robe_torchrec.distributed.sharder import (RobeEmbeddingBagCollectionSharder,
+                                               planner_sharding_types)
 from robe_torchrec.distributed.unsharded import UnshardedRobeModuleError
 
 
@@ -66,20 +67,22 @@ class RobeFeatureProcessedEmbeddingBagCollectionSharder(
 
     The planner asks :meth:`sharding_types` and :meth:`compute_kernels` (which take no
     module) right after :meth:`shardable_parameters` for the same module; they answer for the
-    inner sharder that call chose. The ROBE module's types are its sharder's (data-parallel,
-    table-wise for per-table arrays, row-wise when ``robe_sharder`` offers it).
+    inner collection that call saw. A ROBE collection is offered the types under which it
+    computes what it computes unsharded (data-parallel, and table-wise for per-table arrays);
+    never row-wise, which TorchRec's planner does not offer inside an FP-EBC either (without
+    explicit constraints), and which is untested there: a plan that asks for it is refused.
 
     Args:
         ebc_sharder: the sharder of a stock inner collection (TorchRec's default when None).
         robe_sharder: the sharder of a ROBE inner collection (a default
-            :class:`RobeEmbeddingBagCollectionSharder` when None); its ``fused_params`` and
-            ``row_wise`` apply.
+            :class:`RobeEmbeddingBagCollectionSharder` with this sharder's codecs when None);
+            its ``fused_params`` give the in-backward optimizer when sharding, where
+            ``apply_optimizer_in_backward`` was not called.
         qcomm_codecs_registry: as TorchRec's sharders.
 
     Example::
 
-        >>> sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder(
-        ...     robe_sharder=RobeEmbeddingBagCollectionSharder(row_wise=True))
+        >>> sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder()
         >>> DistributedModelParallel(model, sharders=[sharder, *other_sharders])
     """
 
@@ -89,7 +92,8 @@ class RobeFeatureProcessedEmbeddingBagCollectionSharder(
         super().__init__(ebc_sharder=ebc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
         self.robe_sharder = robe_sharder or RobeEmbeddingBagCollectionSharder(
             qcomm_codecs_registry=self.qcomm_codecs_registry)
-        self._robe_planned_last = False
+        #: the ROBE types of the module last passed to shardable_parameters; None: a stock one
+        self._robe_types: Optional[List[str]] = None
 
     def sharder_for(self, module: FeatureProcessedEmbeddingBagCollection
                     ) -> Optional[RobeEmbeddingBagCollectionSharder]:
@@ -104,6 +108,15 @@ class RobeFeatureProcessedEmbeddingBagCollectionSharder(
         robe = self.sharder_for(module)
         if robe is None:
             return super().shard(module, params, env, device, module_fqn)
+        allowed = planner_sharding_types(inner_collection(module).layout)
+        refused = {t: p.sharding_type for t, p in params.items()
+                   if p.sharding_type not in allowed}
+        if refused:
+            raise ValueError(
+                f"RobeFeatureProcessedEmbeddingBagCollectionSharder: the plan shards tables of "
+                f"the ROBE collection inside a FeatureProcessedEmbeddingBagCollection as "
+                f"{refused}; inside it only {allowed} are supported (row-wise there is "
+                "untested). Plan it with get_default_sharders() or use those types")
         return ShardedFeatureProcessedEmbeddingBagCollection(
             module, params, ebc_sharder=robe, env=env,
             device=device if device is not None else torch.device("cuda"),
@@ -112,21 +125,21 @@ class RobeFeatureProcessedEmbeddingBagCollectionSharder(
     def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection
                              ) -> Dict[str, nn.Parameter]:
         robe = self.sharder_for(module)
-        self._robe_planned_last = robe is not None
         if robe is None:
+            self._robe_types = None
             return super().shardable_parameters(module)
+        self._robe_types = planner_sharding_types(inner_collection(module).layout)
         return robe.shardable_parameters(inner_collection(module))
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        if self._robe_planned_last:
-            return self.robe_sharder.sharding_types(compute_device_type)
+        if self._robe_types is not None:
+            return list(self._robe_types)
         return super().sharding_types(compute_device_type)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if self._robe_planned_last:
+        if self._robe_types is not None:
             return self.robe_sharder.compute_kernels(sharding_type, compute_device_type)
         return super().compute_kernels(sharding_type, compute_device_type)
-
 
 def _refuse_robe(original, action: str):
     @functools.wraps(original)

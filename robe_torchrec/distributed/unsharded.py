@@ -88,8 +88,13 @@ def check_before_sharding(model: nn.Module, plan: Any, sharders: Optional[List[A
     if not found:
         return
     if sharders is not None:
-        types = {getattr(s, "module_type", None) for s in sharders}
+        # DMP and the planner keep the last sharder of a module type
+        types = {getattr(s, "module_type", None): s for s in sharders}
         for path, module in found:
+            wrapper = _feature_processed_wrapper(model, path)
+            if wrapper is not None and type(wrapper) in types:
+                _check_wrapper_sharder(path.rsplit(".", 1)[0], wrapper, types[type(wrapper)])
+                continue  # sharded with its wrapper, by the wrapper's sharder
             if type(module) not in types:
                 sharder = sharder_name(module)
                 exact = ("" if type(module) in (RobeEmbeddingBagCollection,
@@ -112,6 +117,33 @@ def check_before_sharding(model: nn.Module, plan: Any, sharders: Optional[List[A
                     "(TorchRec's get_default_sharders() imported before robe_torchrec, or a "
                     f"list built by hand), so {_consequence(module)}. Fix: "
                     + FIX.format(sharder=sharder))
+
+
+def _feature_processed_wrapper(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """The FeatureProcessedEmbeddingBagCollection whose collection is the ROBE module at
+    ``path``, if that is what holds it."""
+    # here, not at the top: fp_sharder imports this module's error
+    from robe_torchrec.distributed.fp_sharder import holds_robe
+
+    if "." not in path:
+        return None
+    parent = model.get_submodule(path.rsplit(".", 1)[0])
+    return parent if holds_robe(parent) else None
+
+
+def _check_wrapper_sharder(path: str, wrapper: nn.Module, sharder: Any) -> None:
+    """Raise :class:`UnshardedRobeModuleError` unless ``sharder``, the one DMP would use for
+    the FP-EBC ``wrapper``, can shard the ROBE collection inside it."""
+    from robe_torchrec.distributed.fp_sharder import (
+        RobeFeatureProcessedEmbeddingBagCollectionSharder)
+
+    if isinstance(sharder, RobeFeatureProcessedEmbeddingBagCollectionSharder):
+        return
+    raise UnshardedRobeModuleError(
+        f"DistributedModelParallel: sharders= shards {_describe(path, wrapper)} with "
+        f"{type(sharder).__name__}, which cannot shard the ROBE collection inside it. Fix: "
+        "use robe_torchrec.distributed.get_default_sharders() for the planner and DMP, or "
+        "put RobeFeatureProcessedEmbeddingBagCollectionSharder() in your list in its place")
 
 
 def check_after_sharding(dmp: DistributedModelParallel) -> None:

@@ -18,7 +18,9 @@ from torchrec.distributed.fp_embeddingbag import (
 )
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders as torchrec_defaults
+from torchrec.distributed.types import ParameterSharding
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim import apply_optimizer_in_backward
@@ -28,11 +30,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
 from robe_torchrec.distributed import (
+    RobeEmbeddingBagCollectionSharder,
     RobeFeatureProcessedEmbeddingBagCollectionSharder,
     ShardedRobeEmbeddingBagCollection,
     UnshardedRobeModuleError,
     get_default_sharders,
 )
+from robe_torchrec.distributed.unsharded import check_before_sharding
 from tests.distributed import common
 from tests.distributed.multiprocess import run_ranks
 
@@ -223,7 +227,9 @@ def test_torchrecs_fp_sharder_refuses_robe_with_the_fix():
 
 
 def test_types_and_kernels_answer_for_the_module_last_planned():
-    sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder()
+    # a row-wise ROBE sharder still plans the collection inside an FP-EBC as unsharded
+    sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder(
+        robe_sharder=RobeEmbeddingBagCollectionSharder(row_wise=True))
     stock = FeatureProcessedEmbeddingBagCollectionSharder()
     sharder.shardable_parameters(Model(shared=True).fp)
     assert sharder.sharding_types("cpu") == ["data_parallel"]
@@ -236,3 +242,27 @@ def test_types_and_kernels_answer_for_the_module_last_planned():
     assert sharder.sharding_types("cpu") == stock.sharding_types("cpu")
     assert sharder.compute_kernels("table_wise", "cpu") == stock.compute_kernels("table_wise",
                                                                                  "cpu")
+
+
+def test_a_row_wise_plan_inside_an_fp_ebc_is_refused():
+    sharder = RobeFeatureProcessedEmbeddingBagCollectionSharder()
+    plan = {"t0": ParameterSharding(sharding_type="row_wise", compute_kernel="fused",
+                                    ranks=[0])}
+    with pytest.raises(ValueError, match=r"as \{'t0': 'row_wise'\}.*row-wise there is untested"):
+        sharder.shard(Model(shared=False).fp, plan, env=None, device=torch.device("cpu"))
+
+
+def test_dmp_takes_a_sharders_list_whose_fp_sharder_is_ours():
+    """DMP's check before sharding: the ROBE collection inside an FP-EBC is sharded by the
+    wrapper's sharder, so a list with ours (and no ROBE collection sharder) is accepted, and
+    one whose wrapper sharder is TorchRec's is refused up front, naming the fix."""
+    model = Model(shared=True)
+    check_before_sharding(model, None, [RobeFeatureProcessedEmbeddingBagCollectionSharder(),
+                                        EmbeddingBagCollectionSharder()])
+    check_before_sharding(model, None, get_default_sharders())
+    # the last sharder of a type is the one DMP uses
+    with pytest.raises(UnshardedRobeModuleError,
+                       match="shards FeatureProcessedEmbeddingBagCollection 'fp' with "
+                             "FeatureProcessedEmbeddingBagCollectionSharder.*in its place"):
+        check_before_sharding(model, None, [RobeFeatureProcessedEmbeddingBagCollectionSharder(),
+                                            *torchrec_defaults()])
