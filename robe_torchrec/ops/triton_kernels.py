@@ -32,6 +32,7 @@ from robe_torchrec.ops.triton.forward import (  # noqa: F401
 from robe_torchrec.ops.triton.hash import _block_starts_kernel  # noqa: F401
 from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
+from robe_torchrec.ops.small_copies import ints_on_device
 from robe_torchrec.ops.triton_launch import CachedLaunch
 from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
@@ -284,8 +285,10 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
         return _dense(table_meta)
     try:
         version = table_meta._version
-    except RuntimeError:  # an inference tensor has no version to key a copy on: copy it
-        return table_meta.to(device).contiguous()
+    except RuntimeError:  # an inference tensor has no version to key a copy on: copy it,
+        # from pinned memory (no wait for the device)
+        return ints_on_device(table_meta.reshape(-1).tolist(), table_meta.dtype,
+                              device).view(table_meta.shape)
     hit = _DEVICE_META.get(table_meta)
     if hit is not None and hit[0] == version and hit[1].device == device:
         return hit[1]

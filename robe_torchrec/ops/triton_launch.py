@@ -82,17 +82,17 @@ class CachedLaunch:
 
     def launch(self, grid: Sequence[int], args: tuple, constants: dict) -> None:
         tensors_on = _cuda_index(args)
-        if tensors_on is not None and tensors_on != torch.cuda.current_device():
-            # Triton launches on the current device, on its stream: the tensors' device
-            # for this launch, as torch's own ops guard theirs (no set_device was called)
-            with torch.cuda.device(tensors_on):
-                self.launch(grid, args, constants)
-            return
         if not SUPPORTED:
-            self.fn[grid](*args, **constants)
+            if tensors_on is not None and tensors_on != torch.cuda.current_device():
+                self._launch_on(tensors_on, grid, args, constants)
+            else:
+                self.fn[grid](*args, **constants)
             return
         active = driver.active
         device = active.get_current_device()
+        if tensors_on is not None and tensors_on != device:
+            self._launch_on(tensors_on, grid, args, constants)
+            return
         binder = self._binders.get(device)
         if binder is None or not current_tuning().cached_launch or \
                 _hooks_block_caching(self.fn):
@@ -118,6 +118,13 @@ class CachedLaunch:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                    stream, kernel.function, kernel.packed_metadata, metadata,
                    enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+    def _launch_on(self, index: int, grid, args: tuple, constants: dict) -> None:
+        """The launch on CUDA device ``index``, made current for it: Triton launches on the
+        current device, on its stream, and the tensors are on this one (no
+        ``torch.cuda.set_device`` was called), as torch's own ops guard theirs."""
+        with torch.cuda.device(index):
+            self.launch(grid, args, constants)
 
     def _launch_and_remember(self, device: int, grid, args: tuple, constants: dict) -> None:
         """Launch through ``JITFunction.run`` (compiling the variant if new) and remember the
