@@ -80,7 +80,7 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
     for name, check in [(n, c) for n, c in checks if not only or only in n]:
         start, error = time.perf_counter(), ""
         if budget_s is not None and start - began > budget_s:
-            results.append({"name": name, "ok": True, "not_run": True, "seconds": 0.0,
+            results.append({"name": name, "ok": None, "not_run": True, "seconds": 0.0,
                             "error": f"not run: the checks' {budget_s:.0f} s had gone"})
             continue
         try:
@@ -224,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 {"command": command_line("gpu_check", argv), "device": device_name(device),
                  "checks": checks, "speed": speed_results, "incomplete": left},
                 echo=not left)
-        return [c["name"] for c in checks if not c["ok"]]
+        return [c["name"] for c in checks if c["ok"] is False]
 
     checks = [] if args.skip_checks else run_checks(
         str(device), args.cpu, args.only, args.matrix,
@@ -237,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args, device, lambda lines, results: report(checks, lines, results,
                                                         left="the rest of the speed section"))
         failed = report(checks, speed_lines, speed_results)
-    return 1 if failed else 0
+    # checks left out by --checks-budget are not a pass either
+    return 1 if failed or any(c.get("not_run") for c in checks) else 0
 
 
 def device_name(device: torch.device) -> str:
@@ -254,7 +255,7 @@ def report_lines(args: argparse.Namespace, argv: Sequence[str], device: torch.de
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not importable"
-    failed = [c["name"] for c in checks if not c["ok"]]
+    failed = [c["name"] for c in checks if c["ok"] is False]
     not_run = [c["name"] for c in checks if c.get("not_run")]
     lines = header("GPU check: Triton kernels against the reference, and their speed",
                    command_line("gpu_check", argv),
@@ -262,7 +263,9 @@ def report_lines(args: argparse.Namespace, argv: Sequence[str], device: torch.de
                    f"{triton_version}; "
                    f"{'CPU mode, tiny sizes: the timings mean nothing; ' if args.cpu else ''}"
                    f"wall time {seconds:.0f} s"
-                   + (f"; INCOMPLETE: written before {left} had run" if left else ""))
+                   + (f"; INCOMPLETE: written before {left} had run" if left else "")
+                   + (f"; INCOMPLETE: {len(not_run)} checks not run (--checks-budget)"
+                      if not_run else ""))
     ran = len(checks) - len(not_run)
     lines += ["## Checks", "", f"{ran - len(failed)} of {ran} passed"
               + (f"; FAILED: {', '.join(failed)}" if failed else "")

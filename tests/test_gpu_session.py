@@ -193,7 +193,10 @@ def test_checks_past_their_budget_are_listed_as_not_run(tmp_path, monkeypatch):
         ("forward[case0]", lambda: None), ("forward[case1]", lambda: None),
         ("torch_compile", lambda: None)])
     out = tmp_path / "gpu_check_h100.md"
-    gpu_check.main(["--cpu", "--skip-speed", "--checks-budget", "10", "--out", str(out)])
+    status = gpu_check.main(["--cpu", "--skip-speed", "--checks-budget", "10",
+                             "--out", str(out)])
     text = out.read_text()
     assert "1 of 1 passed; 2 not run (--checks-budget): forward[case1], torch_compile" in text
     assert "| forward[case1] | not run |" in text
+    assert "INCOMPLETE: 2 checks not run (--checks-budget)" in text
+    assert status == 1  # not a pass
