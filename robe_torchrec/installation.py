@@ -57,7 +57,7 @@ CHANGES: Dict[str, str] = {
         ".shard raise UnshardedRobeModuleError for a FeatureProcessedEmbeddingBagCollection "
         "around a ROBE module, naming the fix (our subclass of it, in get_default_sharders), "
         "where they would fail on a missing embedding_bags "
-        "(robe_torchrec.distributed.fp_sharder)",
+        "(robe_torchrec.distributed.unsharded)",
     "quiet_torchrec_noise":
         "logging and warnings filters for exactly the TorchRec messages printed per table "
         "and rank or about its own defaults when sharding; ROBE_TORCHREC_ALL_WARNINGS=1 "
@@ -69,8 +69,8 @@ def _installers() -> List[Tuple[str, Callable[[], bool]]]:
     # imported here, not at the top: they need torchrec, and this module must import without
     from robe_torchrec import quiet
     from robe_torchrec.distributed.defaults import install_default_sharder
-    from robe_torchrec.distributed.fp_sharder import install_fp_sharder_check
-    from robe_torchrec.distributed.unsharded import install_dmp_check, install_shard_check
+    from robe_torchrec.distributed.unsharded import (install_dmp_check, install_fp_sharder_check,
+                                                     install_shard_check)
     from robe_torchrec.export import allow_kjt_in_saved_programs
     from robe_torchrec.rowwise_install import install_rowwise_adagrad
 

@@ -16,10 +16,7 @@ Example::
 """
 
 from robe_torchrec.distributed.defaults import get_default_sharders, install_default_sharder
-from robe_torchrec.distributed.fp_sharder import (
-    RobeFeatureProcessedEmbeddingBagCollectionSharder,
-    install_fp_sharder_check,
-)
+from robe_torchrec.distributed.fp_sharder import RobeFeatureProcessedEmbeddingBagCollectionSharder
 from robe_torchrec.distributed.sequence_sharder import (
     RobeEmbeddingCollectionSharder,
     ShardedRobeEmbeddingCollection,
@@ -35,6 +32,7 @@ from robe_torchrec.distributed.sharder import (
 from robe_torchrec.distributed.unsharded import (
     UnshardedRobeModuleError,
     install_dmp_check,
+    install_fp_sharder_check,
     install_shard_check,
 )
 

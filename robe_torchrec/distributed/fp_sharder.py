@@ -17,7 +17,8 @@ processors after the input dist, the inner sharded module's ``compute`` and outp
 and its fused optimizer. :func:`~robe_torchrec.distributed.get_default_sharders` (and
 therefore ``DistributedModelParallel(model)`` without ``sharders=``) holds this sharder in
 place of TorchRec's, and :func:`robe_torchrec.install` makes TorchRec's own refuse a ROBE
-collection with an error naming that fix (:func:`install_fp_sharder_check`).
+collection with an error naming that fix
+(:func:`robe_torchrec.distributed.unsharded.install_fp_sharder_check`).
 
 Example::
 
@@ -29,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -45,7 +45,6 @@ from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCo
 from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.distributed.sharder import (RobeEmbeddingBagCollectionSharder,
                                                planner_sharding_types)
-from robe_torchrec.distributed.unsharded import UnshardedRobeModuleError
 
 
 def inner_collection(module: FeatureProcessedEmbeddingBagCollection) -> nn.Module:
@@ -140,41 +139,3 @@ class RobeFeatureProcessedEmbeddingBagCollectionSharder(
         if self._robe_types is not None:
             return self.robe_sharder.compute_kernels(sharding_type, compute_device_type)
         return super().compute_kernels(sharding_type, compute_device_type)
-
-def _refuse_robe(original, action: str):
-    @functools.wraps(original)
-    def method(self, module, *args, **kwargs):
-        if holds_robe(module):
-            raise UnshardedRobeModuleError(
-                f"TorchRec's {type(self).__name__} cannot {action} the "
-                f"{type(inner_collection(module)).__name__} inside this "
-                "FeatureProcessedEmbeddingBagCollection: it hands the collection to "
-                "TorchRec's EmbeddingBagCollectionSharder. Fix: use "
-                "robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults with "
-                "RobeFeatureProcessedEmbeddingBagCollectionSharder in place of this one) for "
-                "the planner and DMP, or put RobeFeatureProcessedEmbeddingBagCollectionSharder() "
-                "in your list in its place")
-        return original(self, module, *args, **kwargs)
-
-    method.robe_wraps = original  # type: ignore[attr-defined]
-    return method
-
-
-def install_fp_sharder_check() -> bool:
-    """Make TorchRec's ``FeatureProcessedEmbeddingBagCollectionSharder`` refuse an FP-EBC
-    around a ROBE module with :class:`~robe_torchrec.distributed.UnshardedRobeModuleError`
-    (naming the fix), where it would fail on a missing ``embedding_bags`` in the planner or
-    in DMP. Our subclass overrides both methods, so it is not affected. True once installed;
-    idempotent; called by :func:`robe_torchrec.install` only.
-
-    Example::
-
-        >>> install_fp_sharder_check()
-        True
-    """
-    cls = FeatureProcessedEmbeddingBagCollectionSharder
-    for name, action in (("shardable_parameters", "plan"), ("shard", "shard")):
-        current = getattr(cls, name)
-        if not hasattr(current, "robe_wraps"):
-            setattr(cls, name, _refuse_robe(current, action))
-    return True

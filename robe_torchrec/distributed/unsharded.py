@@ -24,6 +24,12 @@ module unsharded, silently. :func:`install_shard_check` therefore makes both rai
 :class:`UnshardedRobeModuleError` up front for a model with a ROBE module, naming the missing
 sharder where it is missing, and the fix: ``DistributedModelParallel``.
 
+A ROBE collection inside TorchRec's ``FeatureProcessedEmbeddingBagCollection`` is sharded by
+the wrapper's sharder: DMP's check wants ours for the wrapper
+(:class:`~robe_torchrec.distributed.fp_sharder.RobeFeatureProcessedEmbeddingBagCollectionSharder`),
+and :func:`install_fp_sharder_check` makes TorchRec's own wrapper sharder refuse a ROBE
+collection with the fix, where it would fail in the planner on a missing ``embedding_bags``.
+
 Example::
 
     >>> plan = planner.collective_plan(model, torchrec_default_sharders(), pg)
@@ -41,9 +47,15 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from robe_torchrec.array_module import RobeArrayModule
+from robe_torchrec.distributed.fp_sharder import (
+    RobeFeatureProcessedEmbeddingBagCollectionSharder,
+    holds_robe,
+    inner_collection,
+)
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.embedding_collection import RobeEmbeddingCollection
 from robe_torchrec.torchrec_compat import SHARD_IMPLEMENTATIONS
@@ -122,9 +134,6 @@ def check_before_sharding(model: nn.Module, plan: Any, sharders: Optional[List[A
 def _feature_processed_wrapper(model: nn.Module, path: str) -> Optional[nn.Module]:
     """The FeatureProcessedEmbeddingBagCollection whose collection is the ROBE module at
     ``path``, if that is what holds it."""
-    # here, not at the top: fp_sharder imports this module's error
-    from robe_torchrec.distributed.fp_sharder import holds_robe
-
     if "." not in path:
         return None
     parent = model.get_submodule(path.rsplit(".", 1)[0])
@@ -134,9 +143,6 @@ def _feature_processed_wrapper(model: nn.Module, path: str) -> Optional[nn.Modul
 def _check_wrapper_sharder(path: str, wrapper: nn.Module, sharder: Any) -> None:
     """Raise :class:`UnshardedRobeModuleError` unless ``sharder``, the one DMP would use for
     the FP-EBC ``wrapper``, can shard the ROBE collection inside it."""
-    from robe_torchrec.distributed.fp_sharder import (
-        RobeFeatureProcessedEmbeddingBagCollectionSharder)
-
     if isinstance(sharder, RobeFeatureProcessedEmbeddingBagCollectionSharder):
         return
     raise UnshardedRobeModuleError(
@@ -281,3 +287,44 @@ def install_shard_check() -> bool:
             setattr(module, name, _wrap_composable(current, *_ENTRY_POINTS[name]))
         wrapped += 1
     return wrapped == len(SHARD_IMPLEMENTATIONS)
+
+
+# --- TorchRec's FeatureProcessedEmbeddingBagCollectionSharder ------------------------
+
+def _refuse_robe(original, action: str):
+    @functools.wraps(original)
+    def method(self, module, *args, **kwargs):
+        if holds_robe(module):
+            raise UnshardedRobeModuleError(
+                f"TorchRec's {type(self).__name__} cannot {action} the "
+                f"{type(inner_collection(module)).__name__} inside this "
+                "FeatureProcessedEmbeddingBagCollection: it hands the collection to "
+                "TorchRec's EmbeddingBagCollectionSharder. Fix: use "
+                "robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults with "
+                "RobeFeatureProcessedEmbeddingBagCollectionSharder in place of this one) for "
+                "the planner and DMP, or put RobeFeatureProcessedEmbeddingBagCollectionSharder() "
+                "in your list in its place")
+        return original(self, module, *args, **kwargs)
+
+    method.robe_wraps = original  # type: ignore[attr-defined]
+    return method
+
+
+def install_fp_sharder_check() -> bool:
+    """Make TorchRec's ``FeatureProcessedEmbeddingBagCollectionSharder`` refuse an FP-EBC
+    around a ROBE module with :class:`~robe_torchrec.distributed.UnshardedRobeModuleError`
+    (naming the fix), where it would fail on a missing ``embedding_bags`` in the planner or
+    in DMP. Our subclass overrides both methods, so it is not affected. True once installed;
+    idempotent; called by :func:`robe_torchrec.install` only.
+
+    Example::
+
+        >>> install_fp_sharder_check()
+        True
+    """
+    cls = FeatureProcessedEmbeddingBagCollectionSharder
+    for name, action in (("shardable_parameters", "plan"), ("shard", "shard")):
+        current = getattr(cls, name)
+        if not hasattr(current, "robe_wraps"):
+            setattr(cls, name, _refuse_robe(current, action))
+    return True
