@@ -140,3 +140,22 @@ def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
     assert zeroed_counts(torch.device("cuda:1")) is plain
     assert plain.device == torch.device("cuda", 1)
     assert [d.index for d in asked] == [1, 1]
+
+
+def test_the_gpu_count_row_checks_see_rows_after_graph_trees_were_loaded(monkeypatch):
+    """In a whole GPU test run, an earlier torch.compile test loads Inductor's CUDA graph
+    trees, which turns rows off (``usable``): the count-row checks lift that for their eager
+    calls, captures excepted, and put it back after."""
+    from robe_torchrec.testing import gpu_checks
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setitem(sys.modules, count_rows._CUDA_GRAPH_TREES, types.ModuleType("trees"))
+    cuda = torch.device("cuda", 0)
+    assert not count_rows.usable(cuda)
+    with gpu_checks._count_rows_in_eager_calls():
+        assert count_rows.usable(cuda) and count_rows.usable(CPU)
+        capturing[0] = True
+        assert not count_rows.usable(cuda)
+        capturing[0] = False
+    assert not count_rows.usable(cuda)
