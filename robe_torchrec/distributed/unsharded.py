@@ -63,6 +63,11 @@ from robe_torchrec.torchrec_compat import SHARD_IMPLEMENTATIONS
 FIX = ("use robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults plus ours) "
        "for the planner and DMP: planner.collective_plan(model, get_default_sharders(), pg), "
        "or add {sharder}() to your list")
+#: the fix for a ROBE collection inside an FP-EBC whose sharder is TorchRec's
+FP_FIX = ("use robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults with "
+          "RobeFeatureProcessedEmbeddingBagCollectionSharder in place of TorchRec's) for the "
+          "planner and DMP, or put RobeFeatureProcessedEmbeddingBagCollectionSharder() in "
+          "your list in its place")
 
 
 class UnshardedRobeModuleError(ValueError):
@@ -148,8 +153,7 @@ def _check_wrapper_sharder(path: str, wrapper: nn.Module, sharder: Any) -> None:
     raise UnshardedRobeModuleError(
         f"DistributedModelParallel: sharders= shards {_describe(path, wrapper)} with "
         f"{type(sharder).__name__}, which cannot shard the ROBE collection inside it. Fix: "
-        "use robe_torchrec.distributed.get_default_sharders() for the planner and DMP, or "
-        "put RobeFeatureProcessedEmbeddingBagCollectionSharder() in your list in its place")
+        + FP_FIX)
 
 
 def check_after_sharding(dmp: DistributedModelParallel) -> None:
@@ -299,11 +303,7 @@ def _refuse_robe(original, action: str):
                 f"TorchRec's {type(self).__name__} cannot {action} the "
                 f"{type(inner_collection(module)).__name__} inside this "
                 "FeatureProcessedEmbeddingBagCollection: it hands the collection to "
-                "TorchRec's EmbeddingBagCollectionSharder. Fix: use "
-                "robe_torchrec.distributed.get_default_sharders() (TorchRec's defaults with "
-                "RobeFeatureProcessedEmbeddingBagCollectionSharder in place of this one) for "
-                "the planner and DMP, or put RobeFeatureProcessedEmbeddingBagCollectionSharder() "
-                "in your list in its place")
+                "TorchRec's EmbeddingBagCollectionSharder. Fix: " + FP_FIX)
         return original(self, module, *args, **kwargs)
 
     method.robe_wraps = original  # type: ignore[attr-defined]
