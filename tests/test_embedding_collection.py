@@ -222,6 +222,30 @@ def test_variable_batch_per_feature_matches_stock_modules():
     torch.testing.assert_close(ebc.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("strides", [None, [5, 3, 5, 2]], ids=["one_stride", "vbe"])
+def test_fullgraph_compile_of_fresh_kjts_equals_eager(pooled, strides):
+    """``torch.compile(fullgraph=True)``, called first on KJTs as a data loader builds them
+    (no lengths per key computed yet, so the trace holds them as unknowns), as TorchRec's
+    modules compile: the outputs and the gradient equal eager's, call after call."""
+    robe = RobeConfig(memory_size=257, block_size=4)
+    module = (RobeEmbeddingBagCollection(bag_tables(), robe) if pooled
+              else RobeEmbeddingCollection(ec_tables(), robe))
+
+    def loss(kjt):
+        out = module(kjt)
+        return out.values().square().sum() if pooled else sum(
+            jt.values().square().sum() for jt in out.values())
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    for seed in range(3):
+        got = compiled(random_kjt(seed=seed, batch=6, strides=strides))
+        got_grad, = torch.autograd.grad(got, module.weight)
+        want = loss(random_kjt(seed=seed, batch=6, strides=strides))
+        want_grad, = torch.autograd.grad(want, module.weight)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+
+
 def test_vbe_padding_and_its_gpu_check_on_cpu():
     """The padding a VBE batch gets before the lookup: each feature's bags, then empty ones
     up to the largest stride (the GPU check also runs it under CUDA's sync debug mode);
@@ -318,8 +342,9 @@ def test_state_dict_round_trip_layout_check_and_meta_init():
 
 
 def _unpooled_layout_by_hand(counts):
-    """The unpooled lookup's offsets and gather index, one bag and one id at a time."""
-    width, num_features = max(counts, default=0), len(counts)
+    """The unpooled lookup's offsets and gather index, one bag and one id at a time; at
+    least one bag a feature (empty ones when no feature holds an id)."""
+    width, num_features = max(counts, default=0) or 1, len(counts)
     offsets, index, start = [], [], 0
     for f, count in enumerate(counts):
         offsets += [start + min(b, count) for b in range(width)]
@@ -345,6 +370,8 @@ def test_unpooled_args_lay_out_bags_and_rows_as_by_hand(dtype):
         values = torch.arange(sum(counts), dtype=dtype)
         args, index = unpooled_args(values, counts, layout)
         offsets, rows = _unpooled_layout_by_hand(counts)
+        if len(counts) == 1:  # one feature is its own feature of keys: a bag an id
+            offsets = list(range(counts[0] + 1))
         assert args.offsets.dtype == dtype and args.offsets.tolist() == offsets, counts
         assert args.layout.output_dim == 4 * len(counts)
         if len(counts) == 1:

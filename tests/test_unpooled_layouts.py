@@ -5,6 +5,7 @@ messages; and the layouts the keys cannot serve, which stay padded."""
 
 from __future__ import annotations
 
+import copy
 from typing import List
 
 import pytest
@@ -246,24 +247,64 @@ def test_a_refused_key_changes_no_weight():
     assert torch.equal(ec.weight.detach(), before)
 
 
-def test_compiled_module_equals_eager():
-    """``torch.compile`` of a TorchRec user's sequence lookup: the layout's derivation and
-    the ids' check run outside the graph (they read the host), the rest inside, and the
-    compiled loss and gradient equal eager's on batches of new lengths."""
-    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+@pytest.mark.parametrize("shared", [True, False])
+def test_compiled_module_equals_eager(shared):
+    """``torch.compile(fullgraph=True)`` of a TorchRec user's sequence lookup, as
+    ``EmbeddingCollection`` compiles: traced whole (the padded layout, which reads nothing on
+    the host), its loss and gradient equal eager's (which takes the keys layout when the
+    features share an array) on batches of new lengths and on a variable batch per
+    feature."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4,
+                                                         shared=shared))
 
     def loss(kjt):
         return sum((jt.values() ** 2).sum() for jt in ec(kjt).values())
 
-    compiled = torch.compile(loss)
-    for seed in range(3):
-        kjt = random_kjt(seed=seed)
+    compiled = torch.compile(loss, fullgraph=True)
+    for seed, strides in [(0, None), (1, None), (2, [5, 3, 5, 2])]:
+        kjt = random_kjt(seed=seed, strides=strides)
         want = loss(kjt)
         want_grad, = torch.autograd.grad(want, ec.weight)
         got = compiled(kjt)
         got_grad, = torch.autograd.grad(got, ec.weight)
         torch.testing.assert_close(got, want)
-        torch.testing.assert_close(got_grad, want_grad)
+        assert torch.equal(got_grad, want_grad)
+
+
+def test_compiled_fused_training_equals_eager():
+    """Adagrad fused into backward, compiled with ``fullgraph=True``: the array after four
+    steps is eager's, bit for bit."""
+    eager = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    compiled_ec = copy.deepcopy(eager)
+    for ec in (eager, compiled_ec):
+        apply_optimizer_in_backward(torch.optim.Adagrad, [ec.weight], {"lr": 0.1})
+
+    def loss_of(ec):
+        return lambda kjt: sum((jt.values() ** 2).sum() for jt in ec(kjt).values())
+
+    compiled = torch.compile(loss_of(compiled_ec), fullgraph=True, backend="aot_eager")
+    for seed in range(4):
+        kjt = random_kjt(seed=10 + seed)
+        loss_of(eager)(kjt).backward()
+        compiled(kjt).backward()
+    assert not torch.equal(eager.weight, RobeEmbeddingCollection(
+        ec_tables(), RobeConfig(memory_size=400, block_size=4)).weight)  # it trained
+    assert torch.equal(compiled_ec.weight, eager.weight)
+
+
+def test_compiled_lookup_names_a_bad_id_in_its_feature():
+    """The compiled lookup checks each id in its own feature, as eager does: an id one past
+    its table's rows (a key of the next table's, were the features keys) is refused with its
+    feature and position."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    compiled = torch.compile(ec, fullgraph=True, backend="aot_eager")
+    kjt = random_kjt(seed=6)
+    compiled(kjt)
+    values = kjt.values().clone()
+    values[0] = 40  # f0's first id: one past t0's rows
+    bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"id 40 at position 0 of feature 0 .*\[0, 40\)"):
+        compiled(bad)
 
 
 def test_deferred_problems_of_inference_tensors_are_named_from_the_ids():

@@ -24,7 +24,9 @@ of ids. :func:`unpooled_args` lays them out in one of two ways:
   with ``B = max n_f``, the rest empty; the op writes ``[B, T * dim]`` and
   :func:`gather_unpooled` picks each id's row and feature's columns into ``[N, dim]`` (one
   gather). The padding costs ``T * max n_f - N`` zero rows: nothing when the features hold as
-  many ids each (see ``benchmarks/results/unpooled_ops.md``).
+  many ids each (see ``benchmarks/results/unpooled_ops.md``). ``torch.compile`` always
+  takes this layout: picking the keys layout reads ``table_meta`` on the host, which a
+  traced graph cannot do, and the padded one is traced whole (``fullgraph=True``).
 
 Example::
 
@@ -62,13 +64,17 @@ def unpooled_args(values: Tensor, counts: List[int],
     else in the op or, deferred, at a later call.
     """
     num_features = len(counts)
+    if torch.compiler.is_compiling():  # a trace may hold a KJT's counts as unknowns
+        torch._check(values.numel() == sum(counts))
     if values.dim() != 1 or values.numel() != sum(counts):
         raise ValueError(f"robe_unpooled_lookup: values must be 1-D with sum(counts) = "
                          f"{sum(counts)} ids, got shape {tuple(values.shape)}")
     if layout.table_meta.shape[1] != num_features:
         raise ValueError(f"robe_unpooled_lookup: {num_features} counts for a table_meta of "
                          f"{layout.table_meta.shape[1]} features")
-    keys = _keys_layout(layout)
+    # a traced graph cannot read table_meta to pick the keys layout (nor check ids on the
+    # host): torch.compile takes the padded one, whose ids the op checks in its own features
+    keys = None if torch.compiler.is_compiling() else _keys_layout(layout)
     if keys is not None:
         return _keys_args(values, counts, keys), None
     return _padded_args(values, counts, layout)
@@ -235,7 +241,9 @@ def _padded_args(values: Tensor, counts: List[int],
                  layout: LayoutArgs) -> Tuple[LookupArgs, Optional[Tensor]]:
     num_features = len(counts)
     num_ids = values.numel()
-    width = max(counts) if counts else 0
+    # at least one bag a feature, so that the offsets need no branch on the width (which a
+    # compiled graph may hold as an unknown): with no id at all, one empty bag a feature
+    width = max([1, *counts])
     dim = layout.output_dim // max(num_features, 1)
     device = values.device
     # offsets in the values' dtype, as the op takes them (it refuses other value dtypes)
@@ -250,13 +258,10 @@ def _padded_args(values: Tensor, counts: List[int],
     # (from pinned memory on CUDA: a copy from pageable memory would wait for the device)
     table = ints_on_device([*counts, 0, *starts, *shifts], torch.int64, device)
     count_t, start_t = table[:num_features + 1], table[num_features + 1:2 * num_features + 2]
-    if width:
-        # bag (f, b) holds id starts[f] + b while b < counts[f], else nothing
-        bags = (torch.minimum(torch.arange(width, device=device), count_t[:, None])
-                + start_t[:, None])
-        offsets = bags.view(-1)[:num_features * width + 1].to(index_dtype)
-    else:  # no bag: only the final entry
-        offsets = torch.zeros(1, dtype=index_dtype, device=device)
+    # bag (f, b) holds id starts[f] + b while b < counts[f], else nothing
+    bags = (torch.minimum(torch.arange(width, device=device), count_t[:, None])
+            + start_t[:, None])
+    offsets = bags.view(-1)[:num_features * width + 1].to(index_dtype)
     args = LookupArgs(values, offsets, None, layout._replace(output_dim=num_features * dim))
     if num_features == 1:
         return args, None
