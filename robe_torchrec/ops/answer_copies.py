@@ -44,7 +44,10 @@ class _BlockAnswers:
 
     def __init__(self, block: torch.Tensor):
         self.block = block
-        self.host = torch.empty(block.shape, dtype=block.dtype, pin_memory=block.is_cuda)
+        # kept across calls: a normal tensor even when made under inference_mode, as later
+        # calls copy into it
+        with torch.inference_mode(False):
+            self.host = torch.empty(block.shape, dtype=block.dtype, pin_memory=block.is_cuda)
         self.open: Optional[AnswerCopy] = None
 
 

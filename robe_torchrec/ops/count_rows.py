@@ -48,8 +48,11 @@ class _Block:
     share between threads (the counter is atomic under the GIL)."""
 
     def __init__(self, device: torch.device):
-        self._rows = torch.zeros(ROWS_PER_BLOCK, COUNTS, dtype=torch.int64,
-                                 device=device).unbind(0)
+        # kept across calls: a normal tensor even when made under inference_mode (an
+        # evaluation), as the training calls after it write and copy it
+        with torch.inference_mode(False):
+            self._rows = torch.zeros(ROWS_PER_BLOCK, COUNTS, dtype=torch.int64,
+                                     device=device).unbind(0)
         self._taken = itertools.count()
 
     def take(self) -> Optional[torch.Tensor]:

@@ -242,7 +242,8 @@ def _slot(key: tuple) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
     if spares:
         return spares.pop()
     _, shape, dtype = key
-    return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
+    with torch.inference_mode(False):  # reused by later calls, which copy into it
+        return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
 
 #: the answer of every check read at the call that passed
@@ -384,9 +385,10 @@ _tallies: Dict[torch.device, _ReplayTally] = {}
 def _prepare_tally(like: torch.Tensor) -> None:
     """Make the replay tally of ``like``'s device (counts of its shape and dtype), if none."""
     if like.device not in _tallies:
-        _tallies[like.device] = _ReplayTally(
-            torch.zeros_like(like),
-            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda))
+        with torch.inference_mode(False):  # kept for every later call to add to
+            _tallies[like.device] = _ReplayTally(
+                torch.zeros_like(like),
+                torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda))
 
 
 def _wait_for(device: torch.device) -> None:

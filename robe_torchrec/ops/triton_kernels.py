@@ -257,7 +257,8 @@ def _kernel_hash_args(hash_params: List[int], num_terms: int, device: torch.devi
                 "capture, which cannot copy their hash's block terms to the device; run one "
                 "call outside the capture first (a warm-up step, as CUDA graphs need anyway)")
         host = torch.tensor(reference_block_terms(params, num_terms), dtype=torch.int32)
-        terms = _BLOCK_TERMS[key] = host.to(device)
+        with torch.inference_mode(False):  # shared by later calls, training ones too
+            terms = _BLOCK_TERMS[key] = host.to(device)
     return [params[0], terms]
 
 
@@ -292,7 +293,8 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     hit = _DEVICE_META.get(table_meta)
     if hit is not None and hit[0] == version and hit[1].device == device:
         return hit[1]
-    copy = table_meta.to(device).contiguous()
+    with torch.inference_mode(False):  # kept for later calls, training ones too
+        copy = table_meta.to(device).contiguous()
     _DEVICE_META[table_meta] = (version, copy)
     return copy
 

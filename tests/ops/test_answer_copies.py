@@ -111,3 +111,17 @@ def test_module_example():
     namespace = {"torch": torch, "zeroed_counts": zeroed_counts, "join": join}
     failed, attempted = doctest.testmod(answer_copies, extraglobs=namespace)[:2]
     assert attempted and not failed
+
+
+@pytest.mark.parametrize("made_under_inference", ["block", "answers"])
+def test_state_first_made_in_an_evaluation_serves_training_calls(made_under_inference):
+    """A block of rows, or its host mirror, made by a call under ``torch.inference_mode()``
+    (an evaluation) lives on for the training calls after it, which write rows and copy
+    answers into the mirror: both must be normal tensors."""
+    with torch.inference_mode(made_under_inference == "block"):
+        first = zeroed_counts(CPU)
+    with torch.inference_mode(made_under_inference == "answers"):
+        join(first, answers_per_copy=8)
+    assert not first.is_inference()
+    copy, row = join(counted(7), answers_per_copy=8)
+    assert copy.read(row) == [7, 0, 7, 1]
