@@ -105,8 +105,11 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
                                    self._layout.feature_names, "RobeEmbeddingCollection")
         counts = features.length_per_key()
         values = features.values()
+        # a trace cannot read table_meta: it takes its rows from the layout
+        rows = self._layout.table_meta_rows() if torch.compiler.is_compiling() else None
         try:
-            args, index = unpooled_args(values, counts, self._layout.op_args(self.table_meta))
+            args, index = unpooled_args(values, counts, self._layout.op_args(self.table_meta),
+                                        rows)
         except ValueError as err:  # an id that fails its check
             raise self._explain(err, features) from None
         rows = gather_unpooled(self._run_lookup(args, features), index, self._embedding_dim)

@@ -271,6 +271,46 @@ def test_compiled_module_equals_eager(shared):
         assert torch.equal(got_grad, want_grad)
 
 
+def _ops_traced(ec, kjt):
+    """The ops a ``fullgraph=True`` trace of ``ec(kjt)`` calls."""
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes
+                    if node.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch.compile(ec, fullgraph=True, backend=backend)(kjt)
+    return seen
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_compiled_graph_takes_the_keys_when_they_serve(shared):
+    """Traced, features on one array are keys too (the module hands the trace its
+    table_meta's rows): no padding, and no gather; features on arrays of their own stay
+    padded."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4,
+                                                         shared=shared))
+    ops = _ops_traced(ec, random_kjt(seed=1))
+    assert any("unpooled_keys" in op for op in ops) == shared, ops
+    assert any("index_select" in op for op in ops) == (not shared), ops
+
+
+def test_unpooled_keys_op_passes_opcheck_and_refuses_rows_of_another_layout():
+    """``robe::unpooled_keys`` (the ids made keys for a traced graph): schema, fake kernel
+    and no aliasing by ``torch.library.opcheck``; the keys are the ids shifted by their
+    features' row offsets; a table_meta whose features are no keys is refused."""
+    layout = shared_layout([10, 20, 30], int(HashMode.REFERENCE), int(m.BoundsCheck.ERROR))
+    values = torch.tensor([1, 2, 5, 19, 3, 29])
+    torch.library.opcheck(torch.ops.robe.unpooled_keys, (values, [2, 2, 2], *layout))
+    keys = torch.ops.robe.unpooled_keys(values, [2, 2, 2], *layout)
+    assert keys.tolist() == [1, 2, 15, 29, 33, 59]
+    per_feature = layout._replace(table_meta=layout.table_meta.clone())
+    per_feature.table_meta[m.W_OFFSET, 1] = 7  # feature 1 on an array of its own
+    with pytest.raises(ValueError, match="not one feature of keys"):
+        torch.ops.robe.unpooled_keys(values, [2, 2, 2], *per_feature)
+
+
 def test_compiled_fused_training_equals_eager():
     """Adagrad fused into backward, compiled with ``fullgraph=True``: the array after four
     steps is eager's, bit for bit."""
@@ -292,19 +332,29 @@ def test_compiled_fused_training_equals_eager():
     assert torch.equal(compiled_ec.weight, eager.weight)
 
 
-def test_compiled_lookup_names_a_bad_id_in_its_feature():
-    """The compiled lookup checks each id in its own feature, as eager does: an id one past
-    its table's rows (a key of the next table's, were the features keys) is refused with its
-    feature and position."""
-    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_compiled_lookup_names_a_bad_id_in_its_feature(shared, deferred):
+    """The compiled lookup checks each id in its own feature, as eager does, at the call or
+    deferred: an id one past its table's rows (a key of the next table's, were it made a key
+    unchecked) is refused with its feature and position."""
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4,
+                                                         shared=shared))
     compiled = torch.compile(ec, fullgraph=True, backend="aot_eager")
     kjt = random_kjt(seed=6)
-    compiled(kjt)
     values = kjt.values().clone()
     values[0] = 40  # f0's first id: one past t0's rows
     bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
-    with pytest.raises(ValueError, match=r"id 40 at position 0 of feature 0 .*\[0, 40\)"):
-        compiled(bad)
+    message = r"id 40 at position 0 of feature 0 .*\[0, 40\)"
+    with cpu_backend("triton" if deferred else "cpp"), defer_checks(deferred):
+        compiled(kjt)
+        if deferred:
+            compiled(bad)
+            with pytest.raises(DeferredCheckError, match=message):
+                raise_pending_checks()
+        else:
+            with pytest.raises(ValueError, match=message):
+                compiled(bad)
 
 
 def test_deferred_problems_of_inference_tensors_are_named_from_the_ids():

@@ -6,6 +6,7 @@
 ``torch.ops.robe.per_sample_weights_grad``  gradient of the per-sample weights
 ``torch.ops.robe.backward_fused_``     scatter the gradient and apply SGD/Adagrad/Adam in place
 ``torch.ops.robe.counted_backward_fused_``  the same, counting the step in a tensor first
+``torch.ops.robe.unpooled_keys``       an unpooled lookup's ids as keys, for a traced graph
 =====================================  ======================================================
 
 Argument conventions are documented in :mod:`robe_torchrec.ops.meta`. Each op has three

@@ -24,9 +24,12 @@ of ids. :func:`unpooled_args` lays them out in one of two ways:
   with ``B = max n_f``, the rest empty; the op writes ``[B, T * dim]`` and
   :func:`gather_unpooled` picks each id's row and feature's columns into ``[N, dim]`` (one
   gather). The padding costs ``T * max n_f - N`` zero rows: nothing when the features hold as
-  many ids each (see ``benchmarks/results/unpooled_ops.md``). ``torch.compile`` always
-  takes this layout: picking the keys layout reads ``table_meta`` on the host, which a
-  traced graph cannot do, and the padded one is traced whole (``fullgraph=True``).
+  many ids each (see ``benchmarks/results/unpooled_ops.md``).
+
+A graph ``torch.compile`` traces cannot read ``table_meta``: given its rows as Python ints
+(the module's layout holds them), it picks the layout from them and makes the ids keys in
+``robe::unpooled_keys``, an op whose kernel checks them as an eager call does; without them
+it takes the padded layout, which reads nothing on the host.
 
 Example::
 
@@ -38,7 +41,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -52,8 +55,9 @@ from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_f
 from robe_torchrec.ops.weak_ids import WeakIdDict
 
 
-def unpooled_args(values: Tensor, counts: List[int],
-                  layout: LayoutArgs) -> Tuple[LookupArgs, Optional[Tensor]]:
+def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
+                  meta_rows: Optional[Sequence[Sequence[int]]] = None,
+                  ) -> Tuple[LookupArgs, Optional[Tensor]]:
     """``(LookupArgs, index)`` of the unpooled lookup of ``values`` (feature-major, ``counts[f]``
     ids of feature ``f``): one id per bag, as one feature of keys or padded (see the module
     docstring). ``index`` is ``None`` when the op's output already is ``[N, dim]``.
@@ -62,6 +66,10 @@ def unpooled_args(values: Tensor, counts: List[int],
     its ``output_dim`` is replaced by ``T * dim``. Ids that fail their check raise here when
     the keys layout is taken and the op reads its checks at the call (the op's message),
     else in the op or, deferred, at a later call.
+
+    ``meta_rows``: ``table_meta``'s rows as Python ints (``RobeLayout.table_meta_rows``),
+    read only in a graph ``torch.compile`` traces, which cannot read the tensor: with them
+    the graph takes the keys layout too, without them the padded one.
     """
     num_features = len(counts)
     if torch.compiler.is_compiling():  # a trace may hold a KJT's counts as unknowns
@@ -72,12 +80,30 @@ def unpooled_args(values: Tensor, counts: List[int],
     if layout.table_meta.shape[1] != num_features:
         raise ValueError(f"robe_unpooled_lookup: {num_features} counts for a table_meta of "
                          f"{layout.table_meta.shape[1]} features")
-    # a traced graph cannot read table_meta to pick the keys layout (nor check ids on the
-    # host): torch.compile takes the padded one, whose ids the op checks in its own features
-    keys = None if torch.compiler.is_compiling() else _keys_layout(layout)
+    if torch.compiler.is_compiling():
+        return _traced_args(values, counts, layout, meta_rows)
+    keys = _keys_layout(layout)
     if keys is not None:
         return _keys_args(values, counts, keys), None
     return _padded_args(values, counts, layout)
+
+
+def _traced_args(values: Tensor, counts: List[int], layout: LayoutArgs,
+                 meta_rows: Optional[Sequence[Sequence[int]]]
+                 ) -> Tuple[LookupArgs, Optional[Tensor]]:
+    """The layouts a traced graph takes: the keys when ``meta_rows`` says they serve, the
+    ids made keys by ``robe::unpooled_keys`` (an op, so that it checks the ids on the host
+    or defers the checks as an eager call does, with the same messages); else padded."""
+    space = None
+    if meta_rows is not None and len(counts) > 1:
+        space = key_space(meta_rows, layout.output_dim)
+    if space is None:
+        return _padded_args(values, counts, layout)
+    keys = torch.ops.robe.unpooled_keys(values, counts, *layout)
+    offsets = torch.arange(values.numel() + 1, dtype=torch.int64, device=values.device)
+    one_feature = layout._replace(table_meta=_keys_table_meta(space, values.device),
+                                  output_dim=space.dim)
+    return LookupArgs(keys, offsets, None, one_feature), None
 
 
 class KeysLayout(NamedTuple):
@@ -123,6 +149,41 @@ def _keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     return found
 
 
+class KeySpace(NamedTuple):
+    """Where a layout's features, as one feature of keys, look their keys up."""
+    dim: int
+    weight_offset: int
+    weight_size: int
+    #: keys of ids inside their features' rows lie in ``[0, key_end)``
+    key_end: int
+
+
+def key_space(meta_rows: Sequence[Sequence[int]], output_dim: int) -> Optional[KeySpace]:
+    """The key space of features given as ``table_meta``'s rows (Python ints, feature by
+    feature in each row), or ``None`` when the keys cannot serve them: features on several
+    arrays, of several dims, or not pooled by their sum."""
+    num_features = len(meta_rows[m.DIM])
+    if num_features == 0 or output_dim % num_features:
+        return None
+    dim = output_dim // num_features
+    row_offsets, num_rows = meta_rows[m.ROW_OFFSET], meta_rows[m.NUM_ROWS]
+    # the op's own bounds check then holds for every id that passed its feature's
+    key_end = max(r + n for r, n in zip(row_offsets, num_rows))
+    if (any(len(set(meta_rows[f])) != 1 for f in (m.W_OFFSET, m.W_SIZE))
+            or list(meta_rows[m.DIM]) != [dim] * num_features
+            or any(p != m.Pooling.SUM for p in meta_rows[m.POOLING])
+            or min(row_offsets) < 0 or min(num_rows) < 0 or key_end >= 2**63):
+        return None
+    return KeySpace(dim, meta_rows[m.W_OFFSET][0], meta_rows[m.W_SIZE][0], key_end)
+
+
+def _keys_table_meta(space: KeySpace, device: torch.device) -> Tensor:
+    return m.build_table_meta(dims=[space.dim], weight_offsets=[space.weight_offset],
+                              weight_sizes=[space.weight_size], row_offsets=[0],
+                              num_rows=[space.key_end], poolings=[m.Pooling.SUM],
+                              device=device)
+
+
 def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     meta_cpu = layout.table_meta.cpu().clone()
     num_features = meta_cpu.shape[1]
@@ -131,20 +192,12 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     dim = layout.output_dim // num_features
     if num_features == 1:  # already one feature: the op checks its ids as they are
         return KeysLayout(layout._replace(output_dim=dim), None, None, [], None, meta_cpu)
-    row_offsets, num_rows = meta_cpu[m.ROW_OFFSET].tolist(), meta_cpu[m.NUM_ROWS].tolist()
-    one_array = all(len(set(meta_cpu[f].tolist())) == 1 for f in (m.W_OFFSET, m.W_SIZE))
-    # keys of ids inside their features' rows lie in [0, key_end): the op's own bounds check
-    # then holds for every id that passed its feature's
-    key_end = max(r + n for r, n in zip(row_offsets, num_rows))
-    if (not one_array or meta_cpu[m.DIM].tolist() != [dim] * num_features
-            or any(p != m.Pooling.SUM for p in meta_cpu[m.POOLING].tolist())
-            or min(row_offsets) < 0 or min(num_rows) < 0 or key_end >= 2**63):
+    space = key_space(meta_cpu.tolist(), layout.output_dim)
+    if space is None:
         return None
+    row_offsets, num_rows = meta_cpu[m.ROW_OFFSET].tolist(), meta_cpu[m.NUM_ROWS].tolist()
     device = layout.table_meta.device
-    table_meta = m.build_table_meta(
-        dims=[dim], weight_offsets=[int(meta_cpu[m.W_OFFSET, 0])],
-        weight_sizes=[int(meta_cpu[m.W_SIZE, 0])], row_offsets=[0], num_rows=[key_end],
-        poolings=[m.Pooling.SUM], device=device)
+    table_meta = _keys_table_meta(space, device)
     shifts = None
     if any(row_offsets):
         shifts = torch.tensor(row_offsets, dtype=torch.int64, device=device)
@@ -209,6 +262,35 @@ def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
     name_problems_with(keys_of_ids, name)
 
 
+# robe::unpooled_keys: the ids made keys, for a traced graph. A Python kernel behind an op,
+# so that a trace sees one opaque call whose kernel reads the host (the keys layout, its ids'
+# check) as an eager call does.
+_LIB = torch.library.Library("robe", "FRAGMENT")
+_LIB.define("unpooled_keys(Tensor values, SymInt[] counts, Tensor table_meta, "
+            "SymInt output_dim, SymInt block_size, SymInt hash_mode, SymInt[] hash_params, "
+            "SymInt bounds_check) -> Tensor")
+
+
+def _unpooled_keys(values: Tensor, counts: List[int], *layout) -> Tensor:
+    """The int64 keys of ``values`` in the layout's feature of keys, checked as
+    :func:`_keys_args` checks them (raised now, or deferred)."""
+    keys = _keys_layout(LayoutArgs(*layout))
+    if keys is None:
+        raise ValueError("robe::unpooled_keys: table_meta's features are not one feature of "
+                         "keys (one array, one dim, pooled by their sum): the table_meta "
+                         "rows given to unpooled_args are not those of its table_meta")
+    found = _keys_args(values, counts, keys).values.to(torch.int64)
+    return found.clone() if found is values else found  # an op returns no alias
+
+
+def _unpooled_keys_fake(values: Tensor, counts: List[int], *layout) -> Tensor:
+    return values.new_empty(values.shape, dtype=torch.int64)
+
+
+_LIB.impl("unpooled_keys", _unpooled_keys, "CompositeExplicitAutograd")
+torch.library.register_fake("robe::unpooled_keys", _unpooled_keys_fake, lib=_LIB)
+
+
 #: below this many ids a feature on average, each id is compared with its feature's range
 #: end; from it on, each feature's smallest and largest id (a few us of calls a feature,
 #: against a few ns an id: benchmarks/results/probes/unpooled_keys_ab.md)
@@ -241,13 +323,16 @@ def _padded_args(values: Tensor, counts: List[int],
                  layout: LayoutArgs) -> Tuple[LookupArgs, Optional[Tensor]]:
     num_features = len(counts)
     num_ids = values.numel()
+    # offsets in the values' dtype, as the op takes them (it refuses other value dtypes)
+    index_dtype = values.dtype if values.dtype in (torch.int32, torch.int64) else torch.int64
+    if num_features == 1:  # a bag an id, and the op's output is the rows
+        offsets = torch.arange(num_ids + 1, dtype=index_dtype, device=values.device)
+        return LookupArgs(values, offsets, None, layout), None
     # at least one bag a feature, so that the offsets need no branch on the width (which a
     # compiled graph may hold as an unknown): with no id at all, one empty bag a feature
     width = max([1, *counts])
     dim = layout.output_dim // max(num_features, 1)
     device = values.device
-    # offsets in the values' dtype, as the op takes them (it refuses other value dtypes)
-    index_dtype = values.dtype if values.dtype in (torch.int32, torch.int64) else torch.int64
     # What the features' counts give, worked out on the host (a few ints a feature) and
     # copied in one go, so that the device runs a handful of ops a batch: each feature's
     # first id, and a last feature past the end, holding no id from id N on, whose first bag
@@ -263,8 +348,6 @@ def _padded_args(values: Tensor, counts: List[int],
             + start_t[:, None])
     offsets = bags.view(-1)[:num_features * width + 1].to(index_dtype)
     args = LookupArgs(values, offsets, None, layout._replace(output_dim=num_features * dim))
-    if num_features == 1:
-        return args, None
     # output_size given: the op need not read the counts' sum back from the device
     shift = torch.repeat_interleave(table[2 * num_features + 2:], count_t[:num_features],
                                     output_size=num_ids)
