@@ -305,6 +305,11 @@ def test_unpooled_keys_op_passes_opcheck_and_refuses_rows_of_another_layout():
     torch.library.opcheck(torch.ops.robe.unpooled_keys, (values, [2, 2, 2], *layout))
     keys = torch.ops.robe.unpooled_keys(values, [2, 2, 2], *layout)
     assert keys.tolist() == [1, 2, 15, 29, 33, 59]
+    # it copies the counts to the device each call: Inductor must not capture it
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda v: torch.ops.robe.unpooled_keys(v, [2, 2, 2], *layout))(values)
+    unsafe = torch._inductor.utils.get_first_incompatible_cudagraph_node(graph)
+    assert unsafe is not None and "unpooled_keys" in str(unsafe.target)
     per_feature = layout._replace(table_meta=layout.table_meta.clone())
     per_feature.table_meta[m.W_OFFSET, 1] = 7  # feature 1 on an array of its own
     with pytest.raises(ValueError, match="not one feature of keys"):

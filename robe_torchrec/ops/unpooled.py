@@ -264,11 +264,14 @@ def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
 
 # robe::unpooled_keys: the ids made keys, for a traced graph. A Python kernel behind an op,
 # so that a trace sees one opaque call whose kernel reads the host (the keys layout, its ids'
-# check) as an eager call does.
+# check) as an eager call does. Tagged cudagraph_unsafe: it copies the counts to the device
+# each call, which a CUDA graph capture refuses, so Inductor runs it outside its graphs.
 _LIB = torch.library.Library("robe", "FRAGMENT")
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # (a tag since torch 2.8)
 _LIB.define("unpooled_keys(Tensor values, SymInt[] counts, Tensor table_meta, "
             "SymInt output_dim, SymInt block_size, SymInt hash_mode, SymInt[] hash_params, "
-            "SymInt bounds_check) -> Tensor")
+            "SymInt bounds_check) -> Tensor",
+            tags=() if _CUDAGRAPH_UNSAFE is None else (_CUDAGRAPH_UNSAFE,))
 
 
 def _unpooled_keys(values: Tensor, counts: List[int], *layout) -> Tensor:
