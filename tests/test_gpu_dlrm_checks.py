@@ -5,8 +5,9 @@ cannot rot between the rare GPU sessions that run them for real."""
 import pytest
 import torch
 
-from robe_torchrec.testing.gpu_checks import (check_compiled_dlrm, check_deterministic_dlrm,
-                                              dlrm_run)
+from robe_torchrec.testing.gpu_checks import (check_compiled_dlrm,
+                                              check_compiled_sequence_lookup,
+                                              check_deterministic_dlrm, dlrm_run)
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +25,10 @@ def test_a_graph_left_out_of_cuda_graphs_fails_the_check():
     """What ``require_graphs`` does on a GPU: the CPU's graphs are all left out, by name."""
     with pytest.raises(Exception, match="skipping cudagraphs due to cpu device"):
         check_compiled_dlrm(steps=1, device="cpu", require_graphs=True)
+
+
+def test_the_compiled_sequence_check_runs_on_the_cpu():
+    check_compiled_sequence_lookup(steps=2, device="cpu")
 
 
 def test_the_deterministic_dlrm_check_runs_on_the_cpu():

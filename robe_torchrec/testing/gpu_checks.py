@@ -724,6 +724,75 @@ def check_deterministic_dlrm(steps: int = 20, device: str = "cuda") -> None:
     assert not differences, differences
 
 
+#: the sequence check's tables (rows) and each feature's ids a sample: skewed, as sequence
+#: features are (a history, a few context ids, one candidate)
+_SEQUENCE_ROWS, _SEQUENCE_IDS = (1000, 300, 50), (5, 2, 1)
+
+
+def sequence_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = None
+                 ) -> Tuple[List[float], torch.Tensor]:
+    """``steps`` steps of a ``RobeEmbeddingCollection`` (three tables on one array, so
+    that a traced graph makes the ids keys in ``robe::unpooled_keys``) with fused Adagrad,
+    eager or under ``torch.compile(**compile_kwargs)``, on batches of one shape (their
+    lengths per key read on the host, as ``from_lengths_sync`` does, so that a graph can be
+    replayed); returns each step's loss and the array at the end, on the CPU."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.optim import apply_optimizer_in_backward
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from robe_torchrec.config import RobeConfig
+    from robe_torchrec.embedding_collection import RobeEmbeddingCollection
+
+    batch = 8
+    tables = [EmbeddingConfig(name=f"t{t}", embedding_dim=16, num_embeddings=rows,
+                              feature_names=[f"f{t}"])
+              for t, rows in enumerate(_SEQUENCE_ROWS)]
+    torch.manual_seed(0)
+    ec = RobeEmbeddingCollection(tables, RobeConfig(compression=20, block_size=8),
+                                 device=device)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ec.weight], {"lr": 0.05})
+
+    def loss_of(kjt):
+        return sum((jt.values() ** 2).sum() for jt in ec(kjt).values())
+
+    step = loss_of if compile_kwargs is None else torch.compile(loss_of, **compile_kwargs)
+    lengths = torch.tensor([n for n in _SEQUENCE_IDS for _ in range(batch)])
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        values = torch.cat([torch.randint(0, rows, (n * batch,), generator=g)
+                            for rows, n in zip(_SEQUENCE_ROWS, _SEQUENCE_IDS)])
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in range(len(tables))], values=values.to(device),
+            lengths=lengths.to(device))
+        loss = step(kjt)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    raise_pending_checks()
+    return losses, ec.weight.detach().cpu().clone()
+
+
+def check_compiled_sequence_lookup(steps: int = 5, device: str = "cuda") -> None:
+    """A ``RobeEmbeddingCollection`` trains under ``torch.compile(fullgraph=True)`` and
+    under ``mode="reduce-overhead"`` as it does eagerly, with fused Adagrad, under
+    ``torch.use_deterministic_algorithms(True)``: every loss within 1e-5 (relative) of
+    eager's and the array within 1e-6. The traced graphs make the ids keys in
+    ``robe::unpooled_keys``, whose kernel copies the counts to the device: tagged
+    ``cudagraph_unsafe``, it must run outside Inductor's CUDA graphs, where a capture would
+    refuse the copy."""
+    with _deterministic_algorithms():
+        eager = sequence_run(steps, device)
+        compiled = {"fullgraph": sequence_run(steps, device, dict(fullgraph=True)),
+                    "reduce-overhead": sequence_run(steps, device,
+                                                    dict(mode="reduce-overhead"))}
+    for name, (losses, weight) in compiled.items():
+        worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager[0], losses))
+        print(f"    compiled sequence lookup ({name}), {steps} steps: worst relative loss "
+              f"difference {worst:.3g}", flush=True)
+        assert worst <= 1e-5, (name, eager[0], losses)
+        torch.testing.assert_close(weight, eager[1], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def check_vbe_padding_no_host_sync(device: str = "cuda") -> None:
     """A KJT with a variable batch size per feature (VBE), padded to its largest stride as
     the pooled module pads it (``robe_torchrec/variable_batch.py``), under
@@ -761,4 +830,5 @@ def torchrec_gpu_checks() -> List[Tuple[str, Callable[[], None]]]:
     return [("vbe_padding_no_host_sync", check_vbe_padding_no_host_sync),
             ("dense_capturable_adam", check_dense_capturable_adam),
             ("deterministic_dlrm", check_deterministic_dlrm),
-            ("compiled_dlrm_reduce_overhead", check_compiled_dlrm)]
+            ("compiled_dlrm_reduce_overhead", check_compiled_dlrm),
+            ("compiled_sequence_lookup", check_compiled_sequence_lookup)]
