@@ -29,6 +29,9 @@ the wrapper's sharder: DMP's check wants ours for the wrapper
 (:class:`~robe_torchrec.distributed.fp_sharder.RobeFeatureProcessedEmbeddingBagCollectionSharder`),
 and :func:`install_fp_sharder_check` makes TorchRec's own wrapper sharder refuse a ROBE
 collection with the fix, where it would fail in the planner on a missing ``embedding_bags``.
+A ROBE collection inside one of TorchRec's managed-collision modules (as
+``ManagedCollisionEmbeddingCollection``) is refused by DMP's check, which says why and what
+to use instead.
 
 Example::
 
@@ -49,6 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import nn
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from robe_torchrec.array_module import RobeArrayModule
 from robe_torchrec.distributed.fp_sharder import (
@@ -104,6 +108,8 @@ def check_before_sharding(model: nn.Module, plan: Any, sharders: Optional[List[A
     found = robe_modules(model)
     if not found:
         return
+    for path, module in found:
+        _refuse_managed_collision(model, path, module)
     if sharders is not None:
         # DMP and the planner keep the last sharder of a module type
         types = {getattr(s, "module_type", None): s for s in sharders}
@@ -143,6 +149,24 @@ def _feature_processed_wrapper(model: nn.Module, path: str) -> Optional[nn.Modul
         return None
     parent = model.get_submodule(path.rsplit(".", 1)[0])
     return parent if holds_robe(parent) else None
+
+
+def _refuse_managed_collision(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Raise :class:`UnshardedRobeModuleError` if the ROBE module at ``path`` is the
+    collection of one of TorchRec's managed-collision modules."""
+    if "." not in path:
+        return
+    parent_path = path.rsplit(".", 1)[0]
+    parent = model.get_submodule(parent_path)
+    if isinstance(parent, BaseManagedCollisionEmbeddingCollection):
+        raise UnshardedRobeModuleError(
+            f"DistributedModelParallel: {_describe(parent_path, parent)} holds "
+            f"{_describe(path, module)}. TorchRec shards a managed-collision module's "
+            "collection as a stock one, with tables whose rows it resets when it evicts an "
+            "id; a ROBE module has no rows of its own (every row is read from one hashed "
+            "array), so it cannot be sharded there. Fix: drop the managed-collision module "
+            "and give the ROBE module the raw ids: it hashes any 64-bit id itself with "
+            'RobeConfig(bounds_check="unbounded", hash="mix")')
 
 
 def _check_wrapper_sharder(path: str, wrapper: nn.Module, sharder: Any) -> None:

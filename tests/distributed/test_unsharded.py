@@ -156,3 +156,39 @@ def test_dlrm_main_import_order_is_refused():
     assert "RobeEmbeddingBagCollection 'sparse'" in last
     assert "RobeEmbeddingBagCollectionSharder" in last
 
+
+
+def test_a_managed_collision_module_around_a_robe_module_is_refused_with_the_fix():
+    """TorchRec's ManagedCollisionEmbeddingCollection remaps raw ids into the rows of the
+    collection it holds, and sharded, resets the rows of the ids it evicts. Around a ROBE
+    module it runs unsharded as it does around a stock one; DMP refuses it (before: an
+    AttributeError about ``embeddings`` from TorchRec's sharder), and what the message
+    says to do instead, the raw ids hashed by the ROBE module itself, works."""
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy,
+                                             ManagedCollisionCollection,
+                                             MCHManagedCollisionModule)
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tests.train.helpers import one_rank_group
+
+    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=100,
+                              feature_names=["f"])]
+    raw_ids = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([12345, 2**40, 5]), lengths=torch.tensor([2, 1]))
+    remapper = ManagedCollisionCollection(
+        {"t": MCHManagedCollisionModule(zch_size=100, device=torch.device("cpu"),
+                                        eviction_policy=DistanceLFU_EvictionPolicy(),
+                                        eviction_interval=1, input_hash_size=2**50)}, tables)
+    managed = ManagedCollisionEmbeddingCollection(
+        RobeEmbeddingCollection(tables, ROBE), remapper)
+    assert managed(raw_ids)[0]["f"].values().shape == (3, 8)
+    with one_rank_group(), pytest.raises(UnshardedRobeModuleError) as refused:
+        DistributedModelParallel(torch.nn.ModuleDict({"mc": managed}),
+                                 device=torch.device("cpu"))
+    message = str(refused.value)
+    assert "ManagedCollisionEmbeddingCollection 'mc' holds RobeEmbeddingCollection" in message
+    assert 'RobeConfig(bounds_check="unbounded", hash="mix")' in message
+    fix = RobeEmbeddingCollection(tables, RobeConfig(compression=10, block_size=4,
+                                                     bounds_check="unbounded", hash="mix"))
+    assert fix(raw_ids)["f"].values().shape == (3, 8)
