@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
@@ -319,10 +320,19 @@ def _carry_fused_state(old: RobeFusedOptimizer, new: RobeFusedOptimizer) -> None
 
 # --- input handling ------------------------------------------------------------------------
 
+def as_kjt(features: Any) -> Any:
+    """A ``TensorDict`` of jagged (nested) tensors, one a feature, as the
+    ``KeyedJaggedTensor`` TorchRec's embedding modules make of it (``maybe_td_to_kjt``, its
+    keys in its order); anything else as it is (a KJT, or a tracer's proxy of one)."""
+    return maybe_td_to_kjt(features, None)
+
+
 def check_kjt(features: Any, owner: str) -> KeyedJaggedTensor:
-    """``features`` if it is a ``KeyedJaggedTensor``, else ``TypeError`` naming ``owner``."""
+    """``features`` if it is a ``KeyedJaggedTensor``, else ``TypeError`` naming ``owner``
+    (a ``TensorDict`` is converted before, by :func:`as_kjt`)."""
     if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"{owner} expects a KeyedJaggedTensor, got {type(features).__name__}")
+        raise TypeError(f"{owner} expects a KeyedJaggedTensor (or a TensorDict of jagged "
+                        f"tensors), got {type(features).__name__}")
     return features
 
 

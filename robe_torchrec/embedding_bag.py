@@ -15,7 +15,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from robe_torchrec import stock_state_dict
-from robe_torchrec.array_module import RobeArrayModule, check_kjt, select_features
+from robe_torchrec.array_module import RobeArrayModule, as_kjt, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.least_squares import copy_table, fit_into, table_weights
 from robe_torchrec.ops.args import LookupArgs
@@ -115,6 +115,7 @@ class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterfac
         Keys beyond the tables' features are ignored, as ``EmbeddingBagCollection`` ignores
         them. Nothing here waits on the device: ids, offsets and lengths are checked by the op.
         """
+        features = as_kjt(features)  # a TensorDict, as EmbeddingBagCollection takes it
         names = self._layout.feature_names
         values, offsets, per_sample_weights = _lookup_inputs(features, names, self._is_weighted)
         args = LookupArgs(values, offsets, per_sample_weights,

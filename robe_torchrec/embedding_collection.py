@@ -12,7 +12,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from robe_torchrec.array_module import RobeArrayModule, check_kjt, select_features
+from robe_torchrec.array_module import RobeArrayModule, as_kjt, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
 
@@ -101,6 +101,7 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
         Keys beyond the tables' features are ignored, as ``EmbeddingCollection`` ignores
         them; per-sample weights are ignored too. Ids are checked by the op.
         """
+        features = as_kjt(features)  # a TensorDict, as EmbeddingCollection takes it
         features = select_features(check_kjt(features, "RobeEmbeddingCollection"),
                                    self._layout.feature_names, "RobeEmbeddingCollection")
         counts = features.length_per_key()

@@ -1,7 +1,8 @@
 """RobeEmbeddingBagCollection as a first-class TorchRec module (unsharded): meta-device
 construction and ``reset_parameters`` (of the module, and of a whole DLRM: its interaction's
 buffer restored, also after DMP), ``torch.compile`` (inference, dense and fused
-training, also under torch 2.11's AOTAutograd, emulated), and extra input features ignored as ``EmbeddingBagCollection`` ignores them.
+training, also under torch 2.11's AOTAutograd, emulated), extra input features ignored as
+``EmbeddingBagCollection`` ignores them, and a TensorDict input taken as it takes one.
 
 Export, save/load and fx tracing are in ``tests/test_export.py``."""
 
@@ -418,3 +419,41 @@ def test_missing_features_are_named():
     module = RobeEmbeddingBagCollection(make_tables(), ROBE)
     with pytest.raises(ValueError, match=r"missing \['user_hist'\]"):
         module(make_kjt(keys=("user", "item", "fx")))
+
+
+def _as_tensor_dict(kjt: KeyedJaggedTensor):
+    """``kjt`` as the TensorDict of jagged (nested) tensors TorchRec's modules also take."""
+    from tensordict import TensorDict
+
+    return TensorDict(source={key: torch.nested.nested_tensor_from_jagged(
+        values=jt.values(), lengths=jt.lengths()) for key, jt in kjt.to_dict().items()})
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_tensor_dict_input_is_taken_as_torchrec_takes_it(pooled):
+    """``EmbeddingBagCollection`` and ``EmbeddingCollection`` take a TensorDict of jagged
+    tensors in place of a KJT (``maybe_td_to_kjt``); ours do too, unsharded and sharded by
+    DMP, with the output the KJT gives."""
+    tables = make_tables()
+    if pooled:
+        module = RobeEmbeddingBagCollection(tables, ROBE)
+    else:
+        module = RobeEmbeddingCollection(
+            [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim,
+                             num_embeddings=t.num_embeddings, feature_names=t.feature_names)
+             for t in tables], ROBE)
+
+    def same(a, b):
+        if pooled:
+            return a.keys() == b.keys() and torch.equal(a.values(), b.values())
+        return a.keys() == b.keys() and all(torch.equal(a[k].values(), b[k].values())
+                                            for k in a)
+
+    want = module(make_kjt())
+    assert same(module(_as_tensor_dict(make_kjt())), want)
+    apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.1})
+    with one_rank_group():
+        dmp = DistributedModelParallel(torch.nn.ModuleDict({"m": module}),
+                                       device=torch.device("cpu"))
+        out = dmp.module["m"](_as_tensor_dict(make_kjt()))
+        assert same(out.wait() if hasattr(out, "wait") else out, want)

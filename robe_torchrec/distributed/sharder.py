@@ -106,9 +106,9 @@ def resolve_fused_optimizer(
     opt = fused_params.get("optimizer")
     if opt is None:
         raise ValueError(
-            "sharding RobeEmbeddingBagCollection needs a fused optimizer: call "
+            f"sharding {type(module).__name__} needs a fused optimizer: call "
             "torchrec.optim.apply_optimizer_in_backward(torch.optim.SGD|Adagrad|Adam or "
-            "torchrec.optim.RowWiseAdagrad, ebc.parameters(), {...}) before "
+            "torchrec.optim.RowWiseAdagrad, module.parameters(), {...}) before "
             "DistributedModelParallel, or give the sharder fused_params={'optimizer': "
             "EmbOptimType.EXACT_SGD|EXACT_ADAGRAD|ADAM|EXACT_ROWWISE_ADAGRAD, "
             "'learning_rate': ...}")

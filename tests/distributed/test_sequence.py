@@ -565,3 +565,13 @@ def test_planner_sizes_and_default_sharders():
         "data_parallel", "table_wise", "row_wise"]
     assert ShardedRobeEmbeddingCollection.__name__ in repr(
         RobeEmbeddingCollectionSharder().sharded_module_type)
+
+
+def test_sharding_without_a_fused_optimizer_names_the_sequence_module():
+    from robe_torchrec.distributed.sharder import resolve_fused_optimizer
+
+    ec = RobeEmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                                  feature_names=["f"])],
+                                 RobeConfig(memory_size=32, block_size=4))
+    with pytest.raises(ValueError, match="^sharding RobeEmbeddingCollection needs a fused "):
+        resolve_fused_optimizer(ec, None)
