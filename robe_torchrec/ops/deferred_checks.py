@@ -62,6 +62,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from robe_torchrec.ops import answer_copies
+from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import IdCheck, check_data
 from robe_torchrec.ops.weak_ids import WeakIdDict
@@ -385,10 +386,10 @@ _tallies: Dict[torch.device, _ReplayTally] = {}
 def _prepare_tally(like: torch.Tensor) -> None:
     """Make the replay tally of ``like``'s device (counts of its shape and dtype), if none."""
     if like.device not in _tallies:
-        with torch.inference_mode(False):  # kept for every later call to add to
-            _tallies[like.device] = _ReplayTally(
-                torch.zeros_like(like),
-                torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda))
+        # kept for every later call to add to: made outside any CUDA graph pool
+        _tallies[like.device] = long_lived(lambda: _ReplayTally(
+            torch.zeros_like(like),
+            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)), like.device)
 
 
 def _wait_for(device: torch.device) -> None:

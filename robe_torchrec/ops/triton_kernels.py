@@ -32,6 +32,7 @@ from robe_torchrec.ops.triton.forward import (  # noqa: F401
 from robe_torchrec.ops.triton.hash import _block_starts_kernel  # noqa: F401
 from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
+from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.small_copies import ints_on_device
 from robe_torchrec.ops.triton_launch import CachedLaunch
 from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
@@ -257,8 +258,8 @@ def _kernel_hash_args(hash_params: List[int], num_terms: int, device: torch.devi
                 "capture, which cannot copy their hash's block terms to the device; run one "
                 "call outside the capture first (a warm-up step, as CUDA graphs need anyway)")
         host = torch.tensor(reference_block_terms(params, num_terms), dtype=torch.int32)
-        with torch.inference_mode(False):  # shared by later calls, training ones too
-            terms = _BLOCK_TERMS[key] = host.to(device)
+        # shared by later calls: made outside any CUDA graph pool (long_lived's docstring)
+        terms = _BLOCK_TERMS[key] = long_lived(lambda: host.to(device), device)
     return [params[0], terms]
 
 
@@ -293,8 +294,7 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     hit = _DEVICE_META.get(table_meta)
     if hit is not None and hit[0] == version and hit[1].device == device:
         return hit[1]
-    with torch.inference_mode(False):  # kept for later calls, training ones too
-        copy = table_meta.to(device).contiguous()
+    copy = long_lived(lambda: table_meta.to(device).contiguous(), device)  # kept: see there
     _DEVICE_META[table_meta] = (version, copy)
     return copy
 

@@ -50,6 +50,7 @@ from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.ops.backends import checks_deferred
 from robe_torchrec.ops.deferred_checks import name_problems_with
+from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.small_copies import ints_on_device
 from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_facts
 from robe_torchrec.ops.weak_ids import WeakIdDict
@@ -140,10 +141,9 @@ def _keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     hit = _KEYS_LAYOUTS.get(table_meta) if version is not None else None
     if hit is not None and hit[0] == version and hit[1] == arguments:
         return hit[2]
-    # normal tensors even when first asked for under inference_mode (an evaluation): the
-    # layout is kept for later training calls, which save its table_meta for backward
-    with torch.inference_mode(False):
-        found = _derive_keys_layout(layout)
+    # kept for later calls (training ones save its table_meta for backward): normal
+    # tensors outside any CUDA graph pool, even when first asked for under inference_mode
+    found = long_lived(lambda: _derive_keys_layout(layout), layout.table_meta.device)
     if version is not None:
         _KEYS_LAYOUTS[table_meta] = (version, arguments, found)
     return found

@@ -587,6 +587,30 @@ def check_cached_launches() -> None:
         assert torch.equal(a, b), f"output {i} differs between cached and JIT launches"
 
 
+def check_long_lived_outside_pools() -> None:
+    """A tensor the ops keep across calls (``robe_torchrec/ops/long_lived.py``), first made
+    while the calling thread allocates to a CUDA graph memory pool, as Inductor's CUDA
+    graph trees' warm-up does, is not in that pool (which would hand its memory to a later
+    graph), and holds what was made; a plain allocation there is in the pool (the
+    control)."""
+    from robe_torchrec.ops.long_lived import long_lived
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        kept = long_lived(lambda: torch.arange(4096, device=device), device)
+        control = torch.empty(4096, device=device)
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+
+    def in_pool(tensor: torch.Tensor) -> bool:
+        return any(start <= tensor.data_ptr() < end for start, end in segments)
+
+    assert in_pool(control), "the control: an allocation inside use_mem_pool is in the pool"
+    assert not in_pool(kept), "a kept tensor was made in the caller's CUDA graph pool"
+    assert torch.equal(kept.cpu(), torch.arange(4096))
+    del control
+
+
 def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
     """``(name, check)`` of the CUDA-only checks: the synchronisation and graph checks, then
     ``matrix`` random configurations."""
@@ -616,7 +640,8 @@ def sync_and_graph_checks() -> List[Tuple[str, Callable[[], None]]]:
                ("graph_capturable_adam", check_graph_capturable_adam),
                ("graph_refuses_adam", check_graph_refuses_adam),
                ("deterministic_backward", check_deterministic_backward),
-               ("cached_launches", check_cached_launches)]
+               ("cached_launches", check_cached_launches),
+               ("long_lived_outside_pools", check_long_lived_outside_pools)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Tensors the ops keep across calls, made where no CUDA graph memory pool can claim them.
+
+The ops keep a few small device tensors from one call to the next: the reference hash's
+block terms, the device copies of a layout (the unpooled lookup's keys layout, a CPU
+``table_meta``'s copy) and the replay tally of the deferred checks. Each is made once, by
+whichever call needs it first. When that call is a warm-up of
+``torch.compile(mode="reduce-overhead")``, Inductor's CUDA graph trees route every
+allocation of the calling thread to their private memory pool, and they later hand that
+pool's memory back as their own bookkeeping says it is free: a tensor kept by the ops there
+would be overwritten by a later graph. A pool takes the allocations of the thread (or, in
+older releases, the stream) it was entered on, so :func:`long_lived` makes the tensor on a
+thread of its own, on that thread's default stream, and waits for it; the copy from the
+host has finished when it returns. Elsewhere (a CPU, no CUDA) it just calls ``make``.
+
+A thread's grad and inference modes are its own, so what it makes is a normal tensor even
+when the caller runs under ``torch.inference_mode()``.
+
+Example::
+
+    >>> terms = long_lived(lambda: host_terms.to(device), device)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, List, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def long_lived(make: Callable[[], T], device: torch.device) -> T:
+    """``make()``, for tensors on ``device`` kept across calls: on CUDA run on a thread of
+    its own (see the module docstring), with ``device`` as its current device; else here,
+    outside inference mode."""
+    if device.type != "cuda":
+        with torch.inference_mode(False):
+            return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def on_device() -> T:
+        with torch.cuda.device(index):
+            made = make()
+            # a copy from pageable memory may still be queued on this thread's stream
+            torch.cuda.current_stream().synchronize()
+            return made
+
+    return on_own_thread(on_device)
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run on a new thread, waited for; what it raises is raised here. A thread a
+    call: the ops make a handful of tensors this way in a process, and a thread started
+    for each leaves nothing behind that a fork could inherit."""
+    made: List[T] = []
+    failed: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            made.append(fn())
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="robe-long-lived")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
