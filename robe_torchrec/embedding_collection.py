@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from robe_torchrec.array_module import RobeArrayModule, as_kjt, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
-from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
+from robe_torchrec.ops.unpooled import gather_unpooled, keys_table_meta, unpooled_args
 
 
 class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
@@ -65,6 +65,10 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
         super().__init__()
         check_one_dim(tables)
         self._init_array(tables, robe, device)
+        # the features as one feature of keys, for the graphs torch.compile traces (which
+        # cannot derive it from table_meta); None where the keys cannot serve them
+        self.register_buffer("keys_table_meta", self._keys_table_meta(self.weight.device),
+                             persistent=False)
         self._embedding_configs = tables
         self._need_indices = need_indices
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
@@ -94,6 +98,18 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
     def use_gather_select_per_sharding(self) -> Optional[Dict[str, bool]]:
         return None
 
+    def _keys_table_meta(self, device: Optional[torch.device | str] = None
+                         ) -> Optional[torch.Tensor]:
+        return keys_table_meta(self._layout.table_meta().tolist(), self._layout.output_dim,
+                               device)
+
+    def _restore_layout_buffers(self) -> None:
+        super()._restore_layout_buffers()
+        keys_meta = getattr(self, "keys_table_meta", None)  # (registered after the array)
+        if keys_meta is not None:
+            with torch.no_grad():
+                keys_meta.copy_(self._keys_table_meta())
+
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """The embedding of every id of every feature: ``KeyedJaggedTensor`` ->
         ``Dict[str, JaggedTensor]`` keyed by embedding name (the feature's name).
@@ -106,11 +122,9 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
                                    self._layout.feature_names, "RobeEmbeddingCollection")
         counts = features.length_per_key()
         values = features.values()
-        # a trace cannot read table_meta: it takes its rows from the layout
-        rows = self._layout.table_meta_rows() if torch.compiler.is_compiling() else None
         try:
             args, index = unpooled_args(values, counts, self._layout.op_args(self.table_meta),
-                                        rows)
+                                        self.keys_table_meta)
         except ValueError as err:  # an id that fails its check
             raise self._explain(err, features) from None
         rows = gather_unpooled(self._run_lookup(args, features), index, self._embedding_dim)

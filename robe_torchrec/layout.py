@@ -39,7 +39,7 @@ from torchrec.modules.embedding_configs import (
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.hashing import HashMode, hash_params, reference_key_limit
 from robe_torchrec.ops.args import LayoutArgs
-from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta, table_meta_rows
+from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
 from robe_torchrec.table_init import TableInit, array_inits
 
 #: the TorchRec data types a ROBE array can be stored in, and its torch dtype (the kernels
@@ -306,19 +306,11 @@ class RobeLayout:
         """The ops' ``table_meta`` (see :mod:`robe_torchrec.ops.meta`) of ``features`` in that
         order: by default all of them (the unsharded module's); a sharded lookup passes its
         features placed in its local weight."""
-        return build_table_meta(*self._meta_columns(features), device=device)
-
-    def table_meta_rows(self, features: Optional[Sequence[FeatureLayout]] = None
-                        ) -> List[List[int]]:
-        """:meth:`table_meta`'s rows as Python ints, for code a trace runs (which cannot
-        read the tensor)."""
-        return table_meta_rows(*self._meta_columns(features))
-
-    def _meta_columns(self, features: Optional[Sequence[FeatureLayout]]) -> tuple:
         features = self.features if features is None else features
-        return ([f.dim for f in features], [f.array_offset for f in features],
-                [f.array_size for f in features], [f.row_offset for f in features],
-                [f.num_rows for f in features], [int(f.pooling) for f in features])
+        return build_table_meta(
+            [f.dim for f in features], [f.array_offset for f in features],
+            [f.array_size for f in features], [f.row_offset for f in features],
+            [f.num_rows for f in features], [int(f.pooling) for f in features], device)
 
     def op_args(self, table_meta: torch.Tensor, output_dim: Optional[int] = None) -> LayoutArgs:
         """The op arguments this layout fixes, around ``table_meta`` (the module's buffer, or

@@ -109,6 +109,9 @@ def test_meta_then_to_empty_alone_has_its_layout(module_class):
     module.to_empty(device="cpu")
     assert torch.equal(module.table_meta, direct.table_meta)
     assert torch.equal(module.robe_layout, direct.robe_layout)
+    if module_class is RobeEmbeddingCollection:  # its features as keys, for compiled graphs
+        assert direct.keys_table_meta is not None
+        assert torch.equal(module.keys_table_meta, direct.keys_table_meta)
     with torch.no_grad():
         module.weight.copy_(direct.weight)
     kjt = make_kjt()

@@ -250,10 +250,8 @@ def test_a_refused_key_changes_no_weight():
 @pytest.mark.parametrize("shared", [True, False])
 def test_compiled_module_equals_eager(shared):
     """``torch.compile(fullgraph=True)`` of a TorchRec user's sequence lookup, as
-    ``EmbeddingCollection`` compiles: traced whole (the padded layout, which reads nothing on
-    the host), its loss and gradient equal eager's (which takes the keys layout when the
-    features share an array) on batches of new lengths and on a variable batch per
-    feature."""
+    ``EmbeddingCollection`` compiles: traced whole, its loss and gradient equal eager's on
+    batches of new lengths and on a variable batch per feature."""
     ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4,
                                                          shared=shared))
 
@@ -294,6 +292,29 @@ def test_a_compiled_graph_takes_the_keys_when_they_serve(shared):
     ops = _ops_traced(ec, random_kjt(seed=1))
     assert any("unpooled_keys" in op for op in ops) == shared, ops
     assert any("index_select" in op for op in ops) == (not shared), ops
+
+
+def test_a_compiled_lookup_checks_its_layout_once(monkeypatch):
+    """The traced keys layout's table_meta is the module's buffer, the same tensor every
+    call, so the Triton ops (a GPU's) check and plan it once, as in eager: a new tensor a
+    call would cost a read of it on the host every step (a wait for the GPU, refused inside
+    a CUDA graph capture)."""
+    from robe_torchrec.ops import validation
+
+    reads = []
+    check = validation.check_table_meta
+    monkeypatch.setattr(validation, "check_table_meta",
+                        lambda *args: reads.append(args[0].shape) or check(*args))
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+    compiled = torch.compile(ec, fullgraph=True, backend="aot_eager")
+    with cpu_backend("triton"), defer_checks(True):
+        for seed in range(4):
+            if seed == 2:
+                first_calls = len(reads)
+            sum(jt.values().sum() for jt in compiled(random_kjt(seed=seed)).values()).backward()
+        raise_pending_checks()
+    assert first_calls > 0 and len(reads) == first_calls, reads
 
 
 def test_unpooled_keys_op_passes_opcheck_and_refuses_rows_of_another_layout():

@@ -154,11 +154,7 @@ class RobeShardedLookup(ArrayOwner):
         index = None
         try:
             if self._unpooled:  # (ids may be checked here: see unpooled_args)
-                # a trace cannot read table_meta: it takes its rows from the layout
-                rows = (self._layout.table_meta_rows(self.features)
-                        if torch.compiler.is_compiling() else None)
-                args, index = unpooled_args(values, features.length_per_key(), layout_args,
-                                            rows)
+                args, index = unpooled_args(values, features.length_per_key(), layout_args)
             else:
                 args = LookupArgs(values, offsets, psw, layout_args)
             out = fused_lookup(self.weight, self.optimizer, args, self._anchor,

@@ -7,10 +7,11 @@ whichever call needs it first. When that call is a warm-up of
 ``torch.compile(mode="reduce-overhead")``, Inductor's CUDA graph trees route every
 allocation of the calling thread to their private memory pool, and they later hand that
 pool's memory back as their own bookkeeping says it is free: a tensor kept by the ops there
-would be overwritten by a later graph. A pool takes the allocations of the thread (or, in
-older releases, the stream) it was entered on, so :func:`long_lived` makes the tensor on a
-thread of its own, on that thread's default stream, and waits for it; the copy from the
-host has finished when it returns. Elsewhere (a CPU, no CUDA) it just calls ``make``.
+would be overwritten by a later graph. A pool takes the allocations of the thread it was
+entered on (``torch.cuda.use_mem_pool`` documents it), so :func:`long_lived` makes the
+tensor on a thread of its own and waits for it. That thread works on the caller's stream:
+its work is ordered with the caller's, and the memory belongs to that stream, as if the
+caller had allocated it. Elsewhere (a CPU) it just calls ``make``.
 
 A thread's grad and inference modes are its own, so what it makes is a normal tensor even
 when the caller runs under ``torch.inference_mode()``.
@@ -32,19 +33,17 @@ T = TypeVar("T")
 
 def long_lived(make: Callable[[], T], device: torch.device) -> T:
     """``make()``, for tensors on ``device`` kept across calls: on CUDA run on a thread of
-    its own (see the module docstring), with ``device`` as its current device; else here,
-    outside inference mode."""
+    its own (see the module docstring), with ``device`` and the caller's stream current;
+    else here, outside inference mode."""
     if device.type != "cuda":
         with torch.inference_mode(False):
             return make()
     index = device.index if device.index is not None else torch.cuda.current_device()
+    caller = torch.cuda.current_stream(index)
 
     def on_device() -> T:
-        with torch.cuda.device(index):
-            made = make()
-            # a copy from pageable memory may still be queued on this thread's stream
-            torch.cuda.current_stream().synchronize()
-            return made
+        with torch.cuda.device(index), torch.cuda.stream(caller):
+            return make()
 
     return on_own_thread(on_device)
 

@@ -32,7 +32,7 @@ Example::
 from __future__ import annotations
 
 import enum
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 
@@ -91,27 +91,6 @@ def accumulation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if weight_dtype == torch.float64 else torch.float32
 
 
-def table_meta_rows(
-    dims: Sequence[int],
-    weight_offsets: Sequence[int],
-    weight_sizes: Sequence[int],
-    row_offsets: Sequence[int],
-    num_rows: Sequence[int],
-    poolings: Sequence[int],
-) -> List[List[int]]:
-    """``table_meta``'s rows as Python ints, from per-feature lists (output offsets are the
-    running dims): what a caller that holds the layout can hand to code a trace runs, which
-    cannot read the tensor."""
-    out_offsets, total = [], 0
-    for d in dims:
-        out_offsets.append(total)
-        total += int(d)
-    columns = [out_offsets, dims, weight_offsets, weight_sizes, row_offsets, num_rows, poolings]
-    if len({len(c) for c in columns}) != 1:
-        raise ValueError("build_table_meta: every per-feature list must have the same length")
-    return [[int(v) for v in c] for c in columns]
-
-
 def build_table_meta(
     dims: Sequence[int],
     weight_offsets: Sequence[int],
@@ -122,5 +101,11 @@ def build_table_meta(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Assemble ``table_meta`` from per-feature lists (output offsets are the running dims)."""
-    rows = table_meta_rows(dims, weight_offsets, weight_sizes, row_offsets, num_rows, poolings)
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    out_offsets, total = [], 0
+    for d in dims:
+        out_offsets.append(total)
+        total += int(d)
+    columns = [out_offsets, dims, weight_offsets, weight_sizes, row_offsets, num_rows, poolings]
+    if len({len(c) for c in columns}) != 1:
+        raise ValueError("build_table_meta: every per-feature list must have the same length")
+    return torch.tensor([[int(v) for v in c] for c in columns], dtype=torch.int64, device=device)

@@ -26,9 +26,9 @@ of ids. :func:`unpooled_args` lays them out in one of two ways:
   gather). The padding costs ``T * max n_f - N`` zero rows: nothing when the features hold as
   many ids each (see ``benchmarks/results/unpooled_ops.md``).
 
-A graph ``torch.compile`` traces cannot read ``table_meta``: given its rows as Python ints
-(the module's layout holds them), it picks the layout from them and makes the ids keys in
-``robe::unpooled_keys``, an op whose kernel checks them as an eager call does; without them
+A graph ``torch.compile`` traces cannot derive the keys layout from ``table_meta``: given
+it (:func:`keys_table_meta`, a module's buffer), it makes the ids keys in
+``robe::unpooled_keys``, an op whose kernel checks them as an eager call does; without it
 it takes the padded layout, which reads nothing on the host.
 
 Example::
@@ -57,8 +57,7 @@ from robe_torchrec.ops.weak_ids import WeakIdDict
 
 
 def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
-                  meta_rows: Optional[Sequence[Sequence[int]]] = None,
-                  ) -> Tuple[LookupArgs, Optional[Tensor]]:
+                  keys_meta: Optional[Tensor] = None) -> Tuple[LookupArgs, Optional[Tensor]]:
     """``(LookupArgs, index)`` of the unpooled lookup of ``values`` (feature-major, ``counts[f]``
     ids of feature ``f``): one id per bag, as one feature of keys or padded (see the module
     docstring). ``index`` is ``None`` when the op's output already is ``[N, dim]``.
@@ -68,13 +67,15 @@ def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
     the keys layout is taken and the op reads its checks at the call (the op's message),
     else in the op or, deferred, at a later call.
 
-    ``meta_rows``: ``table_meta``'s rows as Python ints (``RobeLayout.table_meta_rows``),
-    read only in a graph ``torch.compile`` traces, which cannot read the tensor: with them
-    the graph takes the keys layout too, without them the padded one.
+    ``keys_meta``: the layout's features as one feature of keys (:func:`keys_table_meta`,
+    a module's buffer), read only in a graph ``torch.compile`` traces, which cannot derive
+    it from ``table_meta``: with it the graph takes the keys layout too, without it the
+    padded one.
     """
     num_features = len(counts)
     if torch.compiler.is_compiling():  # a trace may hold a KJT's counts as unknowns
-        torch._check(values.numel() == sum(counts))
+        torch._check(values.numel() == sum(counts),
+                     lambda: "robe_unpooled_lookup: values must hold sum(counts) ids")
     if values.dim() != 1 or values.numel() != sum(counts):
         raise ValueError(f"robe_unpooled_lookup: values must be 1-D with sum(counts) = "
                          f"{sum(counts)} ids, got shape {tuple(values.shape)}")
@@ -82,7 +83,7 @@ def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
         raise ValueError(f"robe_unpooled_lookup: {num_features} counts for a table_meta of "
                          f"{layout.table_meta.shape[1]} features")
     if torch.compiler.is_compiling():
-        return _traced_args(values, counts, layout, meta_rows)
+        return _traced_args(values, counts, layout, keys_meta)
     keys = _keys_layout(layout)
     if keys is not None:
         return _keys_args(values, counts, keys), None
@@ -90,20 +91,17 @@ def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
 
 
 def _traced_args(values: Tensor, counts: List[int], layout: LayoutArgs,
-                 meta_rows: Optional[Sequence[Sequence[int]]]
-                 ) -> Tuple[LookupArgs, Optional[Tensor]]:
-    """The layouts a traced graph takes: the keys when ``meta_rows`` says they serve, the
-    ids made keys by ``robe::unpooled_keys`` (an op, so that it checks the ids on the host
-    or defers the checks as an eager call does, with the same messages); else padded."""
-    space = None
-    if meta_rows is not None and len(counts) > 1:
-        space = key_space(meta_rows, layout.output_dim)
-    if space is None:
+                 keys_meta: Optional[Tensor]) -> Tuple[LookupArgs, Optional[Tensor]]:
+    """The layouts a traced graph takes: the keys when ``keys_meta`` is given, the ids made
+    keys by ``robe::unpooled_keys`` (an op, so that it checks the ids on the host or defers
+    the checks as an eager call does); else padded. ``keys_meta`` is the same tensor every
+    call (a buffer), so that what the ops derive from it once is not derived again."""
+    if keys_meta is None or len(counts) == 1:
         return _padded_args(values, counts, layout)
     keys = torch.ops.robe.unpooled_keys(values, counts, *layout)
     offsets = torch.arange(values.numel() + 1, dtype=torch.int64, device=values.device)
-    one_feature = layout._replace(table_meta=_keys_table_meta(space, values.device),
-                                  output_dim=space.dim)
+    one_feature = layout._replace(table_meta=keys_meta,
+                                  output_dim=layout.output_dim // len(counts))
     return LookupArgs(keys, offsets, None, one_feature), None
 
 
@@ -141,11 +139,12 @@ def _keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
     hit = _KEYS_LAYOUTS.get(table_meta) if version is not None else None
     if hit is not None and hit[0] == version and hit[1] == arguments:
         return hit[2]
+    if version is None:  # not kept: made for this call
+        return _derive_keys_layout(layout)
     # kept for later calls (training ones save its table_meta for backward): normal
     # tensors outside any CUDA graph pool, even when first asked for under inference_mode
     found = long_lived(lambda: _derive_keys_layout(layout), layout.table_meta.device)
-    if version is not None:
-        _KEYS_LAYOUTS[table_meta] = (version, arguments, found)
+    _KEYS_LAYOUTS[table_meta] = (version, arguments, found)
     return found
 
 
@@ -177,7 +176,23 @@ def key_space(meta_rows: Sequence[Sequence[int]], output_dim: int) -> Optional[K
     return KeySpace(dim, meta_rows[m.W_OFFSET][0], meta_rows[m.W_SIZE][0], key_end)
 
 
-def _keys_table_meta(space: KeySpace, device: torch.device) -> Tensor:
+def keys_table_meta(meta_rows: Sequence[Sequence[int]], output_dim: int,
+                    device: torch.device | str | None = None) -> Optional[Tensor]:
+    """The ``table_meta`` (one column) of features given as ``table_meta``'s rows (Python
+    ints) looked up as one feature of keys, or ``None`` where the keys cannot serve them or
+    there is one feature (its own keys already). A module keeps it as a buffer for the
+    graphs ``torch.compile`` traces (see :func:`unpooled_args`).
+
+    Example::
+
+        >>> keys_table_meta(ec.layout.table_meta().tolist(), ec.layout.output_dim).shape
+        torch.Size([7, 1])
+    """
+    space = key_space(meta_rows, output_dim) if len(meta_rows[m.DIM]) > 1 else None
+    return None if space is None else _space_meta(space, device)
+
+
+def _space_meta(space: KeySpace, device: torch.device | str | None) -> Tensor:
     return m.build_table_meta(dims=[space.dim], weight_offsets=[space.weight_offset],
                               weight_sizes=[space.weight_size], row_offsets=[0],
                               num_rows=[space.key_end], poolings=[m.Pooling.SUM],
@@ -197,7 +212,7 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
         return None
     row_offsets, num_rows = meta_cpu[m.ROW_OFFSET].tolist(), meta_cpu[m.NUM_ROWS].tolist()
     device = layout.table_meta.device
-    table_meta = _keys_table_meta(space, device)
+    table_meta = _space_meta(space, device)
     shifts = None
     if any(row_offsets):
         shifts = torch.tensor(row_offsets, dtype=torch.int64, device=device)
