@@ -139,3 +139,40 @@ def test_program_serves_int32_and_int64_ids_and_lengths(tmp_path, example):
         d, k = batch_of(4, 7)
         assert torch.equal(with_offsets.module()(d, _with_dtypes(k, values, offsets, True)),
                            model(d, k))
+
+
+class _SequenceModel(torch.nn.Module):
+    """A RobeEmbeddingCollection (features on one array: the keys layout) and its rows."""
+
+    def __init__(self):
+        super().__init__()
+        from robe_torchrec import RobeConfig, RobeEmbeddingCollection
+        from tests.test_embedding_collection import ec_tables
+
+        self.ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        out = self.ec(kjt)
+        return torch.cat([out[key].values() for key in ("f0", "f_extra", "f1", "t2")])
+
+
+def _sequence_batch(lengths, seed: int) -> KeyedJaggedTensor:
+    lengths = torch.tensor(lengths)
+    ids = torch.randint(0, 9, (int(lengths.sum()),), generator=torch.Generator().manual_seed(seed))
+    return KeyedJaggedTensor(keys=["f0", "f_extra", "f1", "t2"], values=ids, lengths=lengths)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_sequence_model_exports_saves_and_serves_other_splits(strict, tmp_path):
+    """A sequence model exports, strict or not, with its ids made keys by
+    ``robe::unpooled_keys``; saved and loaded, the program gives eager's rows for the
+    example and for a batch whose features split the ids otherwise."""
+    model = _SequenceModel()
+    example = _sequence_batch([1, 2, 0, 1, 3, 0, 1, 1], seed=0)
+    program = torch.export.export(model, (example,), strict=strict)
+    assert any("unpooled_keys" in str(node.target) for node in program.graph.nodes)
+    torch.export.save(program, tmp_path / "sequence.pt2")
+    served = torch.export.load(tmp_path / "sequence.pt2").module()
+    for lengths, seed in (([1, 2, 0, 1, 3, 0, 1, 1], 0), ([0, 0, 2, 2, 1, 1, 2, 1], 1)):
+        assert torch.equal(served(_sequence_batch(lengths, seed)),
+                           model(_sequence_batch(lengths, seed)))

@@ -74,8 +74,8 @@ def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
     """
     num_features = len(counts)
     if torch.compiler.is_compiling():  # a trace may hold a KJT's counts as unknowns
-        torch._check(values.numel() == sum(counts),
-                     lambda: "robe_unpooled_lookup: values must hold sum(counts) ids")
+        # (no message: strict torch.export fails on a _check given one)
+        torch._check(values.numel() == sum(counts))
     if values.dim() != 1 or values.numel() != sum(counts):
         raise ValueError(f"robe_unpooled_lookup: values must be 1-D with sum(counts) = "
                          f"{sum(counts)} ids, got shape {tuple(values.shape)}")
