@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
-from robe_torchrec.ops.unpooled import gather_unpooled, unpooled_args
+from robe_torchrec.ops.unpooled import gather_unpooled, keys_table_meta, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.rowwise_install import ArrayOwner
 from robe_torchrec.variable_batch import flatten_variable_strides, pad_variable_strides
@@ -102,10 +102,17 @@ class RobeShardedLookup(ArrayOwner):
         self._pg = process_group
         self._is_weighted = is_weighted
         self._output_dim = sum(f.dim for f in features)
+        # an unpooled lookup's features as one feature of keys, for the graphs
+        # torch.compile traces (see unpooled_args); None where the keys cannot serve them
+        keys_meta = None
+        if unpooled and features:
+            keys_meta = keys_table_meta(layout.table_meta(features).tolist(),
+                                        self._output_dim, device)
         # requires grad only until the sharded module has built its lookups (see there)
         self.weight = nn.Parameter(torch.zeros(local_size, device=device,
                                                 dtype=layout.weight_dtype))
         self.register_buffer("table_meta", layout.table_meta(features, device), persistent=False)
+        self.register_buffer("keys_table_meta", keys_meta, persistent=False)
         self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs,
                                              layout.block_size)
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
@@ -154,7 +161,8 @@ class RobeShardedLookup(ArrayOwner):
         index = None
         try:
             if self._unpooled:  # (ids may be checked here: see unpooled_args)
-                args, index = unpooled_args(values, features.length_per_key(), layout_args)
+                args, index = unpooled_args(values, features.length_per_key(), layout_args,
+                                            self.keys_table_meta)
             else:
                 args = LookupArgs(values, offsets, psw, layout_args)
             out = fused_lookup(self.weight, self.optimizer, args, self._anchor,

@@ -575,3 +575,36 @@ def test_sharding_without_a_fused_optimizer_names_the_sequence_module():
                                  RobeConfig(memory_size=32, block_size=4))
     with pytest.raises(ValueError, match="^sharding RobeEmbeddingCollection needs a fused "):
         resolve_fused_optimizer(ec, None)
+
+
+def test_a_sharded_sequence_lookup_compiles_with_the_keys():
+    """The rank's lookup of a sharded RobeEmbeddingCollection compiles with
+    ``fullgraph=True``, takes the keys layout from its own buffer (its features, placed in
+    the local weight, as one feature of keys) and gives eager's rows."""
+    from robe_torchrec.distributed.lookup import RobeShardedLookup
+    from tests.test_embedding_collection import ec_tables, random_kjt
+    from tests.train.helpers import one_rank_group
+
+    ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4))
+    apply_optimizer_in_backward(torch.optim.SGD, [ec.weight], {"lr": 0.1})
+    with one_rank_group():
+        dmp = DistributedModelParallel(nn.ModuleDict({"ec": ec}), device=torch.device("cpu"))
+    lookup, = [m for m in dmp.modules() if isinstance(m, RobeShardedLookup)]
+    assert lookup.keys_table_meta is not None
+    names = [f.name for f in lookup.features]
+    traced = set()
+
+    def backend(gm, example_inputs):
+        traced.update(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    compiled = torch.compile(lookup, fullgraph=True, backend=backend)
+
+    def batch(seed):
+        kjt = random_kjt(seed=seed)
+        return KeyedJaggedTensor.from_jt_dict({name: kjt[name] for name in names})
+
+    with torch.no_grad():
+        for seed in range(3):
+            assert torch.equal(compiled(batch(seed)), lookup(batch(seed)))
+    assert any("unpooled_keys" in target for target in traced), traced
