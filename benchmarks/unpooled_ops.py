@@ -8,6 +8,8 @@ output written from a cache-resident 256-row table, the gradient scattered back 
 the unpooled module with 1 feature, and with 4 holding 55/25/15/5 % of the ids: of one table,
 of 4 tables on one array (both looked up as one feature of keys), and of 4 tables on an array
 each (``shared=False``: padded, ``4 * max n_f - n`` zero rows written and a gather); the
+4 skewed features' forward under ``torch.compile(fullgraph=True)`` (``--compile-backend``),
+with the module's keys layout and, its ``keys_table_meta`` buffer removed, padded; the
 pooled module, one id a bag; TorchRec's ``EmbeddingCollection`` on the full table::
 
     python -m benchmarks.unpooled_ops --iters 25 --out benchmarks/results
@@ -16,6 +18,7 @@ pooled module, one id a bag; TorchRec's ``EmbeddingCollection`` on the full tabl
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -31,6 +34,8 @@ SKEW = (0.55, 0.25, 0.15, 0.05)
 ONE, FOUR, POOLED = "unpooled, 1 feature", "unpooled, 4 features (skewed)", "pooled, one id per bag"
 FOUR_TABLES = "unpooled, 4 features (skewed), 4 tables on one array"
 FOUR_ARRAYS = "unpooled, 4 features (skewed), 4 tables, an array each (padded)"
+COMPILED = "unpooled, 4 features (skewed), compiled"
+COMPILED_PADDED = "unpooled, 4 features (skewed), compiled without keys_table_meta (padded)"
 
 
 def _kjt(keys: List[str], ids: torch.Tensor, counts: List[int], per_bag: int) -> KeyedJaggedTensor:
@@ -90,6 +95,13 @@ def build_rows(args: argparse.Namespace) -> Dict[str, Callable[[], object]]:
     for name, (module, kjt) in modules.items():
         rows[f"{name}: forward"] = lambda m=module, k=kjt: m(k)
         rows[f"{name}: step"] = lambda m=module, k=kjt: total(m(k)).backward()
+    # a traced graph takes the keys layout from the module's buffer; without it, padded
+    module, kjt = modules[FOUR]
+    padded = copy.deepcopy(module)
+    padded.keys_table_meta = None
+    for name, m in ((COMPILED, module), (COMPILED_PADDED, padded)):
+        compiled = torch.compile(m, fullgraph=True, backend=args.compile_backend)
+        rows[f"{name}: forward"] = lambda c=compiled, k=kjt: c(k)
     return rows
 
 
@@ -100,12 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                           ("iters", 15)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     p.add_argument("--out", default=None, help="a folder (unpooled_ops.md) or a .md file")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.history, args.rows, args.memory, args.dim = 16, 4, 1000, 4096, 8
-        args.warmup, args.iters = 1, 2
+        args.warmup, args.iters, args.compile_backend = 1, 2, "aot_eager"
     torch.set_num_threads(args.threads)
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     fns = {name: (lambda it, fn=fn: (fn(), synchronize()))
@@ -121,7 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
               "4 tables, an array each (padded) / 4 tables on one array, forward":
                   ms[f"{FOUR_ARRAYS}: forward"] / ms[f"{FOUR_TABLES}: forward"],
               "4 tables, an array each (padded) / 4 tables on one array, step":
-                  ms[f"{FOUR_ARRAYS}: step"] / ms[f"{FOUR_TABLES}: step"]}
+                  ms[f"{FOUR_ARRAYS}: step"] / ms[f"{FOUR_TABLES}: step"],
+              "4 skewed features compiled / eager, forward":
+                  ms[f"{COMPILED}: forward"] / ms[f"{FOUR}: forward"],
+              "4 skewed features compiled without keys_table_meta (padded) / with, forward":
+                  ms[f"{COMPILED_PADDED}: forward"] / ms[f"{COMPILED}: forward"]}
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = header(f"Unpooled ROBE-Z lookup on {where} (`RobeEmbeddingCollection`)",
                    command_line("unpooled_ops", argv),

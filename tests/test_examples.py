@@ -154,6 +154,7 @@ def test_unpooled_ops_benchmark_runs(tmp_path):
     run_example("-m", "benchmarks.unpooled_ops", "--quick", "--out", str(tmp_path))
     result = json.loads((tmp_path / "unpooled_ops.json").read_text())
     ms = result["ms"]
-    assert len(ms) == 14 and all(t > 0 for t in ms.values())
+    assert len(ms) == 16 and all(t > 0 for t in ms.values())
     assert result["ratios"]["unpooled / pooled, forward"] == pytest.approx(
         ms["unpooled, 1 feature: forward"] / ms["pooled, one id per bag: forward"])
+    assert "unpooled, 4 features (skewed), compiled: forward" in ms  # the compiled rows

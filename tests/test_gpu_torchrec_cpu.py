@@ -87,7 +87,7 @@ def test_cpu_mode_runs_every_part(tmp_path: Path) -> None:
         "sparse_dist", "fused_sparse_dist", "semi_sync"}
     assert parts["app"]["resumed"] and parts["app"]["trained_to_end"]
     assert (tmp_path / parts["sequence"]["report"]).exists()
-    assert len(parts["sequence"]["ms"]) == 14
+    assert len(parts["sequence"]["ms"]) == 16
     assert result["environment"]["commit"] == "test" and result["failed"] == []
     sparse_dist = [r for r in parts["compare"]["rows"] if r["pipeline"] == "sparse_dist"][0]
     assert sparse_dist["p90_vs_sparse_dist"] == 0.0 and sparse_dist["torchrec_p90_vs_sparse_dist"] == 0.0

@@ -68,7 +68,9 @@ def sizes(cpu: bool) -> Dict[str, Any]:
     return {"parity_batch": 1024, "parity_steps": 12, "num_sparse": 26, "semi_start": 4,
             "overlap_batch": 8192, "overlap_steps": 10, "compare_steps": 40, "compare_batch": 4096,
             "compare_scale": 0.1, "app_batch": 1024, "app_steps": (40, 60), "app_scale": 0.01,
-            "sequence_args": ["--iters", "10"]}
+            # the compiled rows traced without Inductor: its kernels would compile for a
+            # minute of the session's few
+            "sequence_args": ["--iters", "10", "--compile-backend", "aot_eager"]}
 
 
 @contextlib.contextmanager
