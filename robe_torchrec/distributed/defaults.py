@@ -53,8 +53,7 @@ def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
     return _robe_and(sharding_plan.get_default_sharders())
 
 
-def _robe_and(sharders: List[ModuleSharder[nn.Module]]
-                       ) -> List[ModuleSharder[nn.Module]]:
+def _robe_and(sharders: List[ModuleSharder[nn.Module]]) -> List[ModuleSharder[nn.Module]]:
     """Ours first, then ``sharders`` with each TorchRec FP-EBC sharder replaced by ours (the
     same codecs): DMP and the planner keep the last sharder of a module type, so a
     replacement, not an addition."""

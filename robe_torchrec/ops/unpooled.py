@@ -96,7 +96,7 @@ def _traced_args(values: Tensor, counts: List[int], layout: LayoutArgs,
     keys by ``robe::unpooled_keys`` (an op, so that it checks the ids on the host or defers
     the checks as an eager call does); else padded. ``keys_meta`` is the same tensor every
     call (a buffer), so that what the ops derive from it once is not derived again."""
-    if keys_meta is None or len(counts) == 1:
+    if keys_meta is None:
         return _padded_args(values, counts, layout)
     keys = torch.ops.robe.unpooled_keys(values, counts, *layout)
     offsets = torch.arange(values.numel() + 1, dtype=torch.int64, device=values.device)
@@ -295,8 +295,8 @@ def _unpooled_keys(values: Tensor, counts: List[int], *layout) -> Tensor:
     keys = _keys_layout(LayoutArgs(*layout))
     if keys is None:
         raise ValueError("robe::unpooled_keys: table_meta's features are not one feature of "
-                         "keys (one array, one dim, pooled by their sum): the table_meta "
-                         "rows given to unpooled_args are not those of its table_meta")
+                         "keys (one array, one dim, pooled by their sum): the keys_meta given "
+                         "to unpooled_args is not this table_meta's")
     found = _keys_args(values, counts, keys).values.to(torch.int64)
     return found.clone() if found is values else found  # an op returns no alias
 

@@ -8,7 +8,7 @@ drawing code cannot rot.
 
 Example::
 
-    >>> for name, check in gpu_checks(matrix=40):
+    >>> for name, check in sync_and_graph_checks() + matrix_checks(40):
     ...     check()                      # raises AssertionError naming what differs
 """
 
@@ -609,12 +609,6 @@ def check_long_lived_outside_pools() -> None:
     assert not in_pool(kept), "a kept tensor was made in the caller's CUDA graph pool"
     assert torch.equal(kept.cpu(), torch.arange(4096))
     del control
-
-
-def gpu_checks(matrix: int = 40) -> List[Tuple[str, Callable[[], None]]]:
-    """``(name, check)`` of the CUDA-only checks: the synchronisation and graph checks, then
-    ``matrix`` random configurations."""
-    return sync_and_graph_checks() + matrix_checks(matrix)
 
 
 def matrix_checks(matrix: int) -> List[Tuple[str, Callable[[], None]]]:
