@@ -31,6 +31,7 @@ from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.layout import RobeLayout
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.deferred_checks import DeferredCheckError
+from robe_torchrec.ops.feature_names import name_features, with_names
 from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.rowwise_install import ArrayOwner
 from robe_torchrec.torchscript import NotScriptable
@@ -63,6 +64,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         self.register_buffer("table_meta", self._layout.table_meta(device=self.weight.device),
                              persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
+        name_features(self.table_meta, self._layout.feature_names)
         self._fused: Optional[RobeFusedOptimizer] = None
         #: what apply_optimizer_in_backward recorded on the array when _fused was built
         self._applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]] = []
@@ -197,6 +199,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         module = super()._apply(fn, recurse)
         if buffers_on_meta and not self.table_meta.is_meta:
             self._restore_layout_buffers()
+        name_features(self.table_meta, self._layout.feature_names)  # a new tensor, perhaps
         self._follow_new_array(applied, fused)
         return module
 
@@ -289,16 +292,12 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
     # --- errors -------------------------------------------------------------------------
 
     def _explain(self, err: Exception, features: KeyedJaggedTensor) -> Exception:
-        """The op's error in the input's terms: the feature's name next to its index, and the
-        lengths the caller gave rather than the offsets computed from them."""
+        """The op's error in the input's terms: the feature's name next to its index (where
+        the op has not named it: checks run outside an op), and the lengths the caller gave
+        rather than the offsets computed from them."""
         if isinstance(err, DeferredCheckError):
-            return err  # another call's input, perhaps another module's: its index only
-        message = str(err)
-        found = re.search(r"of feature (\d+)", message)
-        names = self._layout.feature_names
-        if found and int(found.group(1)) < len(names):
-            name = names[int(found.group(1))]
-            message = message.replace(found.group(0), f"of feature {found.group(1)} ('{name}')")
+            return err  # another call's input, perhaps another module's: named by that call
+        message = with_names(str(err), None, tuple(self._layout.feature_names))
         if features.lengths_or_none() is not None:  # its offsets are their cumulative sum
             message = re.sub(r"offsets\[-1\] = (\d+) but values has (\d+) entries \(.*?\)",
                              r"lengths sum to \1 but values has \2 entries", message)

@@ -50,6 +50,47 @@ def test_out_of_range_ids(backend, values, match):
         module()(kjt(values))
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_compiled_module_names_the_feature_too(deferred):
+    """Inside a graph ``torch.compile`` made, the module's own ``try`` around the op is gone:
+    the op names the feature, at the call or in the deferred check's message."""
+    from robe_torchrec.ops import DeferredCheckError, defer_checks, raise_pending_checks
+
+    compiled = torch.compile(module(), fullgraph=True, backend="aot_eager")
+    match = r"id 50 at position 3 of feature 1 \('item'\) is out of range \[0, 50\)"
+    with cpu_backend("triton" if deferred else "cpp"), defer_checks(deferred):
+        compiled(kjt([1, 2, 3, 4]))
+        with pytest.raises(DeferredCheckError if deferred else ValueError, match=match):
+            compiled(kjt([1, 2, 3, 50]))
+            raise_pending_checks()
+
+
+def test_a_module_moved_off_the_meta_device_names_the_feature_when_compiled():
+    """``to_empty`` gives the module a new ``table_meta``; the op names its features too."""
+    moved = RobeEmbeddingBagCollection(tables(), RobeConfig(memory_size=200, block_size=4),
+                                       device=torch.device("meta")).to_empty(device="cpu")
+    moved.reset_parameters()
+    compiled = torch.compile(moved, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match=r"of feature 1 \('item'\) is out of range"):
+        compiled(kjt([1, 2, 3, 50]))
+
+
+def test_a_deferred_error_names_the_feature_of_the_module_that_took_it():
+    """Checks deferred, another module's call may raise the problem: it names the feature
+    of the module whose input was bad."""
+    from robe_torchrec.ops import DeferredCheckError, defer_checks
+    from robe_torchrec.ops.tuning import tuned
+
+    bad, other = module(), RobeEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t_q", embedding_dim=4, num_embeddings=100,
+                            feature_names=["query", "ad"])], RobeConfig(memory_size=200))
+    # each answer copied on its own: the next call reads it
+    with cpu_backend("triton"), defer_checks(True), tuned(answers_per_copy=1):
+        bad(kjt([1, 2, 3, 50]))
+        with pytest.raises(DeferredCheckError, match=r"of feature 1 \('item'\) is out"):
+            other(kjt([1, 2, 3, 4], keys=("query", "ad")))
+
+
 def test_unbounded_reference_hash_rejects_keys_it_cannot_hash(backend):
     m = module(bounds_check="unbounded")
     m(kjt([1, 10**6, 3, 4]))  # beyond num_embeddings, but hashable: accepted

@@ -240,7 +240,8 @@ def test_a_refused_key_changes_no_weight():
     bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
     before = ec.weight.detach().clone()
     with cpu_backend("triton"), defer_checks(True):
-        with pytest.raises(DeferredCheckError, match=r"id 40 at position 0 of feature 0 "):
+        with pytest.raises(DeferredCheckError,
+                           match=r"id 40 at position 0 of feature 0 \('f0'\) "):
             out = ec(bad)
             sum(jt.values().sum() for jt in out.values()).backward()
             raise_pending_checks()
@@ -363,7 +364,7 @@ def test_compiled_fused_training_equals_eager():
 def test_compiled_lookup_names_a_bad_id_in_its_feature(shared, deferred):
     """The compiled lookup checks each id in its own feature, as eager does, at the call or
     deferred: an id one past its table's rows (a key of the next table's, were it made a key
-    unchecked) is refused with its feature and position."""
+    unchecked) is refused with its feature's index and name and its position."""
     ec = RobeEmbeddingCollection(ec_tables(), RobeConfig(memory_size=400, block_size=4,
                                                          shared=shared))
     compiled = torch.compile(ec, fullgraph=True, backend="aot_eager")
@@ -371,7 +372,7 @@ def test_compiled_lookup_names_a_bad_id_in_its_feature(shared, deferred):
     values = kjt.values().clone()
     values[0] = 40  # f0's first id: one past t0's rows
     bad = type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths())
-    message = r"id 40 at position 0 of feature 0 .*\[0, 40\)"
+    message = r"id 40 at position 0 of feature 0 \('f0'\) .*\[0, 40\)"
     with cpu_backend("triton" if deferred else "cpp"), defer_checks(deferred):
         compiled(kjt)
         if deferred:

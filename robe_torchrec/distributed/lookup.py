@@ -30,6 +30,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
 from robe_torchrec.layout import FeatureLayout, RobeLayout
 from robe_torchrec.ops.args import LookupArgs
+from robe_torchrec.ops.deferred_checks import DeferredCheckError
+from robe_torchrec.ops.feature_names import name_features
 from robe_torchrec.ops.unpooled import gather_unpooled, keys_table_meta, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
 from robe_torchrec.rowwise_install import ArrayOwner
@@ -113,6 +115,7 @@ class RobeShardedLookup(ArrayOwner):
                                                 dtype=layout.weight_dtype))
         self.register_buffer("table_meta", layout.table_meta(features, device), persistent=False)
         self.register_buffer("keys_table_meta", keys_meta, persistent=False)
+        name_features(self.table_meta, [f.name for f in features])
         self.optimizer = _LocalRobeOptimizer(self.weight, optimizer_class, optimizer_kwargs,
                                              layout.block_size)
         # keeps the array out of ``in_backward_optimizer_filter`` (dense optimizers)
@@ -124,6 +127,7 @@ class RobeShardedLookup(ArrayOwner):
         module = super()._apply(fn, recurse)
         if self._anchor.device != self.weight.device:  # the anchor follows the array
             self._anchor = autograd_anchor(self.weight.device)
+        name_features(self.table_meta, [f.name for f in self.features])  # a new tensor, perhaps
         return module
 
     # no state of its own in state_dict: the sharded module presents the arrays as ``weight``
@@ -168,6 +172,8 @@ class RobeShardedLookup(ArrayOwner):
             out = fused_lookup(self.weight, self.optimizer, args, self._anchor,
                                self._pg if self._data_parallel else None)
         except (ValueError, RuntimeError) as err:
+            if isinstance(err, DeferredCheckError):
+                raise  # another call's input, perhaps another lookup's: named by that call
             message = row_wise_id_error(str(err), self.features, self._layout)
             raise type(err)(name_feature(message, [f.name for f in self.features])) from None
         if self._unpooled:
@@ -218,7 +224,8 @@ def row_wise_id_error(message: str, features: List[FeatureLayout], layout: RobeL
         this rank, which holds rows [150, 300) of it under row-wise sharding, got it as local
         id 500000 at position 0 of its input; to look up raw ids ...'
     """
-    found = re.match(r"robe: id (-?\d+) at position (\d+) of feature (\d+) is out of range", message)
+    found = re.match(r"robe: id (-?\d+) at position (\d+) of feature (\d+)(?: \('[^']*'\))? "
+                     r"is out of range", message)
     if not found or int(found.group(3)) >= len(features):
         return message
     local = features[int(found.group(3))]
@@ -241,7 +248,7 @@ def name_feature(message: str, names: List[str]) -> str:
         >>> name_feature("robe: id 9 at position 3 of feature 1 is out of range", ["f0", "f3"])
         "robe: id 9 at position 3 of feature 'f3' (lookup feature 1) is out of range"
     """
-    found = re.search(r"of feature (\d+)", message)
+    found = re.search(r"of feature (\d+)(?: \('[^']*'\))?", message)  # the op may name it
     if not found or int(found.group(1)) >= len(names):
         return message
     index = found.group(1)

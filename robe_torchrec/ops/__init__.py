@@ -60,6 +60,7 @@ from robe_torchrec.ops.backends import (checks_deferred, cpu_backend, cpu_implem
                                         cuda_implementation)
 from robe_torchrec.ops.deferred_checks import (DeferredCheckError, defer_checks,
                                                raise_pending_checks)
+from robe_torchrec.ops.feature_names import name_in_error
 from robe_torchrec.ops.validation import check_static
 
 #: the ``robe`` namespace. Every op is defined with ``torch.library.define`` and its kernels
@@ -71,18 +72,40 @@ from robe_torchrec.ops.validation import check_static
 _LIB = torch.library.Library("robe", "FRAGMENT")
 
 
+def _name_feature(err: Exception, table_meta: Tensor) -> None:
+    """Name the feature an op's error gives by index (:mod:`~robe_torchrec.ops.feature_names`),
+    unless the error is a deferred check's: that one is about another call's input, and
+    names its features itself."""
+    if not isinstance(err, DeferredCheckError):
+        name_in_error(err, table_meta)
+
+
+def _table_meta_position(name: str) -> int:
+    op = getattr(torch.ops.robe, name).default
+    return [arg.name for arg in op._schema.arguments].index("table_meta")
+
+
 def _define(schema: str, fake: Callable[..., object]) -> None:
     """Define ``robe::<schema>``: its CPU kernel (the implementation :func:`cpu_backend`
-    picks), its CUDA kernel (Triton) and its fake kernel."""
+    picks), its CUDA kernel (Triton) and its fake kernel; their errors name the feature."""
     name = schema.split("(", 1)[0]
     qualname = f"robe::{name}"
     _LIB.define(schema)
+    at = _table_meta_position(name)
 
     def cpu_kernel(*args):
-        return getattr(cpu_implementation(), name)(*args)
+        try:
+            return getattr(cpu_implementation(), name)(*args)
+        except (ValueError, RuntimeError) as err:
+            _name_feature(err, args[at])
+            raise
 
     def cuda_kernel(*args):
-        return getattr(cuda_implementation(), name)(*args)
+        try:
+            return getattr(cuda_implementation(), name)(*args)
+        except (ValueError, RuntimeError) as err:
+            _name_feature(err, args[at])
+            raise
 
     torch.library.impl(qualname, "cpu", cpu_kernel, lib=_LIB)
     torch.library.impl(qualname, "cuda", cuda_kernel, lib=_LIB)
@@ -152,11 +175,17 @@ def _forward_below_autograd(keyset, *args) -> Tensor:
     implementation = _PLAIN_KEYS.get(below.raw_repr())
     with torch._C._AutoDispatchBelowAutograd():
         if implementation is not None:
-            return implementation().forward(*args)
+            try:
+                return implementation().forward(*args)
+            except (ValueError, RuntimeError) as err:
+                _name_feature(err, args[_FORWARD_TABLE_META])
+                raise
         return _FORWARD.redispatch(below, *args)
 
 
 _FORWARD = torch.ops.robe.forward.default
+#: table_meta's place in robe::forward's arguments past the dispatch key set
+_FORWARD_TABLE_META = _table_meta_position("forward")
 #: what is left of a plain CPU or CUDA tensor's dispatch keys below autograd (the backend,
 #: with or without ADInplaceOrView, a fallthrough for this op), and the implementation the
 #: dispatcher would reach from there: calling it directly saves a second trip through the
@@ -231,12 +260,18 @@ def _define_mutating(schema: str, written: Tuple[str, ...],
              for key, kernel in ((torch._C.DispatchKey.CPU, cpu_kernel),
                                  (torch._C.DispatchKey.CUDA, cuda_kernel))}
 
+    at = _table_meta_position(name)
+
     def write_and_bump(keyset, *args):
         below = keyset & torch._C._after_ADInplaceOrView_keyset
         kernel = plain.get(below.raw_repr())
         with torch._C._AutoDispatchBelowADInplaceOrView():
             if kernel is not None:
-                kernel(*args)
+                try:
+                    kernel(*args)
+                except (ValueError, RuntimeError) as err:
+                    _name_feature(err, args[at])
+                    raise
             else:
                 op.redispatch(below, *args)
         for i in positions:

@@ -62,6 +62,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from robe_torchrec.ops import answer_copies
+from robe_torchrec.ops.feature_names import with_names
 from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import IdCheck, check_data
@@ -495,7 +496,7 @@ def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]
         try:
             check_data(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
         except ValueError as exc:
-            return f"{exc} {_NOTE}"
+            return f"{with_names(str(exc), table_meta)} {_NOTE}"
     # the inputs changed in place since (or hold no version): say what the counts say
     found = ", ".join(f"{n} {what}" for n, what in zip(counts, _PROBLEMS) if n)
     return (f"robe: an earlier call's input had {found}; it changed before the problem "

@@ -50,6 +50,7 @@ from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.args import LayoutArgs, LookupArgs
 from robe_torchrec.ops.backends import checks_deferred
 from robe_torchrec.ops.deferred_checks import name_problems_with
+from robe_torchrec.ops.feature_names import name_in_error, names_of
 from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.small_copies import ints_on_device
 from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_facts
@@ -86,7 +87,7 @@ def unpooled_args(values: Tensor, counts: List[int], layout: LayoutArgs,
         return _traced_args(values, counts, layout, keys_meta)
     keys = _keys_layout(layout)
     if keys is not None:
-        return _keys_args(values, counts, keys), None
+        return _keys_args(values, counts, keys, layout.table_meta), None
     return _padded_args(values, counts, layout)
 
 
@@ -231,11 +232,14 @@ def _derive_keys_layout(layout: LayoutArgs) -> Optional[KeysLayout]:
                       id_check if id_ends else None, id_ends, id_table, meta_cpu)
 
 
-def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArgs:
+def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout,
+               table_meta: Tensor) -> LookupArgs:
+    """The op's arguments of ``keys``' lookup of ``values``; ``table_meta``, the layout's
+    own, names the features of a problem found later."""
     num_ids, device = values.numel(), values.device
     if keys.id_check is not None:
         if checks_deferred(device):
-            return _checked_on_device(values, counts, keys)
+            return _checked_on_device(values, counts, keys, names_of(table_meta))
         _check_ids_now(values, counts, keys)
     if keys.row_offsets is not None:
         # output_size given: the op need not read the counts' sum back from the device
@@ -248,7 +252,8 @@ def _keys_args(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArg
     return LookupArgs(values, offsets, None, keys.layout)
 
 
-def _checked_on_device(values: Tensor, counts: List[int], keys: KeysLayout) -> LookupArgs:
+def _checked_on_device(values: Tensor, counts: List[int], keys: KeysLayout,
+                       names: Optional[Tuple[str, ...]]) -> LookupArgs:
     # each id's range end and row offset, placed on the device without a wait
     per_id = torch.repeat_interleave(keys.id_table,
                                      ints_on_device(counts, torch.int64, values.device),
@@ -257,14 +262,14 @@ def _checked_on_device(values: Tensor, counts: List[int], keys: KeysLayout) -> L
     inside = (ids >= 0) & (ids < per_id[:, 0])
     # -1 fails the op's check of the keys (the bounds' and the reference hash's alike)
     keys_of_ids = torch.where(inside, ids + per_id[:, 1], -1)
-    _name_from_ids(keys_of_ids, values, counts, keys)
+    _name_from_ids(keys_of_ids, values, counts, keys, names)
     offsets = torch.arange(values.numel() + 1, dtype=torch.int64, device=values.device)
     return LookupArgs(keys_of_ids, offsets, None, keys.layout)
 
 
 @torch.compiler.disable  # a host-side record of the tensors
 def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
-                   keys: KeysLayout) -> None:
+                   keys: KeysLayout, names: Optional[Tuple[str, ...]]) -> None:
     try:
         version: Optional[int] = values._version
     except RuntimeError:  # an inference tensor: no version says whether it changed since
@@ -272,7 +277,11 @@ def _name_from_ids(keys_of_ids: Tensor, values: Tensor, counts: List[int],
 
     def name() -> None:
         if version is None or values._version == version:
-            _check_ids_now(values.cpu(), counts, keys)
+            try:
+                _check_ids_now(values.cpu(), counts, keys)
+            except ValueError as err:
+                name_in_error(err, None, names)
+                raise
 
     name_problems_with(keys_of_ids, name)
 
@@ -292,12 +301,18 @@ _LIB.define("unpooled_keys(Tensor values, SymInt[] counts, Tensor table_meta, "
 def _unpooled_keys(values: Tensor, counts: List[int], *layout) -> Tensor:
     """The int64 keys of ``values`` in the layout's feature of keys, checked as
     :func:`_keys_args` checks them (raised now, or deferred)."""
-    keys = _keys_layout(LayoutArgs(*layout))
+    layout_args = LayoutArgs(*layout)
+    keys = _keys_layout(layout_args)
     if keys is None:
         raise ValueError("robe::unpooled_keys: table_meta's features are not one feature of "
                          "keys (one array, one dim, pooled by their sum): the keys_meta given "
                          "to unpooled_args is not this table_meta's")
-    found = _keys_args(values, counts, keys).values.to(torch.int64)
+    try:
+        found = _keys_args(values, counts, keys, layout_args.table_meta).values
+    except ValueError as err:
+        name_in_error(err, layout_args.table_meta)
+        raise
+    found = found.to(torch.int64)
     return found.clone() if found is values else found  # an op returns no alias
 
 

@@ -134,6 +134,34 @@ def test_sharded_id_error_names_the_feature(world, types):
         run_ranks(_bad_id, world, types)
 
 
+def _bad_id_found_later(rank: int, world: int, types):
+    from robe_torchrec.ops import cpu_backend, defer_checks
+    from robe_torchrec.ops.tuning import tuned
+
+    dmp = common.make_dmp(ROBE, types, world, optimizer=(torch.optim.SGD, {"lr": 0.1}))
+    kjt = common.local_slice(common.global_batch(0, world), rank)
+    values = kjt.values().clone()
+    values[kjt.offset_per_key()[3]] = 10**6  # f3's table has 300 rows
+    bad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), values, kjt.lengths())
+    # each answer copied on its own: the next batch's first op call reads it, whichever
+    # lookup makes that call
+    with cpu_backend("triton"), defer_checks(True), tuned(answers_per_copy=1):
+        dmp(bad)
+        dmp(kjt)
+
+
+@pytest.mark.slow
+def test_sharded_deferred_id_error_names_the_feature_of_its_lookup():
+    """Checks deferred (a GPU's default): the error a later call raises names the bad
+    feature from the lookup that took it (f3 is the table-wise lookup's feature 1), not from
+    the lookup whose call found it."""
+    types = {"t0": "table_wise", "t1": "data_parallel", "t2": "table_wise"}
+    with pytest.raises(RuntimeError, match=r"DeferredCheckError: robe: id 1000000 at "
+                                           r"position \d+ of feature 1 \('f3'\) is out of "
+                                           r"range \[0, 300\)"):
+        run_ranks(_bad_id_found_later, 1, types)
+
+
 _ONLY_THE_TOP_PACKAGE = """
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -318,8 +318,8 @@ def test_the_gpu_check_of_the_unpooled_lookup_runs_on_cpu(backend, deferred):
 
 def test_module_training_step_raises_before_the_fused_update():
     """A TorchRec user's step: the module's forward on bad ids returns, the backward raises
-    the deferred error (the feature's index, no name: it may be another call's input), and
-    the array keeps its values."""
+    the deferred error, naming the feature from the table_meta of the call that took the
+    input, and the array keeps its values."""
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.optim import apply_optimizer_in_backward
 
@@ -335,7 +335,7 @@ def test_module_training_step_raises_before_the_fused_update():
                                  lengths=torch.tensor([1, 1, 1]))
     with cpu_backend("triton"):
         pooled = module(features).values()
-        with pytest.raises(DeferredCheckError, match=r"id 100 at position 1 of feature 0 is"):
+        with pytest.raises(DeferredCheckError, match=r"id 100 at position 1 of feature 0 \('f'\) is"):
             pooled.sum().backward()
     assert torch.equal(module.weight.detach(), kept)
 
