@@ -275,6 +275,8 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
             self._layout.check_saved(saved)
+            # the same layout, perhaps in an older format: this one is what the buffer holds
+            state_dict[prefix + "robe_layout"] = self._layout.to_tensor()
         elif prefix + "weight" in state_dict:
             # Without the layout nothing says the array means the same embeddings: refused
             # before anything is copied, whatever `strict` (torch hands every module

@@ -25,7 +25,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,10 +54,19 @@ WEIGHT_DTYPE_OF: Dict[DataType, torch.dtype] = {DataType.FP32: torch.float32,
 POOLING_OF: Dict[PoolingType, Pooling] = {PoolingType.SUM: Pooling.SUM,
                                           PoolingType.MEAN: Pooling.MEAN}
 
-# the persisted ``robe_layout`` tensor: a header, then three numbers per table
-LAYOUT_FORMAT = 1
+# the persisted ``robe_layout`` tensor: a header, then four numbers per table (format 1, of
+# checkpoints saved before table names were recorded: the last three)
+LAYOUT_FORMAT = 2
 _HEADER_FIELDS = ("format", "hash", "seed", "block_size", "shared", "num_tables")
 _TABLE_FIELDS = ("num_embeddings", "embedding_dim", "array_size")
+#: each format's numbers per table
+_TABLE_WIDTH = {1: len(_TABLE_FIELDS), 2: 1 + len(_TABLE_FIELDS)}
+
+
+def name_fingerprint(name: str) -> int:
+    """A table name as the int64 ``robe_layout`` records (the first 8 bytes of its SHA-256):
+    a tensor cannot hold the name, and a checkpoint must tell its tables apart."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,29 +334,60 @@ class RobeLayout:
 
     def to_tensor(self) -> torch.Tensor:
         """The ``robe_layout`` tensor a state dict carries: what must match for a checkpoint's
-        array to mean the same embeddings (int64, format ``LAYOUT_FORMAT``)."""
-        header = [LAYOUT_FORMAT, int(self.hash_mode), self.config.seed, self.block_size,
+        array to mean the same embeddings, the tables' names and order included (int64,
+        format ``LAYOUT_FORMAT``)."""
+        return self._layout_tensor(LAYOUT_FORMAT)
+
+    def _layout_tensor(self, version: int) -> torch.Tensor:
+        header = [version, int(self.hash_mode), self.config.seed, self.block_size,
                   int(self.shared), len(self.tables)]
         per_table: List[int] = []
         for table in self.tables:
+            if version >= 2:
+                per_table.append(name_fingerprint(table.name))
             per_table += [table.num_embeddings, table.embedding_dim, self.array_sizes[table.array]]
         return torch.tensor(header + per_table, dtype=torch.int64)
 
     def check_saved(self, saved: torch.Tensor) -> None:
         """Raise ``ValueError`` naming every difference if the ``robe_layout`` tensor of a
-        checkpoint is not this layout's (loading it would scramble every embedding)."""
-        saved, own = saved.cpu(), self.to_tensor()
+        checkpoint is not this layout's (loading it would scramble every embedding): its
+        tables in another order, or other tables, count as differences, since a table's rows
+        are keys placed after those of the tables before it. A checkpoint of format 1, saved
+        before the names were recorded, is checked on everything else, with a warning."""
+        saved = saved.cpu()
+        version = int(saved[0]) if saved.numel() else 0
+        own = self._layout_tensor(version) if version in _TABLE_WIDTH else self.to_tensor()
         if saved.shape == own.shape and bool(torch.equal(saved, own)):
+            if version < LAYOUT_FORMAT:
+                warnings.warn(
+                    f"robe_layout of format {version} holds no table names, so the order of "
+                    f"the checkpoint's tables cannot be checked: they are taken to be this "
+                    f"module's, {self.table_names}. Save the module again to record them",
+                    stacklevel=3)
             return
+        if version not in _TABLE_WIDTH:
+            raise ValueError(
+                f"RobeEmbeddingBagCollection: the checkpoint's robe_layout has format "
+                f"{version}, which this robe_torchrec does not know (it reads formats "
+                f"{sorted(_TABLE_WIDTH)}): it was saved by another version of robe_torchrec")
         ckpt, mine = _decode(saved), _decode(own)
         diffs = [f"{k}: checkpoint {ckpt.get(k)!r} vs module {mine.get(k)!r}"
                  for k in _HEADER_FIELDS if ckpt.get(k) != mine.get(k)]
         names = self.table_names
-        for i, (a, b) in enumerate(zip(ckpt["tables"], mine["tables"])):
-            for field, x, y in zip(_TABLE_FIELDS, a, b):
-                if x != y:
-                    name = names[i] if i < len(names) else str(i)
-                    diffs.append(f"table {name!r} {field}: checkpoint {x} vs module {y}")
+        if ckpt["names"] != mine["names"]:
+            by_print = {name_fingerprint(n): n for n in names}
+            theirs = [by_print.get(p, "<a table this module does not have>")
+                      for p in ckpt["names"]]
+            order = ("the same tables in another order" if sorted(ckpt["names"]) ==
+                     sorted(mine["names"]) else "other tables")
+            diffs.append(f"{order}: checkpoint {theirs} vs module {names} (build the module "
+                         f"with the checkpoint's tables, in its order)")
+        else:
+            for i, (a, b) in enumerate(zip(ckpt["tables"], mine["tables"])):
+                for field, x, y in zip(_TABLE_FIELDS, a, b):
+                    if x != y:
+                        name = names[i] if i < len(names) else str(i)
+                        diffs.append(f"table {name!r} {field}: checkpoint {x} vs module {y}")
         raise ValueError("RobeEmbeddingBagCollection: the checkpoint was made with another ROBE "
                          "layout, loading it would scramble every embedding: " + "; ".join(diffs))
 
@@ -356,5 +398,9 @@ def _decode(layout: torch.Tensor) -> Dict[str, Any]:
     if decoded.get("hash") in (0, 1):
         decoded["hash"] = HashMode(decoded["hash"]).name.lower()
     rest = values[len(_HEADER_FIELDS):]
-    decoded["tables"] = [tuple(rest[i: i + 3]) for i in range(0, len(rest), 3)]
+    width = _TABLE_WIDTH[decoded["format"]]
+    rows = [rest[i: i + width] for i in range(0, len(rest), width)]
+    named = width > len(_TABLE_FIELDS)  # the name's fingerprint first
+    decoded["names"] = [row[0] for row in rows] if named else None
+    decoded["tables"] = [tuple(row[1:] if named else row) for row in rows]
     return decoded

@@ -275,6 +275,8 @@ class QuantRobeEmbeddingBagCollection(NotScriptable, EmbeddingBagCollectionInter
         saved = state_dict.get(prefix + "robe_layout")
         if saved is not None:
             self.layout.check_saved(saved)
+            # the same layout, perhaps in an older format: this one is what the buffer holds
+            state_dict[prefix + "robe_layout"] = self.layout.to_tensor()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -14,6 +14,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.optim import apply_optimizer_in_backward
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeLayout
+from robe_torchrec.layout import name_fingerprint
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.reference import element_indices
 
@@ -289,6 +290,51 @@ def test_state_dict_round_trip_and_layout_check():
         RobeEmbeddingBagCollection(make_tables(rows=(51, 300, 7)), robe).load_state_dict(sd)
 
 
+def _equal_tables(names):
+    return [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=100,
+                               feature_names=[f"f_{n}"]) for n in names]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_checkpoint_of_tables_in_another_order_or_others_is_refused(shared):
+    """Tables of one size in another order, or renamed, change no size in the layout, yet
+    every table would read another's embeddings (its keys follow the tables before it): the
+    load is refused, naming both orders. Stock TorchRec keys its state dict by table name."""
+    robe = RobeConfig(memory_size=256, block_size=4, shared=shared)
+    sd = RobeEmbeddingBagCollection(_equal_tables(["a", "b"]), robe).state_dict()
+    with pytest.raises(ValueError, match=r"the same tables in another order: checkpoint "
+                                         r"\['a', 'b'\] vs module \['b', 'a'\]"):
+        RobeEmbeddingBagCollection(_equal_tables(["b", "a"]), robe).load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"other tables: checkpoint \['a', '<a table this "
+                                         r"module does not have>'\] vs module \['a', 'c'\]"):
+        RobeEmbeddingBagCollection(_equal_tables(["a", "c"]), robe).load_state_dict(sd)
+
+
+def test_a_checkpoint_without_table_names_loads_with_a_warning():
+    """A ``robe_layout`` of format 1 (saved before names were recorded) loads when all else
+    matches, warning that the order cannot be checked; another layout is still refused."""
+    robe = RobeConfig(memory_size=256, block_size=4)
+    saved = RobeEmbeddingBagCollection(_equal_tables(["a", "b"]), robe)
+    with torch.no_grad():
+        saved.weight.add_(1.0)  # trained, say
+    sd = saved.state_dict()
+    # format 1: the header, then (num_embeddings, embedding_dim, array_size) a table
+    header, tables = sd["robe_layout"][:6].clone(), sd["robe_layout"][6:].view(-1, 4)
+    header[0] = 1
+    sd["robe_layout"] = torch.cat([header, tables[:, 1:].reshape(-1)])
+    loaded = RobeEmbeddingBagCollection(_equal_tables(["a", "b"]), robe)
+    with pytest.warns(UserWarning, match=r"format 1 holds no table names.*\['a', 'b'\]"):
+        loaded.load_state_dict(sd)
+    assert torch.equal(loaded.weight, saved.weight)
+    assert torch.equal(loaded.robe_layout, saved.robe_layout)  # the current format
+    with pytest.raises(ValueError, match="block_size: checkpoint 4 vs module 8"):
+        RobeEmbeddingBagCollection(_equal_tables(["a", "b"]), RobeConfig(
+            memory_size=256, block_size=8)).load_state_dict(sd)
+    sd["robe_layout"] = torch.cat([torch.tensor([9]), sd["robe_layout"][1:]])
+    with pytest.raises(ValueError, match="format 9, which this robe_torchrec does not know"):
+        loaded.load_state_dict(sd)
+
+
 def test_layout_is_one_immutable_object():
     tables = make_tables()  # t0 has features f0 and f_extra
     robe = RobeConfig(memory_size=300, block_size=4)
@@ -302,9 +348,11 @@ def test_layout_is_one_immutable_object():
     assert [f.row_offset for f in layout.features] == [0, 0, 50, 350]
     assert layout.feature("f1").pooling == m.Pooling.MEAN
     assert torch.equal(layout.table_meta(), ebc.table_meta)
-    # the checkpoint format: a header, then (num_embeddings, dim, array size) per table
+    # the checkpoint format: a header, then (name's fingerprint, num_embeddings, dim, array
+    # size) per table
+    names = [name_fingerprint(t) for t in ("t0", "t1", "t2")]
     assert ebc.state_dict()["robe_layout"].tolist() == [
-        1, 0, 1024, 4, 1, 3, 50, 8, 300, 300, 5, 300, 7, 16, 300]
+        2, 0, 1024, 4, 1, 3, names[0], 50, 8, 300, names[1], 300, 5, 300, names[2], 7, 16, 300]
     split = RobeLayout.build(tables, RobeConfig(memory_size=300, block_size=4, shared=False))
     assert split.array_offsets == (0, split.array_sizes[0], sum(split.array_sizes[:2]))
     assert [f.array for f in split.features] == [0, 0, 1, 2]
