@@ -15,7 +15,7 @@ Example::
     >>> import robe_torchrec
     >>> robe_torchrec.install()     # done on import already: the names of the changes in effect
     ('rowwise_adagrad', 'kjt_safe_global', 'default_sharders', 'dmp_unsharded_check',
-     'shard_unsharded_check', 'fp_sharder_check', 'quiet_torchrec_noise')
+     'ddp_fused_check', 'shard_unsharded_check', 'fp_sharder_check', 'quiet_torchrec_noise')
     >>> from robe_torchrec.installation import CHANGES
     >>> print(CHANGES["dmp_unsharded_check"])     # what one of them changes, and why
     DistributedModelParallel.__init__ is wrapped to raise UnshardedRobeModuleError, ...
@@ -47,6 +47,12 @@ CHANGES: Dict[str, str] = {
         "DistributedModelParallel.__init__ is wrapped to raise UnshardedRobeModuleError, "
         "naming the missing sharder and the fix, where DMP would leave a ROBE module unsharded "
         "in DDP, where it does not train (robe_torchrec.distributed.unsharded)",
+    "ddp_fused_check":
+        "torch.nn.parallel.DistributedDataParallel.__init__ is wrapped to raise "
+        "UnshardedRobeModuleError for a model with a ROBE module whose array has an "
+        "in-backward optimizer: each rank would update its array from its own batch and the "
+        "ranks would drift apart silently; the error names the fix (DMP, or dense gradients "
+        "under DDP) (robe_torchrec.distributed.unsharded)",
     "shard_unsharded_check":
         "torchrec.distributed.shard's shard() and shard_modules() raise "
         "UnshardedRobeModuleError for a model with a ROBE module: they would leave it "
@@ -69,7 +75,8 @@ def _installers() -> List[Tuple[str, Callable[[], bool]]]:
     # imported here, not at the top: they need torchrec, and this module must import without
     from robe_torchrec import quiet
     from robe_torchrec.distributed.defaults import install_default_sharder
-    from robe_torchrec.distributed.unsharded import (install_dmp_check, install_fp_sharder_check,
+    from robe_torchrec.distributed.unsharded import (install_ddp_check, install_dmp_check,
+                                                     install_fp_sharder_check,
                                                      install_shard_check)
     from robe_torchrec.export import allow_kjt_in_saved_programs
     from robe_torchrec.rowwise_install import install_rowwise_adagrad
@@ -78,6 +85,7 @@ def _installers() -> List[Tuple[str, Callable[[], bool]]]:
             ("kjt_safe_global", allow_kjt_in_saved_programs),
             ("default_sharders", install_default_sharder),
             ("dmp_unsharded_check", install_dmp_check),
+            ("ddp_fused_check", install_ddp_check),
             ("shard_unsharded_check", install_shard_check),
             ("fp_sharder_check", install_fp_sharder_check),
             ("quiet_torchrec_noise", quiet.install)]

@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 import torch
 import torchrec.optim
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import model_parallel
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the functions that change TorchRec or torch; only robe_torchrec.install() may call them
 INSTALLERS = {"install", "install_rowwise_adagrad", "allow_kjt_in_saved_programs",
-              "install_default_sharder", "install_dmp_check", "install_shard_check",
+              "install_default_sharder", "install_dmp_check", "install_ddp_check",
+              "install_shard_check",
               "install_fp_sharder_check"}
 
 
@@ -48,6 +50,7 @@ def _patched_state() -> Dict[str, Any]:
         "model_parallel.get_default_sharders": model_parallel.get_default_sharders,
         "shard.get_default_sharders": shard_module.get_default_sharders,
         "DistributedModelParallel.__init__": DistributedModelParallel.__init__,
+        "DistributedDataParallel.__init__": DistributedDataParallel.__init__,
         **{f"FeatureProcessedEmbeddingBagCollectionSharder.{name}":
            getattr(FeatureProcessedEmbeddingBagCollectionSharder, name)
            for name in ("shardable_parameters", "shard")},

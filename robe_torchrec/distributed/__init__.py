@@ -31,6 +31,7 @@ from robe_torchrec.distributed.sharder import (
 
 from robe_torchrec.distributed.unsharded import (
     UnshardedRobeModuleError,
+    install_ddp_check,
     install_dmp_check,
     install_fp_sharder_check,
     install_shard_check,
@@ -46,6 +47,7 @@ __all__ = [
     "UnshardedRobeModuleError",
     "get_default_sharders",
     "install_default_sharder",
+    "install_ddp_check",
     "install_dmp_check",
     "install_fp_sharder_check",
     "install_shard_check",

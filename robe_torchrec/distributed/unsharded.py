@@ -50,6 +50,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
@@ -225,6 +226,65 @@ def install_dmp_check() -> bool:
     cls = DistributedModelParallel
     if not hasattr(cls.__init__, "robe_wraps"):
         cls.__init__ = _wrap_init(cls.__init__)  # type: ignore[method-assign]
+    return True
+
+
+# --- torch's DistributedDataParallel -----------------------------------------------------
+
+DDP_FIX = ("shard it with DistributedModelParallel(model, sharders=robe_torchrec.distributed"
+           ".get_default_sharders()), whose data_parallel plan averages the array's gradient "
+           "over the ranks before the fused update, or train it under DDP on dense gradients "
+           "(no apply_optimizer_in_backward: DDP then averages the array's gradient as any "
+           "parameter's)")
+
+
+def check_data_parallel(model: nn.Module) -> None:
+    """Raise :class:`UnshardedRobeModuleError` if ``DistributedDataParallel(model)`` holds a
+    ROBE module with an in-backward optimizer: that optimizer updates each rank's array from
+    the rank's own batch inside backward, the array never has a gradient for DDP to average,
+    and the ranks' arrays drift apart with no error."""
+    for path, module in robe_modules(model):
+        if getattr(module.weight, "_optimizer_classes", None):
+            raise UnshardedRobeModuleError(
+                f"DistributedDataParallel: {_describe(path, module)} has an in-backward "
+                "optimizer (apply_optimizer_in_backward), which updates each rank's copy of "
+                "the array from that rank's batch alone: DDP never sees a gradient of it, "
+                "and the ranks' arrays would drift apart. Fix: " + DDP_FIX)
+
+
+def _wrap_ddp_init(original: Callable[..., None]) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            model = signature.bind(self, *args, **kwargs).arguments.get("module")
+        except TypeError:  # let DDP report its own argument errors
+            model = None
+        if isinstance(model, nn.Module):
+            check_data_parallel(model)
+        original(self, *args, **kwargs)
+
+    __init__.robe_wraps = original  # type: ignore[attr-defined]
+    return __init__
+
+
+def install_ddp_check() -> bool:
+    """Make ``torch.nn.parallel.DistributedDataParallel`` refuse a ROBE module with an
+    in-backward optimizer (:func:`check_data_parallel`); True once it does. DMP's own DDP
+    wrapper is not affected: it wraps a model whose ROBE modules are sharded. Idempotent;
+    called by :func:`robe_torchrec.install` only.
+
+    Example::
+
+        >>> install_ddp_check()
+        True
+        >>> hasattr(DistributedDataParallel.__init__, "robe_wraps")
+        True
+    """
+    cls = DistributedDataParallel
+    if not hasattr(cls.__init__, "robe_wraps"):
+        cls.__init__ = _wrap_ddp_init(cls.__init__)  # type: ignore[method-assign]
     return True
 
 

@@ -192,3 +192,46 @@ def test_a_managed_collision_module_around_a_robe_module_is_refused_with_the_fix
     fix = RobeEmbeddingCollection(tables, RobeConfig(compression=10, block_size=4,
                                                      bounds_check="unbounded", hash="mix"))
     assert fix(raw_ids)["f"].values().shape == (3, 8)
+
+
+_PLAIN_DDP = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.optim import apply_optimizer_in_backward
+from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+def model(fused):
+    ebc = RobeEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])],
+        RobeConfig(compression=10, block_size=4))
+    if fused:
+        apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    return torch.nn.ModuleDict({"sparse": ebc})
+
+try:
+    DistributedDataParallel(model(fused=True))
+except ValueError as err:
+    print(type(err).__name__, err)
+dense = model(fused=False)
+ddp = DistributedDataParallel(dense)
+kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]))
+ddp.module["sparse"](kjt).values().sum().backward()
+print("dense gradient under DDP:", dense["sparse"].weight.grad is not None)
+"""
+
+
+def test_plain_ddp_refuses_an_array_with_an_in_backward_optimizer():
+    """Plain DDP around a ROBE module whose array has an in-backward optimizer: each rank
+    would update its array from its own batch, silently apart; refused, naming the fix. On
+    dense gradients DDP takes the module as any other."""
+    out = subprocess.run([sys.executable, "-c", _PLAIN_DDP], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    refused, dense = out.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("UnshardedRobeModuleError DistributedDataParallel: "
+                              "RobeEmbeddingBagCollection 'sparse' has an in-backward "
+                              "optimizer"), refused
+    assert "drift apart" in refused and "get_default_sharders()" in refused, refused
+    assert dense == "dense gradient under DDP: True", dense
