@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from robe_torchrec.ops import answer_copies, count_rows  # noqa: E402
 from robe_torchrec.ops import deferred_checks as dc  # noqa: E402
 from robe_torchrec.ops import defer_checks, raise_pending_checks  # noqa: E402
 from robe_torchrec.ops import meta as m  # noqa: E402
@@ -39,6 +40,14 @@ def deferred():
     with defer_checks(True), tuned(answers_per_copy=1):
         yield
     dc._pending.clear()
+
+
+@pytest.fixture
+def fresh_blocks(monkeypatch):
+    """A new block of count rows: where the last one a process used stands (how many rows
+    earlier tests took) would otherwise decide when a block's last row sends its copy."""
+    monkeypatch.setattr(count_rows, "_blocks", {})
+    monkeypatch.setattr(answer_copies, "_blocks", {})
 
 
 @pytest.fixture
@@ -257,7 +266,7 @@ def test_unread_answers_are_bounded(lagging_device):
     assert not dc._pending
 
 
-def test_answers_copied_together_are_read_once_the_copy_is_full(summaries):
+def test_answers_copied_together_are_read_once_the_copy_is_full(summaries, fresh_blocks):
     """Four answers a copy: a bad forward's problem is not known until the copy carrying it
     has gone out, three forwards later; the backward of the bad input, given in between,
     writes nothing; then the next call raises it, named."""
@@ -281,7 +290,7 @@ def test_answers_copied_together_are_read_once_the_copy_is_full(summaries):
     raise_pending_checks()
 
 
-def test_answers_copied_together_are_read_at_once_when_waited_for():
+def test_answers_copied_together_are_read_at_once_when_waited_for(fresh_blocks):
     """A wait for every answer sends the copy not yet full, and the answers are bounded as
     they are one a copy."""
     case = weighted_case()
