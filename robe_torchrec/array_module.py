@@ -68,6 +68,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         self._fused: Optional[RobeFusedOptimizer] = None
         #: what apply_optimizer_in_backward recorded on the array when _fused was built
         self._applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]] = []
+        #: the array's requires_grad was turned off here, for a compiled graph (see
+        #: _sync_fused_optimizer); otherwise off means the user froze the array
+        self._grad_off_for_compile = False
         self._anchor = autograd_anchor(self.weight.device)  # what fused_lookup needs
         # lets torchrec.optim.RowWiseAdagrad tell the array from a table (rowwise_install)
         self.register_array()
@@ -110,10 +113,11 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
 
     def _run_lookup(self, args: LookupArgs, features: KeyedJaggedTensor) -> torch.Tensor:
         """``robe::forward`` of ``args`` on the array, through the fused optimizer once one
-        was applied; op errors are restated in the input's terms."""
+        was applied (unless the array was frozen); op errors are restated in the input's
+        terms."""
         fused = self._current_fused_optimizer()
         try:
-            if fused is None:
+            if fused is None or self._frozen():
                 return args.forward(self.weight)
             return fused_lookup(self.weight, fused, args, self._anchor)
         except (ValueError, RuntimeError) as err:
@@ -138,6 +142,12 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                              f"per ROBE array is supported, got {len(classes)}")
         return classes[0], dict(self.weight._optimizer_kwargs[0])  # type: ignore[attr-defined]
 
+    def _frozen(self) -> bool:
+        """Whether the user froze the array (``requires_grad_(False)`` on it or on a module
+        holding it): its in-backward optimizer then leaves it alone, as a stock table's
+        does, whose optimizer runs on a gradient a frozen table never gets."""
+        return not self.weight.requires_grad and not self._grad_off_for_compile
+
     def _current_fused_optimizer(self) -> Optional[RobeFusedOptimizer]:
         # first, before a compiled graph reads the weight: the sync may turn its
         # requires_grad off, and the graph must take the array as it is then
@@ -154,9 +164,12 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
     # plain call in eager mode
     @torch.compiler.assume_constant_result
     def _sync_fused_optimizer(self) -> bool:
-        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``, and
-        take the array out of autograd, as FBGEMM's fused tables are: the fused backward
-        updates it, no gradient ever reaches it (see :mod:`robe_torchrec.fused_lookup`).
+        """Create (or replace) the fused optimizer after ``apply_optimizer_in_backward``. The
+        fused backward updates the array and no gradient ever reaches it (see
+        :mod:`robe_torchrec.fused_lookup`); for a graph ``torch.compile`` traces, the array
+        is also taken out of autograd, as FBGEMM's fused tables are, since AOTAutograd
+        refuses to write in backward to an input that requires grad (pytorch#178622). In
+        eager mode its ``requires_grad`` stays the user's: off means frozen.
         ``False`` while torchrec.fx traces an inference graph (the weight is a Proxy)."""
         weight = self.weight
         if isinstance(weight, torch.fx.Proxy):
@@ -171,8 +184,9 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                 self._fused = RobeFusedOptimizer("weight", weight, optimizer_class, kwargs,
                                                  block_size=self._layout.block_size)
                 self._applied = self._recorded_in_backward()
-            if weight.requires_grad:  # an eager forward's host work: only when needed
+            if weight.requires_grad and torch.compiler.is_compiling():
                 weight.requires_grad_(False)
+                self._grad_off_for_compile = True
         return True
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
@@ -194,13 +208,13 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         fails on uninitialised ``table_meta`` entries.
         """
         applied = self._recorded_in_backward()
-        fused = self._fused
+        fused, frozen = self._fused, self._frozen()
         buffers_on_meta = self.table_meta.is_meta
         module = super()._apply(fn, recurse)
         if buffers_on_meta and not self.table_meta.is_meta:
             self._restore_layout_buffers()
         name_features(self.table_meta, self._layout.feature_names)  # a new tensor, perhaps
-        self._follow_new_array(applied, fused)
+        self._follow_new_array(applied, fused, frozen)
         return module
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -210,14 +224,15 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         with its copy of the fused optimizer instead of not at all (its array no longer
         requires grad)."""
         super().__setstate__(state)
-        self._follow_new_array(self._applied, self._fused)
+        self.__dict__.setdefault("_grad_off_for_compile", False)  # pickled before it existed
+        self._follow_new_array(self._applied, self._fused, self._frozen())
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args, **kwargs) -> None:
         # load_state_dict(assign=True) puts the saved tensor in place of the array, as
         # _apply may: keep the in-backward optimizer the same way
-        applied, fused = self._recorded_in_backward(), self._fused
+        applied, fused, frozen = self._recorded_in_backward(), self._fused, self._frozen()
         self._load_checked(state_dict, prefix, *args, **kwargs)
-        self._follow_new_array(applied, fused)
+        self._follow_new_array(applied, fused, frozen)
 
     def _recorded_in_backward(self) -> List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]]:
         """Every ``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` recorded on
@@ -226,20 +241,24 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                         getattr(self.weight, "_optimizer_kwargs", [])))
 
     def _follow_new_array(self, applied: List[Tuple[Type[torch.optim.Optimizer], Dict[str, Any]]],
-                          fused: Optional[RobeFusedOptimizer]) -> None:
+                          fused: Optional[RobeFusedOptimizer], frozen: bool) -> None:
         """After :attr:`weight` may have been replaced: record ``applied`` on it again if it
-        lost them, and rebuild the fused optimizer ``fused`` on it if it was the old array's."""
+        lost them, rebuild the fused optimizer ``fused`` on it if it was the old array's,
+        and keep it ``frozen`` if the old one was."""
         if self._anchor.device != self.weight.device:
             self._anchor = autograd_anchor(self.weight.device)
         if applied and not getattr(self.weight, "_optimizer_classes", None):
             # it reaches the array's gradient accumulator through autograd, which a caller's
-            # no_grad (torchrec's init_parameters) or a fused array's requires_grad=False
-            # would turn off; the next sync takes the array out of autograd again
+            # no_grad (torchrec's init_parameters) or requires_grad=False would turn off; a
+            # compiled graph's sync takes the array out of autograd again
             self.weight.requires_grad_(True)
+            self._grad_off_for_compile = False
             with torch.enable_grad():
                 for optimizer_class, kwargs in applied:
                     # what torchrec.optim.apply_optimizer_in_backward runs (deprecated for it)
                     _apply_optimizer_in_backward(optimizer_class, [self.weight], kwargs)
+            if frozen:
+                self.weight.requires_grad_(False)
         if fused is None or fused.param is self.weight:
             return
         self._fused = None

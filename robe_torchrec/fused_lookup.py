@@ -10,10 +10,12 @@ data-parallel array, the dense gradient averaged over the process group and then
 The unsharded path compiles (``torch.compile(fullgraph=True)``): the backward reads no
 tensor on the host, the step counter stays a tensor until the op reads it.
 
-The array an optimizer updates here does not require grad, as FBGEMM's fused tables do not:
-no gradient ever reaches it through autograd, and an array that required grad, written in the
-backward, is what torch 2.11's AOTAutograd refuses to compile ("a leaf Variable that requires
-grad is being used in an in-place operation", pytorch/pytorch#178622). Autograd still calls
+The array an optimizer updates here enters the lookup detached, as FBGEMM's fused tables do
+not take part in autograd: no gradient ever reaches it. (Its module takes it out of
+autograd altogether for a compiled graph: an array that required grad, written in the
+backward, is what torch 2.11's AOTAutograd refuses to compile, "a leaf Variable that
+requires grad is being used in an in-place operation", pytorch/pytorch#178622; in eager
+mode its ``requires_grad`` stays the user's, off meaning frozen.) Autograd still calls
 this backward: the forward takes an *anchor*, an empty leaf that requires grad (or the
 per-sample weights, when they need a gradient). Make one with :func:`autograd_anchor` on the
 array's device: a sharded lookup with no features makes its empty output from it, which

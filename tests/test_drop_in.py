@@ -217,9 +217,10 @@ def test_compiled_dlrm_equals_eager():
     torch.testing.assert_close(compiled(dense, kjt), model(dense, kjt))
 
 
-def _train(model, steps, compiled=False, fused=None, lrs=None):
+def _train(model, steps, compiled=False, fused=None, lrs=None, eager_first=0):
     """SGD steps of a fixed loss on a DLRM; the optimizer is dense unless ``fused`` is given
-    (then it updates the ROBE array in backward, and SGD the rest)."""
+    (then it updates the ROBE array in backward, and SGD the rest); with ``compiled``, the
+    first ``eager_first`` steps run eagerly."""
     ebc = model.sparse_arch.embedding_bag_collection
     if fused is not None:
         apply_optimizer_in_backward(fused[0], [ebc.weight], fused[1])
@@ -229,7 +230,7 @@ def _train(model, steps, compiled=False, fused=None, lrs=None):
     for step in range(steps):
         if lrs is not None:
             ebc.fused_optimizer.param_groups[0]["lr"] = lrs[step]
-        logits = run(dense_input(step), make_kjt(step))
+        logits = (model if step < eager_first else run)(dense_input(step), make_kjt(step))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             logits.squeeze(-1), torch.arange(BATCH, dtype=torch.float32) % 2)
         opt.zero_grad()
@@ -353,11 +354,25 @@ def test_compiled_fused_training_with_torch_211_aot_autograd(aot_autograd_of_tor
     _fused_training_compiled_and_eager(cls, kwargs)
 
 
-def test_fused_array_leaves_autograd():
-    """As FBGEMM's fused tables: once an optimizer is applied in backward, the array does
-    not require grad from its first forward on (the fused backward updates it; no gradient
-    reaches it), and a dense optimizer given every parameter leaves it alone. A move that
-    replaces the array keeps the optimizer applied to it."""
+def test_compiled_after_eager_steps_with_torch_211_aot_autograd(aot_autograd_of_torch_211):
+    """Eager steps keep the array's requires_grad (the user's: off means frozen); the trace
+    that follows takes it out of autograd before reading it, and the training goes on as
+    eager's."""
+    torch.manual_seed(0)
+    eager = make_dlrm()
+    mixed = copy.deepcopy(eager)
+    fused = (torch.optim.Adagrad, {"lr": 0.1})
+    _train(eager, 3, fused=fused)
+    _train(mixed, 3, compiled=True, fused=fused, eager_first=1)
+    for (name, a), b in zip(eager.named_parameters(), mixed.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fused_array_gets_no_gradient():
+    """As FBGEMM's fused tables: once an optimizer is applied in backward, the fused
+    backward updates the array, no gradient reaches it, and a dense optimizer given every
+    parameter leaves it alone; its requires_grad stays the user's (off: frozen, below). A
+    move that replaces the array keeps the optimizer applied to it."""
     model = make_dlrm()
     ebc = model.sparse_arch.embedding_bag_collection
     apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
@@ -365,27 +380,69 @@ def test_fused_array_leaves_autograd():
     for step in range(2):
         before = ebc.weight.detach().clone()
         model(dense_input(step), make_kjt(step)).sum().backward()
-        assert not ebc.weight.requires_grad and ebc.weight.grad is None
+        assert ebc.weight.requires_grad and ebc.weight.grad is None
         assert not torch.equal(ebc.weight, before)  # updated by the fused SGD
         dense.step()
     old = ebc.weight
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
-        ebc.double()  # a new array object, which does not require grad either
+        ebc.double()  # a new array object
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
     assert ebc.weight is not old and ebc.in_backward_optimizer() is not None
     before = ebc.weight.detach().clone()
     ebc(make_kjt()).values().sum().backward()
-    assert not ebc.weight.requires_grad and not torch.equal(ebc.weight, before)
+    assert ebc.weight.grad is None and not torch.equal(ebc.weight, before)
+
+
+@pytest.mark.parametrize("trained_first", [False, True])
+def test_a_frozen_array_is_left_alone_by_its_in_backward_optimizer(trained_first):
+    """``model.requires_grad_(False)`` freezes the ROBE array as it freezes a stock table
+    with an optimizer applied in backward (whose optimizer then gets no gradient): the
+    dense layers still train, the array does not, and it trains again once unfrozen. The
+    freeze survives a move that replaces the array."""
+    model = make_dlrm()
+    ebc = model.sparse_arch.embedding_bag_collection
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    if trained_first:
+        model(dense_input(0), make_kjt(0)).sum().backward()
+    ebc.requires_grad_(False)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        ebc.float()  # a new array object
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    before = ebc.weight.detach().clone()
+    model(dense_input(1), make_kjt(1)).sum().backward()
+    assert torch.equal(ebc.weight, before)
+    assert next(model.over_arch.parameters()).grad is not None  # the dense part trains on
+    ebc.requires_grad_(True)
+    model(dense_input(2), make_kjt(2)).sum().backward()
+    assert not torch.equal(ebc.weight, before)
+
+
+def test_a_frozen_copy_as_teacher_is_not_trained_by_the_student_loss():
+    """Distillation: a deep copy of the student, frozen, whose output enters the loss
+    without no_grad. The student trains; the teacher does not (its copy of the fused
+    optimizer stays idle), eager and compiled."""
+    student = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [student.weight], {"lr": 0.1})
+    student(make_kjt(0)).values().sum().backward()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    compiled = torch.compile(teacher, fullgraph=True, backend="aot_eager")
+    for run in (teacher, compiled):
+        kept, trained = teacher.weight.detach().clone(), student.weight.detach().clone()
+        kjt = make_kjt(1)
+        (student(kjt).values() * run(kjt).values()).sum().backward()
+        assert torch.equal(teacher.weight, kept)
+        assert not torch.equal(student.weight, trained)
 
 
 def test_a_deep_copy_keeps_the_fused_optimizer():
     """``Parameter.__deepcopy__`` drops what ``apply_optimizer_in_backward`` recorded (a
     stock EmbeddingBagCollection's copy loses it too). A ROBE module's copy records it again
     on its array, with its copy of the fused optimizer's state, and trains as the original
-    does from there; without that it would not train at all (its array no longer requires
-    grad)."""
+    does from there; without that it would not train at all."""
     ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
     apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
     ebc(make_kjt(0)).values().sum().backward()
