@@ -37,6 +37,10 @@ from robe_torchrec.rowwise_install import ArrayOwner
 from robe_torchrec.torchscript import NotScriptable
 
 
+#: the attribute of an array that holds its fused optimizer, for every module sharing it
+_ARRAY_OPTIMIZER = "_robe_fused_optimizer"
+
+
 class RobeArrayModule(NotScriptable, ArrayOwner):
     """The ROBE array of a module and what goes with it (see the module docstring).
 
@@ -178,16 +182,31 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         # the kwargs, which only a new optimizer needs
         classes = getattr(weight, "_optimizer_classes", None)
         if classes:
-            if len(classes) != 1 or self._fused is None or \
-                    self._fused.optimizer_class is not classes[0]:
+            if len(classes) != 1 or self._fused is None or self._fused.param is not weight \
+                    or self._fused.optimizer_class is not classes[0]:
                 optimizer_class, kwargs = self.in_backward_optimizer()  # raises for several
-                self._fused = RobeFusedOptimizer("weight", weight, optimizer_class, kwargs,
-                                                 block_size=self._layout.block_size)
+                self._fused = self._array_optimizer(optimizer_class, kwargs)
                 self._applied = self._recorded_in_backward()
             if weight.requires_grad and torch.compiler.is_compiling():
                 weight.requires_grad_(False)
                 self._grad_off_for_compile = True
         return True
+
+    def _array_optimizer(self, optimizer_class: Type[torch.optim.Optimizer],
+                         kwargs: Dict[str, Any]) -> RobeFusedOptimizer:
+        """The fused optimizer of :attr:`weight`: the one another module sharing the array
+        (``b.weight = a.weight``) made already, so that one state steps it, as one
+        parameter has one in-backward optimizer; else a new one, kept on the array."""
+        weight = self.weight
+        shared = getattr(weight, _ARRAY_OPTIMIZER, None)
+        if shared is not None and shared.param is weight \
+                and shared.optimizer_class is optimizer_class \
+                and shared.block_size == self._layout.block_size:
+            return shared
+        fused = RobeFusedOptimizer("weight", weight, optimizer_class, kwargs,
+                                   block_size=self._layout.block_size)
+        setattr(weight, _ARRAY_OPTIMIZER, fused)
+        return fused
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
 

@@ -438,6 +438,30 @@ def test_a_frozen_copy_as_teacher_is_not_trained_by_the_student_loss():
         assert not torch.equal(student.weight, trained)
 
 
+@pytest.mark.parametrize("tied_after_training", [False, True])
+def test_modules_sharing_an_array_share_its_fused_optimizer(tied_after_training):
+    """``b.weight = a.weight``: one array, one in-backward optimizer state, as one parameter
+    has one; each call steps it, as one module called twice in a forward does. Tied after
+    ``b`` trained on an array of its own, ``b`` drops that array's optimizer."""
+    tables = make_tables()
+    torch.manual_seed(0)
+    a, b = (RobeEmbeddingBagCollection(tables, ROBE) for _ in range(2))
+    torch.manual_seed(0)
+    once = RobeEmbeddingBagCollection(tables, ROBE)
+    if tied_after_training:
+        apply_optimizer_in_backward(torch.optim.Adagrad, [b.weight], {"lr": 0.1})
+        b(make_kjt(0)).values().sum().backward()
+    b.weight = a.weight
+    for module in (a, once):
+        apply_optimizer_in_backward(torch.optim.Adagrad, [module.weight], {"lr": 0.1})
+    for step in range(3):
+        kjt = make_kjt(step)
+        (a(kjt).values().sum() + 2 * b(kjt).values().sum()).backward()
+        (once(kjt).values().sum() + 2 * once(kjt).values().sum()).backward()
+    assert a.fused_optimizer is b.fused_optimizer
+    torch.testing.assert_close(a.weight, once.weight, rtol=0, atol=1e-6)
+
+
 def test_a_deep_copy_keeps_the_fused_optimizer():
     """``Parameter.__deepcopy__`` drops what ``apply_optimizer_in_backward`` recorded (a
     stock EmbeddingBagCollection's copy loses it too). A ROBE module's copy records it again
