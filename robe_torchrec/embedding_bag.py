@@ -73,7 +73,8 @@ class RobeEmbeddingBagCollection(RobeArrayModule, EmbeddingBagCollectionInterfac
         device: Optional[torch.device | str] = None,
     ) -> None:
         super().__init__()
-        stock_state_dict.register(self)  # a stock EBC's state dict gets a hint, not a key list
+        # a stock EBC's state dict gets a hint, not a key list
+        stock_state_dict.register(self, stock_state_dict.BAGS)
         self._init_array(tables, robe, device)
         self._embedding_bag_configs = tables
         self._is_weighted = is_weighted

@@ -12,8 +12,10 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from robe_torchrec import stock_state_dict
 from robe_torchrec.array_module import RobeArrayModule, as_kjt, check_kjt, select_features
 from robe_torchrec.config import RobeConfig
+from robe_torchrec.least_squares import copy_sequence_table, fit_into, sequence_table_weights
 from robe_torchrec.ops.unpooled import gather_unpooled, keys_table_meta, unpooled_args
 
 
@@ -76,6 +78,26 @@ class RobeEmbeddingCollection(RobeArrayModule, EmbeddingCollectionInterface):
             name for names in self._embedding_names_by_table for name in names
         ]
         self._embedding_dim = tables[0].embedding_dim
+        # a stock EmbeddingCollection's state dict gets a hint, not a key list
+        stock_state_dict.register(self, stock_state_dict.SEQUENCES)
+
+    @classmethod
+    def from_embedding_collection(
+        cls, ec: EmbeddingCollectionInterface, robe: RobeConfig,
+        id_counts: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> "RobeEmbeddingCollection":
+        """A ROBE module with the tables of a trained TorchRec ``EmbeddingCollection``, its
+        array the least-squares fit of the trained tables under the hash, as
+        :meth:`RobeEmbeddingBagCollection.from_embedding_bag_collection` fits a bag
+        collection's (``id_counts``: table name -> look-ups per row; uniform when None).
+
+            >>> robe_ec = RobeEmbeddingCollection.from_embedding_collection(
+            ...     trained_ec, RobeConfig(compression=100, block_size=8))
+        """
+        tables = [copy_sequence_table(t) for t in ec.embedding_configs()]
+        robe_ec = cls(tables, robe, need_indices=ec.need_indices())
+        fit_into(robe_ec, sequence_table_weights(ec), id_counts)
+        return robe_ec
 
     # --- EmbeddingCollection interface ---------------------------------------------------
 

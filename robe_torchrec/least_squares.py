@@ -31,8 +31,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Mapping, Optional
 
 import torch
-from torchrec import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface,
+                                                EmbeddingCollectionInterface)
 
 from robe_torchrec.hashing import block_starts
 from robe_torchrec.layout import RobeLayout
@@ -54,6 +55,20 @@ def table_weights(ebc: EmbeddingBagCollectionInterface) -> Dict[str, torch.Tenso
             raise TypeError(f"{type(ebc).__name__} has no {key}: pass an unsharded TorchRec "
                             f"EmbeddingBagCollection (load a sharded one with "
                             f"robe_torchrec.compress.load_embedding_bag_collection)")
+        out[table.name] = state[key]
+    return out
+
+
+def sequence_table_weights(ec: EmbeddingCollectionInterface) -> Dict[str, torch.Tensor]:
+    """``{table name: weight [num_embeddings, dim]}`` of an unsharded TorchRec
+    ``EmbeddingCollection`` (its ``embeddings.<name>.weight`` state)."""
+    state = ec.state_dict()
+    out = {}
+    for table in ec.embedding_configs():
+        key = f"embeddings.{table.name}.weight"
+        if key not in state:
+            raise TypeError(f"{type(ec).__name__} has no {key}: pass an unsharded TorchRec "
+                            "EmbeddingCollection")
         out[table.name] = state[key]
     return out
 
@@ -132,3 +147,10 @@ def copy_table(table: EmbeddingBagConfig) -> EmbeddingBagConfig:
                               num_embeddings=table.num_embeddings,
                               feature_names=list(table.feature_names), pooling=table.pooling,
                               data_type=table.data_type)
+
+
+def copy_sequence_table(table: EmbeddingConfig) -> EmbeddingConfig:
+    """:func:`copy_table` of an ``EmbeddingConfig`` (an ``EmbeddingCollection``'s table)."""
+    return EmbeddingConfig(name=table.name, embedding_dim=table.embedding_dim,
+                           num_embeddings=table.num_embeddings,
+                           feature_names=list(table.feature_names), data_type=table.data_type)

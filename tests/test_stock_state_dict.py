@@ -46,3 +46,32 @@ def test_every_robe_module_gets_the_hint():
     robe = RobeEmbeddingBagCollection(TABLES, RobeConfig(compression=10, block_size=4))
     with pytest.raises(RuntimeError, match="from_embedding_bag_collection"):
         robe.load_state_dict(stock.state_dict())
+
+
+def test_a_stock_embedding_collection_state_dict_names_its_conversion():
+    """The sequence module's twin: a stock ``EmbeddingCollection``'s state dict gets the
+    hint, and ``from_embedding_collection`` fits the array as the bag conversion fits the
+    same trained tables (the two modules' arrays are interchangeable)."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    from robe_torchrec import RobeEmbeddingCollection
+
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50,
+                              feature_names=[f"f{i}"]) for i in range(2)]
+    stock = EmbeddingCollection(tables=tables, need_indices=True)
+    robe = RobeEmbeddingCollection(tables, RobeConfig(compression=10, block_size=4))
+    with pytest.raises(RuntimeError, match=r"RobeEmbeddingCollection.*stock "
+                                           r"EmbeddingCollection's tables \(2: t0, t1\).*"
+                                           r"from_embedding_collection"):
+        robe.load_state_dict(stock.state_dict())
+    converted = RobeEmbeddingCollection.from_embedding_collection(
+        stock, RobeConfig(compression=10, block_size=4))
+    assert converted.need_indices() and [t.name for t in converted.embedding_configs()] == \
+        ["t0", "t1"]
+    bags = EmbeddingBagCollection(tables=TABLES)
+    bags.load_state_dict({f"embedding_bags.{k[len('embeddings.'):]}": v
+                          for k, v in stock.state_dict().items()})
+    from_bags = RobeEmbeddingBagCollection.from_embedding_bag_collection(
+        bags, RobeConfig(compression=10, block_size=4))
+    assert torch.equal(converted.weight, from_bags.weight)
+    assert not torch.equal(converted.weight, robe.weight)
