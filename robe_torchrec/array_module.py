@@ -378,7 +378,9 @@ def check_kjt(features: Any, owner: str) -> KeyedJaggedTensor:
 def select_features(features: KeyedJaggedTensor, feature_names: List[str],
                     owner: str = "RobeEmbeddingBagCollection") -> KeyedJaggedTensor:
     """``features`` reduced to ``feature_names``, in that order; other keys are dropped (as
-    TorchRec's embedding modules drop them), a missing one raises ``ValueError`` naming it.
+    TorchRec's embedding modules drop them), a missing one raises ``ValueError`` naming it,
+    and so does a key given twice (which of its two inputs to look up is anyone's guess:
+    TorchRec's modules take the last, silently).
 
     Example::
 
@@ -398,4 +400,8 @@ def select_features(features: KeyedJaggedTensor, feature_names: List[str],
         raise ValueError(f"{owner}: the input lacks features of the tables: "
                          f"missing {missing}{also} (expected {feature_names}; unknown "
                          "features are ignored)")
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"{owner}: the input has features {twice} more than once (keys "
+                         f"{keys}); give each feature once, its ids in one place")
     return features.permute([keys.index(f) for f in feature_names])

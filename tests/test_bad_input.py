@@ -132,6 +132,12 @@ def test_missing_and_unknown_features(backend):
         module()(kjt([1, 2], lengths=(1, 1), keys=("user",)))
 
 
+def test_a_feature_given_twice(backend):
+    with pytest.raises(ValueError, match=r"features \['user'\] more than once"):
+        module()(kjt([1, 2, 3, 4, 5, 6], lengths=(1, 1, 1, 1, 1, 1),
+                     keys=("user", "item", "user")))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_per_sample_weights(backend, bad):
     m = RobeEmbeddingBagCollection(tables(), RobeConfig(memory_size=200, block_size=4), is_weighted=True)
