@@ -240,8 +240,8 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         """A deep copy (or an unpickled module) has a new array, without what
         ``apply_optimizer_in_backward`` recorded on the old one (``Parameter.__deepcopy__``
         keeps none of it): recorded again from the module's own record, so the copy trains
-        with its copy of the fused optimizer instead of not at all (its array no longer
-        requires grad)."""
+        with its copy of the fused optimizer instead of not at all (no gradient reaches its
+        array), frozen if the original was."""
         super().__setstate__(state)
         self.__dict__.setdefault("_grad_off_for_compile", False)  # pickled before it existed
         self._follow_new_array(self._applied, self._fused, self._frozen())

@@ -48,7 +48,7 @@ CHANGES: Dict[str, str] = {
         "naming the missing sharder and the fix, where DMP would leave a ROBE module unsharded "
         "in DDP, where it does not train (robe_torchrec.distributed.unsharded)",
     "ddp_fused_check":
-        "torch.nn.parallel.DistributedDataParallel.__init__ is wrapped to raise "
+        "torch.nn.parallel.DistributedDataParallel.__new__ is wrapped to raise "
         "UnshardedRobeModuleError for a model with a ROBE module whose array has an "
         "in-backward optimizer: each rank would update its array from its own batch and the "
         "ranks would drift apart silently; the error names the fix (DMP, or dense gradients "

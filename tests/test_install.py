@@ -50,7 +50,7 @@ def _patched_state() -> Dict[str, Any]:
         "model_parallel.get_default_sharders": model_parallel.get_default_sharders,
         "shard.get_default_sharders": shard_module.get_default_sharders,
         "DistributedModelParallel.__init__": DistributedModelParallel.__init__,
-        "DistributedDataParallel.__init__": DistributedDataParallel.__init__,
+        "DistributedDataParallel.__new__": DistributedDataParallel.__new__,
         **{f"FeatureProcessedEmbeddingBagCollectionSharder.{name}":
            getattr(FeatureProcessedEmbeddingBagCollectionSharder, name)
            for name in ("shardable_parameters", "shard")},
@@ -68,7 +68,8 @@ def test_import_made_every_change_and_install_names_them():
     assert robe_torchrec.install is installation.install
     # the import made them: the wrapped objects carry their originals, once
     state = _patched_state()
-    wrapped = [k for k in state if k.endswith(("__init__", "step", "get_default_sharders"))
+    wrapped = [k for k in state if k.endswith(("__init__", "__new__", "step",
+                                               "get_default_sharders"))
                or k.startswith(("shard._", "FeatureProcessed"))]
     for key in wrapped:
         assert hasattr(state[key], "robe_wraps"), key

@@ -252,21 +252,21 @@ def check_data_parallel(model: nn.Module) -> None:
                 "and the ranks' arrays would drift apart. Fix: " + DDP_FIX)
 
 
-def _wrap_ddp_init(original: Callable[..., None]) -> Callable[..., None]:
-    signature = inspect.signature(original)
+def _checking_new(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DistributedDataParallel.__new__`` that checks the model first. ``__new__``, not
+    ``__init__``: the warnings DDP's ``__init__`` gives (deprecated arguments) then still
+    name the line that built it, not this wrapper."""
 
-    @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            model = signature.bind(self, *args, **kwargs).arguments.get("module")
-        except TypeError:  # let DDP report its own argument errors
-            model = None
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("module")
         if isinstance(model, nn.Module):
             check_data_parallel(model)
-        original(self, *args, **kwargs)
+        if original is object.__new__:  # it takes no arguments beyond the class
+            return original(cls)
+        return original(cls, *args, **kwargs)
 
-    __init__.robe_wraps = original  # type: ignore[attr-defined]
-    return __init__
+    __new__.robe_wraps = original  # type: ignore[attr-defined]
+    return __new__
 
 
 def install_ddp_check() -> bool:
@@ -279,12 +279,12 @@ def install_ddp_check() -> bool:
 
         >>> install_ddp_check()
         True
-        >>> hasattr(DistributedDataParallel.__init__, "robe_wraps")
+        >>> hasattr(DistributedDataParallel.__new__, "robe_wraps")
         True
     """
     cls = DistributedDataParallel
-    if not hasattr(cls.__init__, "robe_wraps"):
-        cls.__init__ = _wrap_ddp_init(cls.__init__)  # type: ignore[method-assign]
+    if not hasattr(cls.__new__, "robe_wraps"):
+        cls.__new__ = staticmethod(_checking_new(cls.__new__))  # type: ignore[method-assign]
     return True
 
 
