@@ -24,12 +24,14 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 
 from robe_torchrec.config import RobeConfig
 from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 from robe_torchrec.least_squares import copy_table, fit_into, least_squares_array, table_weights
+from robe_torchrec.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["APP_TABLES_PREFIX", "compress_embedding_bag_collection", "fit_from_checkpoint",
            "fit_into", "least_squares_array", "load_embedding_bag_collection",
@@ -57,10 +59,11 @@ def load_table_weights(path: "str | os.PathLike", tables: Sequence[EmbeddingBagC
     number of ranks; the app's by default), read in this process alone: ``{table name:
     weight [rows, dim]}``. ``prefix``: where ``embedding_bags.<name>.weight`` of the trained
     ``EmbeddingBagCollection`` sits under the checkpoint's ``model`` entry.
-    ``storage_reader``: DCP's reader of ``path`` (default ``FileSystemReader``, which
-    unpickles the checkpoint's metadata: pass one that restricts it, as the training app
-    does, for a checkpoint you did not write)."""
-    reader = storage_reader or dcp.FileSystemReader(str(path))
+    ``storage_reader``: DCP's reader of ``path`` (default
+    :class:`~robe_torchrec.safe_dcp.SafeFileSystemReader`, which reads a checkpoint you did
+    not write without running code from it; every table must be a tensor entry, and
+    nothing else is read)."""
+    reader = storage_reader or SafeFileSystemReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     state: Dict[str, torch.Tensor] = {}
     for table in tables:
@@ -71,13 +74,16 @@ def load_table_weights(path: "str | os.PathLike", tables: Sequence[EmbeddingBagC
             raise ValueError(f"checkpoint {path} has no full table {table.name!r} (no {key}); "
                              f"init_from needs a checkpoint of a full-table model "
                              f"(embedding=full), found {robe[:3]}")
+        if not isinstance(saved[key], TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path}: table {table.name!r} ({key}) is not a "
+                             f"tensor entry but {type(saved[key]).__name__}")
         if tuple(saved[key].size) != shape:
             raise ValueError(f"checkpoint {path}: table {table.name!r} has shape "
                              f"{tuple(saved[key].size)}, the model expects {shape} (the same "
                              f"data, cardinalities and embedding.dim)")
         state[key] = torch.empty(shape)
     dcp.load({"model": {k[len("model."):]: v for k, v in state.items()}},
-             storage_reader=reader, no_dist=True)
+             storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {t.name: state[f"model.{prefix}{t.name}.weight"] for t in tables}
 
 

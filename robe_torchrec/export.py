@@ -20,19 +20,14 @@ Example::
 
 from __future__ import annotations
 
-import io
-import json
-import math
-import operator
-import os
-import posixpath
-import re
-import zipfile
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.export import Dim, ExportedProgram
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# the loader of programs received from elsewhere, importable from here too
+from robe_torchrec.safe_program import UnsafeProgramError, load_program
 
 
 def allow_kjt_in_saved_programs() -> bool:
@@ -121,144 +116,5 @@ def _int64_ids_hook(module: torch.nn.Module, args: Tuple) -> Optional[Tuple]:
                                     offsets=_as_int64(kjt._offsets))
 
 
-class UnsafeProgramError(ValueError):
-    """A ``.pt2`` archive holds something that loading it could run as code (a pickle that
-    needs full unpickling, a custom object, a shape expression that is not arithmetic, a
-    call of something other than an operator); nothing of it was unpickled or run."""
-
-
-#: names a program's shape expressions may use besides symbols (``s0``, ``u3``): the sympy
-#: functions torch's serializer writes. Anything else could be a Python builtin, because
-#: torch parses these strings with ``sympy.sympify``, which evaluates them.
-_SYMPY_NAMES = frozenset((
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt",
-    "FloorToInt", "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv",
-    "IntTrueDiv", "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt",
-    "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Abs", "Eq", "Ne",
-    "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "True", "False", "oo", "zoo", "nan",
-    "Integer", "Rational", "Float", "floor", "ceiling", "sqrt", "Piecewise", "OpaqueUnaryFn",
-    "BitwiseFn", "Mul", "Add", "Pow", "Symbol"))
-_SYMBOL = re.compile(r"^[a-z]+\d+$")
-# a name, a keyword argument (``positive=True``), a quoted symbol name (``Symbol('s0')``, as
-# sympy's srepr writes them), a number, an operator
-_TOKENS = re.compile(r"\s*(?:([a-z]+=)(?!=)|([A-Za-z][A-Za-z0-9]*)|'[A-Za-z0-9_]+'|"
-                     r"\d+(?:\.\d+)?(?:e[+-]?\d+)?|\*\*|//|[-+*/%(),<>=!&|~^])")
-
-
-def _check_expression(text: str) -> Optional[str]:
-    """Why ``text`` is not a plain shape expression, or None."""
-    pos = 0
-    while pos < len(text.rstrip()):
-        m = _TOKENS.match(text, pos)
-        if not m or m.end() == pos:
-            return f"unexpected {text[pos:pos + 10]!r}"
-        name = m.group(2)
-        if name and name not in _SYMPY_NAMES and not _SYMBOL.match(name):
-            return f"the name {name!r}"
-        pos = m.end()
-    return None
-
-
-def _walk_json(obj: Any, found: List[str]) -> None:
-    """Every ``expr_str`` string in a serialized program."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k == "expr_str" and isinstance(v, str):
-                found.append(v)
-            else:
-                _walk_json(v, found)
-    elif isinstance(obj, list):
-        for v in obj:
-            _walk_json(v, found)
-
-
-def _pickled_entries(archive, names: List[str]) -> List[str]:
-    """The entries of a ``.pt2`` that ``torch.export.load`` hands to ``torch.load``."""
-    out = [n for n in names if "/data/sample_inputs/" in n]
-    for n in names:
-        parts = n.split("/")
-        if len(parts) == 4 and parts[1] == "data" and parts[2] in ("weights", "constants") \
-                and parts[3].endswith(".pt"):
-            out.append(n)  # the legacy layout: one pickle of every weight or constant
-        if n.endswith("_weights_config.json") or n.endswith("_constants_config.json"):
-            config = json.loads(archive.read(n)).get("config", {})
-            for entry in config.values():
-                if isinstance(entry, dict) and entry.get("use_pickle"):
-                    out.append(posixpath.join(posixpath.dirname(n), entry.get("path_name", "")))
-    return out
-
-
-def load_program(path: "str | os.PathLike") -> ExportedProgram:
-    """``torch.export.load`` of a ``.pt2`` file you did not write, without running code
-    from it: every pickle in the archive must load with ``torch.load(weights_only=True)``
-    (torch would fall back to a full unpickle, or use one outright), its shape expressions
-    must be arithmetic on symbols (torch evaluates them), and it may call operators only.
-    Raises :class:`UnsafeProgramError` naming the file and the entry otherwise.
-
-    Importing this module imported ``robe_torchrec``, which registered its ops and admitted
-    the KJT class to weights-only loading (:func:`allow_kjt_in_saved_programs`)."""
-    with open(os.fspath(path), "rb") as f:
-        data = f.read()  # checked and loaded from the same bytes
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise ValueError(f"{path}: not a torch.export archive (.pt2): {e}") from None
-    names = archive.namelist()
-
-    def refuse(entry: str, why: str) -> UnsafeProgramError:
-        return UnsafeProgramError(f"{path}: refused, nothing loaded: {entry} {why}. Load only "
-                                  f"programs you trust with torch.export.load")
-
-    for name in names:
-        if "/data/constants/custom_obj" in name:
-            raise refuse(name, "is a custom (TorchBind) object, which loads as code")
-    for name in _pickled_entries(archive, names):
-        try:
-            torch.load(io.BytesIO(archive.read(name)), weights_only=True)
-        except KeyError:
-            raise refuse(name, "is listed but missing") from None
-        except Exception as e:  # noqa: BLE001 - any refusal of the weights-only unpickler
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln),
-                       lines[0] if lines else e)
-            raise refuse(name, f"does not load with weights_only=True (it needs a full "
-                               f"unpickle, which runs code: {why})") from None
-    for name in names:
-        if "/models/" in name and name.endswith(".json"):
-            exprs: List[str] = []
-            try:
-                _walk_json(json.loads(archive.read(name)), exprs)
-            except ValueError as e:
-                raise ValueError(f"{path}: {name} is not a serialized program ({e})") from None
-            for expr in exprs:
-                bad = _check_expression(expr)
-                if bad is not None:
-                    raise refuse(name, f"holds the shape expression {expr[:80]!r}, which is "
-                                       f"not arithmetic on symbols ({bad}); torch evaluates "
-                                       f"these as Python")
-    program = torch.export.load(io.BytesIO(data))
-    _check_targets(program, path)
-    return program
-
-
-def _check_targets(program: ExportedProgram, path: Any) -> None:
-    """Refuse a program whose graph calls anything but operators, ``operator`` / ``math``
-    functions and torch's symbolic-size helpers: the deserializer resolves any ``torch.*``
-    name, ``torch.os.system`` included, and calling the program would run it."""
-    plain = {getattr(operator, n) for n in dir(operator) if not n.startswith("_")}
-    plain |= {getattr(math, n) for n in dir(math) if callable(getattr(math, n))}
-    plain |= {getattr(torch, n) for n in ("sym_int", "sym_float", "sym_max", "sym_min",
-                                          "sym_not", "sym_ite", "sym_sqrt", "sym_sum")
-              if hasattr(torch, n)}
-    ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
-    for module in program.graph_module.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if graph is not None else []:
-            if node.op in ("call_method", "call_module"):
-                raise UnsafeProgramError(f"{path}: refused: node {node.name} is a "
-                                         f"{node.op}, which an exported program never has")
-            if node.op == "call_function" and not isinstance(node.target, ops) \
-                    and node.target not in plain:
-                raise UnsafeProgramError(
-                    f"{path}: refused: node {node.name} calls {node.target!r}, which is not "
-                    f"an operator. Load only programs you trust with torch.export.load")
+__all__ = ["UnsafeProgramError", "allow_kjt_in_saved_programs", "dynamic_shapes",
+           "export_model", "kjt_dynamic_shapes", "load_program"]

@@ -30,8 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import io
-import pathlib
 import pickle
 import re
 import shutil
@@ -42,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+
+# reading a checkpoint without running code from it (importable from here too)
+from robe_torchrec.safe_dcp import (CheckpointError, SafeFileSystemReader, SafeLoadPlanner,
+                                    UnsafeCheckpointError, read_metadata_safely, safe_load)
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -72,121 +72,9 @@ def _state(model: nn.Module, optimizer: KeyedOptimizer, step: int, rank: int) ->
     }
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (the message names it and says why)."""
-
-
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (the message says why: disk full, I/O error ...);
     its partial ``step_N.tmp`` is removed and the earlier checkpoints are kept."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint's DCP metadata names something other than DCP's metadata classes (a
-    pickle that would run code, or not DCP's at all); it was not unpickled."""
-
-
-def _dcp_globals() -> Dict[tuple, Any]:
-    """Every global that DCP's ``.metadata`` pickle may name: DCP's metadata classes, the
-    plain values they hold (``torch.Size``, dtypes, layouts, paths) and nothing that runs
-    code on its own when called with the arguments a pickle can give it."""
-    allowed: Dict[tuple, Any] = {}
-    for cls in (dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata,
-                dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata,
-                dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
-                dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo):
-        allowed[(cls.__module__, cls.__name__)] = cls
-    allowed[("torch", "Size")] = torch.Size
-    for name, value in vars(torch).items():
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            allowed[("torch", name)] = value
-    # how torch pickles a layout: a lookup of its name in a table of torch's layouts
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    # DCP records the checkpoint's path; the class is pathlib's, under the module name
-    # that wrote it (pathlib._local from Python 3.13)
-    for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                pathlib.PureWindowsPath):
-        for module in ("pathlib", "pathlib._local"):
-            allowed[(module, cls.__name__)] = cls
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only :func:`_dcp_globals`; any other global stops the load before it is
-    looked up, so no function or class outside the list is ever called."""
-
-    allowed: Dict[tuple, Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self.allowed[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(
-                f"it names {module}.{name}, which is not one of DCP's metadata classes "
-                f"(a checkpoint's metadata holding it could run code when unpickled)") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent reference, which DCP's metadata "
-                                     "never does")
-
-
-def read_metadata_safely(path: "str | os.PathLike", rank: Optional[int] = None
-                         ) -> "dcp_metadata.Metadata":
-    """DCP's metadata of checkpoint ``path`` (its ``.metadata``), unpickled with only DCP's
-    metadata classes admitted; raises :class:`UnsafeCheckpointError` naming the file for
-    anything else, :class:`CheckpointError` for a file that is not DCP metadata at all."""
-    name = ".metadata" if rank is None else f"__{rank}.metadata"
-    file = Path(path) / name
-    try:
-        data = file.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{file}: cannot read DCP's metadata ({e})") from e
-    if not _MetadataUnpickler.allowed:
-        _MetadataUnpickler.allowed = _dcp_globals()
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        if "not one of DCP's metadata classes" in str(e) or "persistent" in str(e):
-            raise UnsafeCheckpointError(f"{file}: refused, not unpickled: {e}. Load only "
-                                        f"checkpoints written by this app") from None
-        raise CheckpointError(f"{file}: not DCP metadata ({e})") from None
-    except Exception as e:  # noqa: BLE001 - truncated or garbage bytes raise anything
-        raise CheckpointError(f"{file}: not DCP metadata ({type(e).__name__}: {e})") from None
-    _check_metadata(metadata, file)
-    return metadata
-
-
-def _check_metadata(metadata: Any, file: Path) -> None:
-    """Refuse metadata whose shape is not DCP's, so that DCP meets only the types it wrote."""
-    storage = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointError(f"{file}: not DCP metadata (it holds a "
-                              f"{type(metadata).__name__})")
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(entries, dict) or not all(
-            isinstance(k, str) and isinstance(v, storage) for k, v in entries.items()):
-        raise CheckpointError(f"{file}: not DCP metadata (its state_dict_metadata is not a "
-                              f"dict of DCP storage entries)")
-    data = getattr(metadata, "storage_data", None)
-    if not isinstance(data, dict) or not all(
-            isinstance(k, dcp_metadata.MetadataIndex) and isinstance(v, _StorageInfo)
-            for k, v in data.items()):
-        raise CheckpointError(f"{file}: not DCP metadata written to files (its storage_data "
-                              f"is not a dict of MetadataIndex to _StorageInfo)")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's ``FileSystemReader`` whose metadata is read by :func:`read_metadata_safely`:
-    pass it as ``storage_reader`` to ``dcp.load``. The tensor files are read by DCP as
-    usual (``torch.load`` with ``weights_only=True`` or raw bytes), so nothing in the
-    checkpoint is unpickled beyond the admitted classes."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> "dcp_metadata.Metadata":
-        metadata = read_metadata_safely(self.path, kwargs.get("rank"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def on_rank0(fn: Callable[[], Any]) -> Any:
@@ -509,7 +397,7 @@ class Checkpointer:
             log.warning("checkpoint %s has no RNG state for rank %d (saved with another world "
                         "size?): the RNG is not restored", path, self.rank)
             del state[rng_key]
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+        safe_load(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         if rng_key in state:
@@ -520,7 +408,7 @@ class Checkpointer:
         """Load only the model of a checkpoint into ``model`` (collective; saved on any world
         size and plan, DCP reshards); returns its step."""
         state = {"model": model.state_dict(), "trainer": {"step": torch.tensor(0)}}
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+        safe_load(state, path)
         model.load_state_dict(state["model"])
         return int(state["trainer"]["step"])
 
@@ -533,7 +421,7 @@ def load_unsharded(path: "str | os.PathLike", model: nn.Module, prefix: str = "m
     """
     own = model.state_dict()
     state = {"model": {prefix + k: v for k, v in own.items()}, "trainer": {"step": torch.tensor(0)}}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    safe_load(state, path, no_dist=True)
     model.load_state_dict({k: state["model"][prefix + k] for k in own})
     return int(state["trainer"]["step"])
 
@@ -548,3 +436,9 @@ def _init_lazy_state(optimizer: KeyedOptimizer) -> None:
         if isinstance(part, KeyedOptimizerWrapper) and part.params and not part.state:
             part.init_state()
             part.zero_grad(set_to_none=True)
+
+
+__all__ = ["MANIFEST", "CheckpointError", "CheckpointException", "CheckpointSaveError",
+           "Checkpointer", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError",
+           "load_unsharded", "on_rank0", "read_manifest", "read_metadata_safely", "safe_load",
+           "verify_checkpoint"]

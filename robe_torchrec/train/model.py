@@ -29,8 +29,7 @@ from robe_torchrec.compress import fit_from_checkpoint
 from robe_torchrec.distributed import RobeEmbeddingBagCollectionSharder, robe_sharding_constraints
 from robe_torchrec.dlrm import EmbeddingSummary, build_dlrm, dense_optimizer
 from robe_torchrec.dlrm import build_predict_model as _build_predict_model
-from robe_torchrec.train.checkpoint import (CheckpointError, SafeFileSystemReader,
-                                            verify_checkpoint)
+from robe_torchrec.train.checkpoint import CheckpointError, verify_checkpoint
 # dlrm_spec, optimizer_spec: the config as the model's spec, checked (imported from here too)
 from robe_torchrec.train.config import ConfigError, dlrm_spec, optimizer_spec  # noqa: F401
 
@@ -47,8 +46,7 @@ def build_model(cfg: DictConfig, keys: Sequence[str], cardinalities: Sequence[in
         problem = verify_checkpoint(source, cfg.run.allow_unverified)
         if problem is not None:
             raise CheckpointError(f"embedding.init_from={source} is unusable: {problem}")
-        fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection, source,
-                            storage_reader=SafeFileSystemReader(str(source)))
+        fit_from_checkpoint(model.model.sparse_arch.embedding_bag_collection, source)
     return model, summary
 
 

@@ -23,7 +23,7 @@ from robe_torchrec.export import UnsafeProgramError, export_model, load_program
 from robe_torchrec.train.checkpoint import (MANIFEST, CheckpointError, read_metadata_safely,
                                             verify_checkpoint)
 from robe_torchrec.train.data import build_data
-from robe_torchrec.train.model import build_model
+from robe_torchrec.train.model import build_model, build_predict_model
 from robe_torchrec.train.trainer import Trainer, evaluate, train
 from tests.train.helpers import compose, one_rank_group
 
@@ -107,6 +107,129 @@ def test_init_from_never_runs_a_planted_checkpoint(tmp_path, manifest):
     with pytest.raises(CheckpointError, match=re.escape(str(planted))):
         build_model(cfg, data.keys, data.cardinalities, torch.device("cpu"))
     assert not marker.exists()
+
+
+def _write_manifest(ckpt: Path) -> None:
+    """A manifest whose checksums match whatever ``ckpt`` now holds."""
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in ckpt.iterdir() if p.name != MANIFEST}
+    (ckpt / MANIFEST).write_text(json.dumps({"run_id": "attacker0000", "step": 999,
+                                             "world_size": 1, "files": files}))
+
+
+def _plant_entry(ckpt: Path, marker: Path, key: str) -> None:
+    """Point ``key`` of checkpoint ``ckpt`` at a new file holding a payload, as a non-tensor
+    entry, which DCP itself reads back with a full unpickle; its metadata names only DCP's
+    classes, and its manifest matches."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    metadata = read_metadata_safely(ckpt)
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    (ckpt / "evil.distcp").write_bytes(buf.getvalue())
+    metadata.state_dict_metadata[key] = md.BytesStorageMetadata()
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+    metadata.storage_data[md.MetadataIndex(key)] = _StorageInfo("evil.distcp", 0,
+                                                                len(buf.getvalue()))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    _write_manifest(ckpt)
+
+
+def test_resume_never_unpickles_a_planted_entry(trained, tmp_path, caplog):
+    """Metadata of DCP's classes only, but the step entry is a payload DCP would read with
+    a full unpickle: refused by the weights-only read, set aside, resumed from before."""
+    run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
+    marker = tmp_path / "ran"
+    planted = Path(shutil.copytree(run_dir / "checkpoints" / "step_2",
+                                   run_dir / "checkpoints" / "step_999"))
+    _plant_entry(planted, marker, "trainer.step")
+    assert verify_checkpoint(planted) is None  # the manifest vouches for it
+    with one_rank_group(), caplog.at_level(logging.WARNING):
+        trainer = Trainer(compose("run.steps=1000", "run.checkpoint_every=2"), run_dir)
+        try:
+            trainer.build()
+            trainer.resume()
+        finally:
+            trainer.close()
+    assert not marker.exists()
+    assert trainer.step == 2
+    assert "'trainer.step' does not load with weights_only=True" in caplog.text
+    assert "posix.system" in caplog.text
+    assert (run_dir / "checkpoints" / "step_999.bad").is_dir()
+
+
+def test_a_planted_entry_is_refused_by_every_reader(trained, tmp_path):
+    """``load_unsharded`` (run.export) and the compression readers (embedding.init_from,
+    compress.load_embedding_bag_collection) read no non-tensor entry in full either."""
+    from robe_torchrec.compress import load_table_weights
+    from robe_torchrec.train.checkpoint import UnsafeCheckpointError, load_unsharded
+    from torchrec import EmbeddingBagConfig
+
+    marker = tmp_path / "ran"
+    planted = Path(shutil.copytree(trained / "checkpoints" / "step_2", tmp_path / "step_2"))
+    _plant_entry(planted, marker, "trainer.step")
+    cfg = compose()
+    data = build_data(cfg, 0, 1)
+    model, _ = build_predict_model(cfg, data.keys, data.cardinalities)
+    with pytest.raises(UnsafeCheckpointError, match="'trainer.step' does not load with "
+                                                    "weights_only=True.*posix.system"):
+        load_unsharded(planted, model)
+    # a table given as a non-tensor entry: refused before anything is read
+    key = "model.model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+    _plant_entry(planted, marker, key)
+    table = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=3,
+                               feature_names=["f0"])
+    with pytest.raises(ValueError, match="table 't0'.* is not a tensor entry"):
+        load_table_weights(planted, [table], prefix="model.sparse_arch."
+                                                    "embedding_bag_collection.embedding_bags.")
+    assert not marker.exists()
+
+
+def test_compress_reads_a_checkpoint_safely_by_default(tmp_path):
+    """``compress.load_embedding_bag_collection`` (docs/compress.md) with no reader given:
+    the restricted metadata reader, not DCP's full unpickle."""
+    from robe_torchrec.compress import load_embedding_bag_collection
+    from robe_torchrec.train.checkpoint import UnsafeCheckpointError
+    from torchrec import EmbeddingBagConfig
+
+    marker = tmp_path / "ran"
+    planted = _plant(tmp_path / "evil", marker)
+    table = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=3,
+                               feature_names=["f0"])
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(str(planted)) +
+                       ": refused, not unpickled: it names posix.system"):
+        load_embedding_bag_collection(planted.parent, [table])
+    assert not marker.exists()
+
+
+def test_metadata_may_not_set_attributes_of_a_class(tmp_path):
+    """A pickle of DCP's classes only can still set attributes of a class (BUILD on the
+    class itself), for the whole process: refused before it does."""
+    from torch.distributed.checkpoint import metadata as md
+
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    cls = b"\x80\x04ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\n"
+    poke = cls + b"(N}X\x08\x00\x00\x00injectedK\x01stb0"  # BUILD (None, {"injected": 1})
+    (ckpt / ".metadata").write_bytes(poke + pickle.dumps(md.Metadata({}))[2:])
+    with pytest.raises(CheckpointError, match="refused, not unpickled: it sets attributes "
+                                              "of the class BytesStorageMetadata itself"):
+        read_metadata_safely(ckpt)
+    assert not hasattr(md.BytesStorageMetadata, "injected")
+
+
+def test_metadata_may_not_point_outside_the_checkpoint(trained, tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    ckpt = Path(shutil.copytree(trained / "checkpoints" / "step_2", tmp_path / "step_2"))
+    metadata = read_metadata_safely(ckpt)
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = _StorageInfo("../../etc/passwd", 0, 10)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"points DCP at '\.\./\.\./etc/passwd', which "
+                                              r"is not a file of the checkpoint's folder"):
+        read_metadata_safely(ckpt)
 
 
 # ---------------------------------------------------------------- exported programs
@@ -197,3 +320,117 @@ def test_load_program_never_evaluates_a_crafted_shape_expression(program, tmp_pa
                                                  r"expression .*__import__"):
         load_program(evil)
     assert not marker.exists()
+
+
+def _repack(src: Path, dst: Path, change) -> Path:
+    """``src`` written again as ``dst`` with its entries ``change`` d: a function of the
+    ``[(name, bytes)]`` list returning the new one (stored as given, duplicates too)."""
+    with zipfile.ZipFile(src) as zin:
+        entries = [(n, zin.read(n)) for n in zin.namelist()]
+    with zipfile.ZipFile(dst, "w") as zout:
+        for name, data in change(entries):
+            zout.writestr(name, data)
+    return dst
+
+
+def _pickled(marker: Path) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    return buf.getvalue()
+
+
+def _constants_config(entries):
+    return next(n for n, _ in entries if n.endswith("_constants_config.json"))
+
+
+def _listing(path_name: str, use_pickle: bool = False) -> bytes:
+    return json.dumps({"config": {"x": {"path_name": path_name, "is_param": False,
+                                        "use_pickle": use_pickle}}}).encode()
+
+
+def _legacy(entries, marker):
+    """torch's pre-2.8 layout, which it falls back to and unpickles in full."""
+    program = next(d for n, d in entries if n.endswith("/models/model.json"))
+    return [("version", b"8.20"), ("serialized_exported_program.json", program),
+            ("serialized_state_dict.pt", _pickled(marker))]
+
+
+def _opaque(entries, marker):
+    """An opaque object, which torch unpickles whatever ``use_pickle`` says."""
+    config = _constants_config(entries)
+    root = config.split("/", 1)[0]
+    return [(n, _listing("opaque_obj_0") if n == config else d) for n, d in entries] + \
+        [(f"{root}/data/constants/opaque_obj_0", pickle.dumps(_Payload(marker)))]
+
+
+def _pickled_constant(entries, marker):
+    config = _constants_config(entries)
+    root = config.split("/", 1)[0]
+    return [(n, _listing("tensor_9", use_pickle=True) if n == config else d)
+            for n, d in entries] + [(f"{root}/data/constants/tensor_9", _pickled(marker))]
+
+
+def _compiled(entries, marker):
+    """AOTInductor entries, which torch compiles with the archive's own flags."""
+    root = entries[0][0].split("/", 1)[0]
+    return entries + [(f"{root}/data/aotinductor/model/m.wrapper.cpp", b"int x;"),
+                      (f"{root}/data/aotinductor/model/m_compile_flags.json",
+                       json.dumps({"compiler": f"touch {marker}; true"}).encode())]
+
+
+def _stored_twice(entries, marker):
+    """The constants config twice, a pickled one first: Python's zipfile reads the last
+    copy, torch's reader the first."""
+    config = _constants_config(entries)
+    root = config.split("/", 1)[0]
+    return [(config, _listing("tensor_9", use_pickle=True)),
+            (f"{root}/data/constants/tensor_9", _pickled(marker))] + entries
+
+
+def _nested_model(entries, marker):
+    """A second model named ``a/b``, whose weights torch looks for in the legacy file."""
+    root = entries[0][0].split("/", 1)[0]
+    program = next(d for n, d in entries if n.endswith("/models/model.json"))
+    return entries + [(f"{root}/models/a/b.json", program),
+                      (f"{root}/data/weights/a/b.pt", _pickled(marker))]
+
+
+def _unversioned(entries, marker):
+    return [(n, d) for n, d in entries if not n.endswith("/archive_version")]
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (_legacy, r"serialized_\w+\.\w+ is not the one root folder"),
+    (_opaque, r"data/constants/opaque_obj_0 is not an entry torch.export.save writes"),
+    (_pickled_constant, r"constants_config.json lists 'x' as something other than a raw "
+                        r"tensor file"),
+    (_compiled, r"data/aotinductor/model/m.wrapper.cpp is not an entry"),
+    (_stored_twice, r"constants_config.json is stored twice"),
+    (_nested_model, r"models/a/b.json is not an entry"),
+    (_unversioned, r"archive_version is missing"),
+], ids=["legacy", "opaque", "pickled_constant", "compiled", "stored_twice", "nested_model",
+        "unversioned"])
+def test_load_program_admits_only_the_layout_torch_export_save_writes(program, tmp_path,
+                                                                       change, refusal):
+    """Archives torch.export.load would unpickle in full, compile, or read otherwise than
+    the checks did: refused by their layout, before anything of them is read."""
+    marker = tmp_path / "ran"
+    evil = _repack(program, tmp_path / "evil.pt2", lambda entries: change(entries, marker))
+    with pytest.raises(UnsafeProgramError, match=re.escape(str(evil)) + ".*" + refusal):
+        load_program(evil)
+    assert not marker.exists()
+
+
+def test_torch_export_load_runs_only_with_full_unpickling_refused():
+    """The guard around torch.export.load: a path of it the archive checks did not foresee
+    reads weights only, or fails, and everything is restored afterwards."""
+    from robe_torchrec.safe_program import _full_unpickling_refused
+
+    real = (torch.load, pickle.load, pickle.loads)
+    with _full_unpickling_refused("x.pt2"):
+        with pytest.raises(UnsafeProgramError, match="x.pt2: refused: loading it asked for "
+                                                     "a full unpickle"):
+            pickle.loads(pickle.dumps(1))
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            torch.load(io.BytesIO(_pickled(Path("/nonexistent/ran"))), weights_only=False)
+    assert (torch.load, pickle.load, pickle.loads) == real
