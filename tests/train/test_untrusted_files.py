@@ -65,19 +65,26 @@ def test_the_restricted_unpickler_reads_the_apps_checkpoints(trained):
     assert verify_checkpoint(trained / "checkpoints" / "step_2") is None
 
 
-def test_resume_never_runs_a_planted_step(trained, tmp_path, caplog):
-    """A new step_999 holding only the payload (and a matching manifest): it is refused
-    as unusable, named, set aside, and the run resumes from the real step_2."""
-    run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
-    marker = tmp_path / "ran"
-    planted = _plant(run_dir / "checkpoints" / "step_999", marker)
-    with one_rank_group(), caplog.at_level(logging.WARNING):
+def _resumed(run_dir: Path) -> Trainer:
+    """A trainer of the run in ``run_dir``, resumed (from the newest usable checkpoint)."""
+    with one_rank_group():
         trainer = Trainer(compose("run.steps=1000", "run.checkpoint_every=2"), run_dir)
         try:
             trainer.build()
             trainer.resume()
         finally:
             trainer.close()
+    return trainer
+
+
+def test_resume_never_runs_a_planted_step(trained, tmp_path, caplog):
+    """A new step_999 holding only the payload (and a matching manifest): it is refused
+    as unusable, named, set aside, and the run resumes from the real step_2."""
+    run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
+    marker = tmp_path / "ran"
+    planted = _plant(run_dir / "checkpoints" / "step_999", marker)
+    with caplog.at_level(logging.WARNING):
+        trainer = _resumed(run_dir)
     assert not marker.exists()
     assert trainer.step == 2
     assert f"{planted}: refused, not unpickled: it names posix.system" in caplog.text
@@ -145,13 +152,8 @@ def test_resume_never_unpickles_a_planted_entry(trained, tmp_path, caplog):
                                    run_dir / "checkpoints" / "step_999"))
     _plant_entry(planted, marker, "trainer.step")
     assert verify_checkpoint(planted) is None  # the manifest vouches for it
-    with one_rank_group(), caplog.at_level(logging.WARNING):
-        trainer = Trainer(compose("run.steps=1000", "run.checkpoint_every=2"), run_dir)
-        try:
-            trainer.build()
-            trainer.resume()
-        finally:
-            trainer.close()
+    with caplog.at_level(logging.WARNING):
+        trainer = _resumed(run_dir)
     assert not marker.exists()
     assert trainer.step == 2
     assert "'trainer.step' does not load with weights_only=True" in caplog.text
