@@ -26,6 +26,7 @@ import io
 import os
 import pathlib
 import pickle
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Optional
 
@@ -87,6 +88,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     the file is refused afterwards."""
 
     allowed: Dict[tuple, Any] = {}
+    #: the admitted classes, whose objects (and only those) a pickle may fill in: a
+    #: function's or a class's attributes would change for the whole process
+    built: frozenset = frozenset()
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def find_class(self, module: str, name: str) -> Any:
@@ -102,9 +106,11 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def _build(self) -> None:
         target = self.stack[-2]
-        if isinstance(target, type):
-            raise _Refused(f"it sets attributes of the class {target.__name__} itself, "
-                           f"where DCP's metadata only fills in objects")
+        if type(target) not in self.built:
+            what = f"the class {target.__name__} itself" if isinstance(target, type) \
+                else f"a {type(target).__name__}"
+            raise _Refused(f"it sets attributes of {what}, where DCP's metadata only fills "
+                           f"in objects of its classes")
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
     dispatch[pickle.BUILD[0]] = _build
@@ -117,12 +123,15 @@ def read_metadata_safely(path: "str | os.PathLike", rank: Optional[int] = None
     anything else, :class:`CheckpointError` for a file that is not DCP metadata at all."""
     name = ".metadata" if rank is None else f"__{rank}.metadata"
     file = Path(path) / name
+    _refuse_links(file, file)
     try:
         data = file.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read DCP's metadata ({e})") from e
     if not _MetadataUnpickler.allowed:
         _MetadataUnpickler.allowed = _dcp_globals()
+        _MetadataUnpickler.built = frozenset(
+            v for v in _MetadataUnpickler.allowed.values() if isinstance(v, type))
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except _Refused as e:
@@ -160,6 +169,23 @@ def _check_metadata(metadata: Any, file: Path) -> None:
                 or relative in ("", ".", "..") or "\\" in relative:
             raise UnsafeCheckpointError(f"{file}: refused: it points DCP at {relative!r}, "
                                         f"which is not a file of the checkpoint's folder")
+        _refuse_links(file.parent / relative, file)
+
+
+def _refuse_links(path: Path, metadata: Path) -> None:
+    """Refuse ``path`` unless it is a regular file and no link: DCP opens what a link in
+    a received checkpoint points at, any file on the machine. A missing file is left for
+    DCP to report."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"{metadata}: cannot read {path} ({e})") from e
+    if not stat.S_ISREG(mode):
+        kind = "a link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise UnsafeCheckpointError(f"{metadata}: refused: {path} is {kind}, which DCP "
+                                    f"would follow out of the checkpoint's folder")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -200,6 +226,7 @@ def safe_load(state: Dict[str, Any], path: "str | os.PathLike", no_dist: bool = 
     (:class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`); ``no_dist`` as there. An
     entry refused on some rank raises :class:`UnsafeCheckpointError` naming the checkpoint
     (DCP would raise its ``CheckpointException`` around it)."""
+    read_metadata_safely(path)  # a refusal raised as it is, not inside DCP's errors
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)),
                  planner=SafeLoadPlanner(), no_dist=no_dist)

@@ -3,9 +3,10 @@
 ``torch.export.load`` trusts its archive: it unpickles entries in full when a weights-only
 load fails (the sample inputs, a legacy layout it falls back to), unpickles opaque and
 custom objects, compiles and loads AOTInductor entries, evaluates shape expressions as
-Python, and resolves any ``torch.*`` name a graph node calls. :func:`load_program` reads the
-archive's bytes first and admits exactly the layout ``torch.export.save`` writes for a
-program of tensors:
+Python, pastes the graph's names into the source of the ``forward`` it executes, and
+resolves any ``torch.*`` name a graph node calls; ``program.module()`` executes the
+program's guards. :func:`load_program` reads the archive's bytes first and admits exactly
+the layout ``torch.export.save`` writes for a program of tensors:
 
 * one root folder, no entry named twice (zip readers disagree on which copy they take),
   and ``archive_version`` present (without it torch falls back to its legacy layout);
@@ -13,12 +14,15 @@ program of tensors:
   constants' configs, their raw tensor files ``weight_<n>`` / ``tensor_<n>``, and
   ``data/sample_inputs/<name>.pt``; model names are plain identifiers;
 * every tensor the configs list is stored raw (``use_pickle`` false) in a file of the
-  archive, the sample inputs load with ``torch.load(weights_only=True)``, and every shape
-  expression is arithmetic on symbols.
+  archive, and the sample inputs load with ``torch.load(weights_only=True)``;
+* in the programs' JSON: every shape expression is arithmetic on symbols, every guard a
+  comparison of input sizes, every name an identifier and every module path dotted
+  identifiers, and no line break outside a stack trace.
 
-Then torch loads those same bytes with full unpickling refused (``torch.load`` reads weights
-only and ``pickle.load`` / ``pickle.loads`` raise, while it runs), and the graph may call
-operators only. Anything else raises :class:`UnsafeProgramError` naming the file and the
+Then torch loads the checked entries, written again as a new archive (two zip readers can
+see two archives in one file), with full unpickling refused (``torch.load`` reads weights
+only and ``pickle.load`` / ``pickle.loads`` raise, while it runs), and the graph may call,
+or hand a higher-order operator, operators only. Anything else raises :class:`UnsafeProgramError` naming the file and the
 entry, before any of it is unpickled or run.
 
 Example::
@@ -29,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -97,17 +102,106 @@ def _check_expression(text: str) -> Optional[str]:
     return None
 
 
-def _walk_json(obj: Any, found: List[str]) -> None:
-    """Every ``expr_str`` string in a serialized program."""
+#: fields of a serialized program whose strings torch pastes into Python source it runs
+#: (FX's generated ``forward``): each must be an identifier
+_NAME_FIELDS = frozenset(("name", "as_name"))
+#: fields whose dict keys are such names
+_NAMED_KEYS = frozenset(("tensor_values", "sym_int_values", "sym_bool_values",
+                         "sym_float_values", "custom_obj_values"))
+#: fields holding a module path (dot-separated identifiers; the root is "")
+_PATH_FIELDS = frozenset(("parameter_name", "buffer_name", "tensor_constant_name",
+                          "custom_obj_name", "fqn"))
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)?")
+
+
+def _check_program_json(obj: Any, key: str = "") -> Optional[str]:
+    """Why the serialized program ``obj`` (a ``models/<name>.json``) could make torch run
+    code, or None: a shape expression that is not arithmetic (torch evaluates them with
+    ``sympy.sympify``), a guard that is not a plain comparison (``program.module()``
+    executes them), a name or path that is not an identifier (FX pastes them into the
+    source of the ``forward`` it executes), a line break outside a stack trace (which would
+    end the comment FX writes it into)."""
     if isinstance(obj, dict):
+        if key in _NAMED_KEYS:
+            bad = [k for k in obj if not _IDENTIFIER.fullmatch(k)]
+            if bad:
+                return f"the name {bad[0][:80]!r}"
+        if key == "range_constraints":  # keyed by shape expressions
+            bad = [k for k in obj if _check_expression(k)]
+            if bad:
+                return f"the shape expression {bad[0][:80]!r}, which is not arithmetic " \
+                       f"on symbols; torch evaluates these as Python"
         for k, v in obj.items():
-            if k == "expr_str" and isinstance(v, str):
-                found.append(v)
-            else:
-                _walk_json(v, found)
+            found = _check_program_json(v, k)
+            if found:
+                return found
     elif isinstance(obj, list):
         for v in obj:
-            _walk_json(v, found)
+            found = _check_program_json(v, key)
+            if found:
+                return found
+    elif isinstance(obj, str):
+        if "\r" in obj or ("\n" in obj and key != "stack_trace"):
+            return f"a line break in {key!r}: {obj[:80]!r}"
+        if key == "expr_str":
+            bad = _check_expression(obj)
+            return bad and f"the shape expression {obj[:80]!r}, which is not arithmetic on " \
+                           f"symbols ({bad}); torch evaluates these as Python"
+        if key == "guards_code":
+            bad = _check_guard(obj)
+            return bad and f"the guard {obj[:80]!r}, which is not a comparison of input " \
+                           f"sizes ({bad}); program.module() executes these as Python"
+        if key in _NAME_FIELDS and not _IDENTIFIER.fullmatch(obj):
+            return f"the name {obj[:80]!r}"
+        if key in _PATH_FIELDS and not _PATH.fullmatch(obj):
+            return f"the module path {obj[:80]!r}"
+        if key == "forward_arg_names" and not _IDENTIFIER.fullmatch(obj):
+            return f"the argument name {obj[:80]!r}"
+    return None
+
+
+#: what a guard may name: the inputs (``L``), and what torch's guard functions see
+_GUARD_NAMES = frozenset(("L", "math", "inf", "IsNonOverlappingAndDenseIndicator",
+                          "cast_symbool_to_symint_guardless"))
+#: the methods a guard may call on an input
+_GUARD_METHODS = frozenset(("size", "stride", "dim", "numel", "storage_offset"))
+_GUARD_NODES = (ast.Expression, ast.Compare, ast.BinOp, ast.BoolOp, ast.UnaryOp, ast.Load,
+                ast.Subscript, ast.operator, ast.cmpop, ast.boolop, ast.unaryop)
+
+
+def _check_guard(text: str) -> Optional[str]:
+    """Why ``text`` is not a guard torch writes (``L['x'].size()[0] == 3 * L['y'].size()[0]``
+    and the like), or None. Torch pastes each guard into a function's source and into a
+    string literal of it, then executes that source."""
+    if any(c in text for c in "\n\r#;\\\""):
+        return "a line break, comment, semicolon, backslash or double quote"
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        return f"not an expression ({e.msg})"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if node.id not in _GUARD_NAMES:
+                return f"the name {node.id!r}"
+        elif isinstance(node, ast.Constant):
+            if not isinstance(node.value, (int, float, bool)) and not (
+                    isinstance(node.value, str) and _IDENTIFIER.fullmatch(node.value)):
+                return f"the constant {node.value!r}"
+        elif isinstance(node, ast.Attribute):
+            if node.attr.startswith("__"):
+                return f"the attribute {node.attr!r}"
+        elif isinstance(node, ast.Call):
+            func = node.func
+            method = isinstance(func, ast.Attribute) and (
+                func.attr in _GUARD_METHODS
+                or isinstance(func.value, ast.Name) and func.value.id == "math")
+            helper = isinstance(func, ast.Name) and func.id in _GUARD_NAMES - {"L", "math"}
+            if node.keywords or not (method or helper):
+                return f"the call {ast.unparse(node)[:40]!r}"
+        elif not isinstance(node, _GUARD_NODES):
+            return f"a {type(node).__name__}"
+    return None
 
 
 class _Archive:
@@ -147,6 +241,16 @@ class _Archive:
         return UnsafeProgramError(f"{self.path}: refused, nothing loaded: {entry} {why}. Load "
                                   f"only programs you trust with torch.export.load")
 
+    def rebuilt(self) -> bytes:
+        """The checked entries as a new archive, for torch: its zip reader and Python's can
+        see different entries in one file (data in front of the archive, a second central
+        directory), so torch gets only what was checked."""
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rebuilt:
+            for name in self.entries.values():
+                rebuilt.writestr(name, self.zip.read(name))
+        return out.getvalue()
+
     def read(self, rest: str) -> bytes:
         return self.zip.read(self.entries[rest])
 
@@ -184,20 +288,16 @@ def _check_sample_inputs(archive: _Archive) -> None:
                                  f"unpickle, which runs code: {refusal(e)})") from None
 
 
-def _check_expressions(archive: _Archive) -> None:
+def _check_programs(archive: _Archive) -> None:
     for rest in archive.names(r"models/[A-Za-z0-9_]+\.json"):
         name = archive.entries[rest]
-        exprs: List[str] = []
         try:
-            _walk_json(json.loads(archive.read(rest)), exprs)
+            program = json.loads(archive.read(rest))
         except ValueError as e:
             raise ValueError(f"{archive.path}: {name} is not a serialized program ({e})") from None
-        for expr in exprs:
-            bad = _check_expression(expr)
-            if bad is not None:
-                raise archive.refuse(name, f"holds the shape expression {expr[:80]!r}, which "
-                                           f"is not arithmetic on symbols ({bad}); torch "
-                                           f"evaluates these as Python")
+        bad = _check_program_json(program)
+        if bad is not None:
+            raise archive.refuse(name, f"holds {bad}")
 
 
 #: one guarded load at a time: the guard swaps process-wide functions
@@ -237,13 +337,12 @@ def load_program(path: "str | os.PathLike") -> ExportedProgram:
     Importing this module imported ``robe_torchrec``, which registered its ops and admitted
     the KJT class to weights-only loading (``export.allow_kjt_in_saved_programs``)."""
     with open(os.fspath(path), "rb") as f:
-        data = f.read()  # checked and loaded from the same bytes
-    archive = _Archive(path, data)
+        archive = _Archive(path, f.read())
     _check_tensor_configs(archive)
     _check_sample_inputs(archive)
-    _check_expressions(archive)
+    _check_programs(archive)
     with _full_unpickling_refused(path):
-        program = torch.export.load(io.BytesIO(data))
+        program = torch.export.load(io.BytesIO(archive.rebuilt()))
     _check_targets(program, path)
     return program
 
@@ -264,11 +363,26 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
             if node.op in ("call_method", "call_module"):
                 raise UnsafeProgramError(f"{path}: refused: node {node.name} is a "
                                          f"{node.op}, which an exported program never has")
-            if node.op == "call_function" and not isinstance(node.target, ops) \
-                    and node.target not in plain:
-                raise UnsafeProgramError(
-                    f"{path}: refused: node {node.name} calls {node.target!r}, which is not "
-                    f"an operator. Load only programs you trust with torch.export.load")
+            if node.op != "call_function":
+                continue
+            # what it calls, and what it hands a higher-order operator to call
+            for target in [node.target, *_callables((node.args, node.kwargs))]:
+                if not isinstance(target, ops) and target not in plain:
+                    raise UnsafeProgramError(
+                        f"{path}: refused: node {node.name} calls {target!r}, which is not "
+                        f"an operator. Load only programs you trust with torch.export.load")
+
+
+def _callables(value: Any) -> List[Any]:
+    """The callables in a node's arguments (nested lists, tuples and dicts), graph nodes
+    and modules aside."""
+    if isinstance(value, (list, tuple)):
+        return [c for v in value for c in _callables(v)]
+    if isinstance(value, dict):
+        return [c for v in value.values() for c in _callables(v)]
+    if callable(value) and not isinstance(value, (torch.fx.Node, torch.nn.Module)):
+        return [value]
+    return []
 
 
 __all__ = ["UnsafeProgramError", "load_program"]

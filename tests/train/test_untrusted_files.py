@@ -436,3 +436,120 @@ def test_torch_export_load_runs_only_with_full_unpickling_refused():
         with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
             torch.load(io.BytesIO(_pickled(Path("/nonexistent/ran"))), weights_only=False)
     assert (torch.load, pickle.load, pickle.loads) == real
+
+
+def _edit_program(src: Path, dst: Path, edit) -> Path:
+    """``src`` with its ``models/model.json`` rewritten by ``edit`` (on the parsed JSON)."""
+    def change(entries):
+        out = []
+        for name, data in entries:
+            if name.endswith("/models/model.json"):
+                doc = json.loads(data)
+                edit(doc)
+                data = json.dumps(doc).encode()
+            out.append((name, data))
+        return out
+    return _repack(src, dst, change)
+
+
+def _rename(obj, old: str, new: str):
+    if isinstance(obj, dict):
+        return {(new if k == old else k): _rename(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rename(v, old, new) for v in obj]
+    return new if obj == old else obj
+
+
+def _guard_with_lines(marker):
+    """A guard whose comment hides lines from torch's one-line parse of it."""
+    def edit(doc):
+        doc["guards_code"] = [f"1 #\n, '')\n__import__('os').system('touch {marker}')\n"
+                              f"def _(*args):\n  torch._assert(1"]
+    return edit
+
+
+def _guard_calling_torch(marker):
+    def edit(doc):
+        doc["guards_code"] = [f"torch.os.system('touch {marker}') == 0"]
+    return edit
+
+
+def _input_name_with_code(marker):
+    """A graph input named so that FX's generated ``def forward(...)`` evaluates a default
+    value when torch builds the program."""
+    def edit(doc):
+        old = doc["graph_module"]["graph"]["inputs"][0]["as_tensor"]["name"]
+        new = f"{old}=__import__('os').system('touch {marker}'), *"
+        doc["graph_module"] = _rename(doc["graph_module"], old, new)
+    return edit
+
+
+@pytest.mark.parametrize("edit,refusal", [
+    (_guard_with_lines, r"a line break in 'guards_code'"),
+    (_guard_calling_torch, r"the guard .*torch.os.system.*which is not a comparison"),
+    (_input_name_with_code, r"the name .*__import__"),
+], ids=["guard_with_lines", "guard_calling_torch", "input_name_with_code"])
+def test_load_program_refuses_what_torch_pastes_into_code(program, tmp_path, edit, refusal):
+    """Guards (executed by ``program.module()``) and graph names (pasted into the source
+    of FX's ``forward``, executed while the program is built): refused before either."""
+    marker = tmp_path / "ran"
+    evil = _edit_program(program, tmp_path / "evil.pt2", edit(marker))
+    with pytest.raises(UnsafeProgramError, match=re.escape(str(evil)) + ".*" + refusal):
+        load_program(evil).module()
+    assert not marker.exists()
+
+
+def test_load_program_hands_torch_the_archive_it_checked(program, tmp_path):
+    """Data in front of an archive: Python's zip reader allows for it, torch's does not
+    (two readers of one file can see two archives). torch gets the checked entries
+    rewritten, so it reads what was checked: here, a program it cannot read alone."""
+    prefixed = tmp_path / "prefixed.pt2"
+    prefixed.write_bytes(b"\0" * 64 + program.read_bytes())
+    with pytest.raises(RuntimeError):
+        torch.export.load(prefixed)
+    (dense, kjt), _ = load_program(prefixed).example_inputs
+    assert dense.dim() == 2
+
+
+def test_load_program_refuses_a_node_handed_something_to_call(program):
+    """A higher-order operator's argument may be something it calls: only operators."""
+    from robe_torchrec.safe_program import _check_targets
+
+    loaded = load_program(program)
+    graph = loaded.graph_module.graph
+    node = next(n for n in graph.nodes if n.op == "call_function")
+    node.args = (*node.args, os.system)
+    with pytest.raises(UnsafeProgramError, match="calls <built-in function system>"):
+        _check_targets(loaded, "x.pt2")
+
+
+def test_a_checkpoint_file_that_is_a_link_is_refused(trained, tmp_path):
+    """DCP opens what a link in a received checkpoint points at: any file."""
+    from robe_torchrec.train.checkpoint import UnsafeCheckpointError, load_unsharded
+
+    ckpt = Path(shutil.copytree(trained / "checkpoints" / "step_2", tmp_path / "step_2"))
+    victim = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
+    outside = tmp_path / "outside.distcp"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    cfg = compose()
+    data = build_data(cfg, 0, 1)
+    model, _ = build_predict_model(cfg, data.keys, data.cardinalities)
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(str(victim)) + " is a link"):
+        load_unsharded(ckpt, model)
+
+
+def test_metadata_may_not_set_attributes_of_a_function(tmp_path):
+    """An admitted function keeps state in its attributes (``_get_layout.cache``): a
+    pickle may fill in objects of DCP's classes only."""
+    from torch.distributed.checkpoint import metadata as md
+
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    before = dict(torch.serialization._get_layout.cache)
+    poke = (b"\x80\x04ctorch.serialization\n_get_layout\n(N}X\x05\x00\x00\x00cacheX\x04"
+            b"\x00\x00\x00boomstb0")  # BUILD (None, {"cache": "boom"}); POP
+    (ckpt / ".metadata").write_bytes(poke + pickle.dumps(md.Metadata({}))[2:])
+    with pytest.raises(CheckpointError, match="it sets attributes of a function"):
+        read_metadata_safely(ckpt)
+    assert torch.serialization._get_layout.cache == before
