@@ -17,12 +17,15 @@ the layout ``torch.export.save`` writes for a program of tensors:
   archive, and the sample inputs load with ``torch.load(weights_only=True)``;
 * in the programs' JSON: every shape expression is arithmetic on symbols, every guard a
   comparison of input sizes, every name an identifier and every module path dotted
-  identifiers, and no line break outside a stack trace.
+  identifiers, every graph input a tensor, None or a symbolic size, and no line break
+  outside a stack trace.
 
 Then torch loads the checked entries, written again as a new archive (two zip readers can
 see two archives in one file), with full unpickling refused (``torch.load`` reads weights
-only and ``pickle.load`` / ``pickle.loads`` raise, while it runs), and the graph may call,
-or hand a higher-order operator, operators only. Anything else raises :class:`UnsafeProgramError` naming the file and the
+only and ``pickle.load`` / ``pickle.loads`` raise, while it runs). The graph may call, or
+hand a higher-order operator, operators and control flow only, and the example inputs and
+call specs may hold only identifier dict keys (``program.module()`` pastes their paths
+into the guards it executes). Anything else raises :class:`UnsafeProgramError` naming the file and the
 entry, before any of it is unpickled or run.
 
 Example::
@@ -34,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import io
 import json
@@ -115,6 +119,10 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)?")
 
 
+#: what a graph's input may be: torch pastes a string input's value into code it executes
+_GRAPH_INPUTS = frozenset(("as_tensor", "as_none", "as_sym_int", "as_sym_bool", "as_sym_float"))
+
+
 def _check_program_json(obj: Any, key: str = "") -> Optional[str]:
     """Why the serialized program ``obj`` (a ``models/<name>.json``) could make torch run
     code, or None: a shape expression that is not arithmetic (torch evaluates them with
@@ -123,6 +131,12 @@ def _check_program_json(obj: Any, key: str = "") -> Optional[str]:
     source of the ``forward`` it executes), a line break outside a stack trace (which would
     end the comment FX writes it into)."""
     if isinstance(obj, dict):
+        if "nodes" in obj and isinstance(obj.get("inputs"), list):  # a graph
+            for given in obj["inputs"]:
+                kinds = set(given) if isinstance(given, dict) else {type(given).__name__}
+                if not kinds or not kinds <= _GRAPH_INPUTS:
+                    return f"a graph input given as {sorted(kinds)}, not a tensor, None or " \
+                           f"a symbolic size"
         if key in _NAMED_KEYS:
             bad = [k for k in obj if not _IDENTIFIER.fullmatch(k)]
             if bad:
@@ -344,7 +358,59 @@ def load_program(path: "str | os.PathLike") -> ExportedProgram:
     with _full_unpickling_refused(path):
         program = torch.export.load(io.BytesIO(archive.rebuilt()))
     _check_targets(program, path)
+    _check_inputs(program, path)
     return program
+
+
+#: the higher-order operators a program may call: control flow and the wrappers export
+#: writes; others run what their arguments say (``print`` formats any string it is given,
+#: ``call_torchbind`` and ``flat_apply`` call objects)
+_HIGHER_ORDER = frozenset(("cond", "while_loop", "map_impl", "scan", "associative_scan",
+                           "wrap_with_set_grad_enabled", "wrap_with_autocast",
+                           "auto_functionalized", "auto_functionalized_v2", "invoke_subgraph",
+                           "with_effects"))
+#: a path into the inputs that torch pastes into a guard's source (``L['x'][0].y``)
+_INPUT_PATH = re.compile(r"(?:\[\d+\]|\['[A-Za-z_][A-Za-z0-9_]*'\]|\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _check_inputs(program: ExportedProgram, path: Any) -> None:
+    """Refuse inputs whose structure torch would paste into code: ``program.module()``
+    writes a guard for each input, naming it by its path (dict keys included) inside the
+    source it executes, and binds keyword inputs by their keys the same way."""
+    import torch.utils._pytree as pytree
+
+    for keys, _ in pytree.tree_flatten_with_path(program.example_inputs)[0]:
+        where = pytree.keystr(keys)
+        if not _INPUT_PATH.fullmatch(where):
+            raise UnsafeProgramError(f"{path}: refused: an example input sits at {where[:80]!r}, "
+                                     f"a path torch would paste into code it executes")
+    specs = [program.call_spec.in_spec, program.call_spec.out_spec]
+    specs += [spec for entry in program.module_call_graph if entry.signature is not None
+              for spec in (entry.signature.in_spec, entry.signature.out_spec)]
+    pending = [spec for spec in specs if spec is not None]
+    while pending:
+        spec = pending.pop()
+        # (children() from torch 2.10 on; children_specs before, deprecated since)
+        pending.extend(spec.children() if callable(getattr(spec, "children", None))
+                       else spec.children_specs)
+        if spec.type is dict or spec.type is collections.OrderedDict:
+            bad = [k for k in spec.context
+                   if not (isinstance(k, int) or isinstance(k, str) and _IDENTIFIER.fullmatch(k))]
+            if bad:
+                raise UnsafeProgramError(f"{path}: refused: its inputs or outputs hold the key "
+                                         f"{str(bad[0])[:80]!r}, which torch would paste into "
+                                         f"code it executes")
+
+
+def _allowed_call(target: Any, plain: set) -> bool:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name() in _HIGHER_ORDER
+    try:
+        return target in plain
+    except TypeError:  # unhashable
+        return False
 
 
 def _check_targets(program: ExportedProgram, path: Any) -> None:
@@ -356,7 +422,6 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
     plain |= {getattr(torch, n) for n in ("sym_int", "sym_float", "sym_max", "sym_min",
                                           "sym_not", "sym_ite", "sym_sqrt", "sym_sum")
               if hasattr(torch, n)}
-    ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
     for module in program.graph_module.modules():
         graph = getattr(module, "graph", None)
         for node in graph.nodes if graph is not None else []:
@@ -367,7 +432,7 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
                 continue
             # what it calls, and what it hands a higher-order operator to call
             for target in [node.target, *_callables((node.args, node.kwargs))]:
-                if not isinstance(target, ops) and target not in plain:
+                if not _allowed_call(target, plain):
                     raise UnsafeProgramError(
                         f"{path}: refused: node {node.name} calls {target!r}, which is not "
                         f"an operator. Load only programs you trust with torch.export.load")

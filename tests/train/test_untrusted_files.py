@@ -553,3 +553,66 @@ def test_metadata_may_not_set_attributes_of_a_function(tmp_path):
     with pytest.raises(CheckpointError, match="it sets attributes of a function"):
         read_metadata_safely(ckpt)
     assert torch.serialization._get_layout.cache == before
+
+
+def _sample_inputs_in_a_dict(key: str):
+    """The dense example input moved into a dict under ``key``."""
+    def change(entries):
+        out = []
+        for name, data in entries:
+            if name.endswith("/data/sample_inputs/model.pt"):
+                args, kwargs = torch.load(io.BytesIO(data), weights_only=True)
+                buf = io.BytesIO()
+                torch.save((({key: args[0]}, *args[1:]), kwargs), buf)
+                data = buf.getvalue()
+            out.append((name, data))
+        return out
+    return change
+
+
+def test_load_program_refuses_input_paths_torch_would_paste_into_code(program, tmp_path):
+    """``program.module()`` names each input in a guard's source by its path, dict keys
+    included: a key holding a quote would end the string torch writes it into."""
+    marker = tmp_path / "ran"
+    key = f"x' + str(__import__('os').system('touch {marker}')) + '"
+    evil = _repack(program, tmp_path / "evil.pt2", _sample_inputs_in_a_dict(key))
+    with pytest.raises(UnsafeProgramError, match="an example input sits at .*__import__"):
+        load_program(evil).module()
+    assert not marker.exists()
+    plain = _repack(program, tmp_path / "plain.pt2", _sample_inputs_in_a_dict("dense"))
+    assert isinstance(load_program(plain).example_inputs[0][0], dict)  # a plain key passes
+
+
+def test_load_program_refuses_a_string_graph_input(program, tmp_path):
+    """torch pastes a string input's value, unescaped, into a guard it executes."""
+    def edit(doc):
+        inputs = doc["graph_module"]["graph"]["inputs"]
+        at = next(i for i, given in enumerate(inputs) if "as_none" in given)
+        inputs[at] = {"as_string": "x' == 'x' or __import__('os').system('true') or 'x"}
+    evil = _edit_program(program, tmp_path / "evil.pt2", edit)
+    with pytest.raises(UnsafeProgramError, match=r"a graph input given as \['as_string'\]"):
+        load_program(evil)
+
+
+def test_only_control_flow_higher_order_operators_are_called():
+    """``print`` formats any string it is given (a path to any object in the process),
+    ``call_torchbind`` and ``flat_apply`` call objects: refused; control flow is not."""
+    from robe_torchrec.safe_program import _allowed_call
+
+    higher = torch.ops.higher_order
+    assert not _allowed_call(higher.print, set())
+    assert _allowed_call(higher.cond, set()) and _allowed_call(torch.ops.aten.add.Tensor, set())
+
+
+def test_keys_of_the_call_spec_torch_would_paste_into_code_are_refused():
+    import types
+
+    import torch.utils._pytree as pytree
+
+    from robe_torchrec.safe_program import _check_inputs
+
+    _, spec = pytree.tree_flatten(((), {"k': 1, 'x": torch.zeros(1)}))
+    program = types.SimpleNamespace(example_inputs=((), {}), module_call_graph=[],
+                                    call_spec=types.SimpleNamespace(in_spec=spec, out_spec=None))
+    with pytest.raises(UnsafeProgramError, match="hold the key \"k': 1, 'x\""):
+        _check_inputs(program, "x.pt2")
