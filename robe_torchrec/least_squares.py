@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 import torch
 from torchrec import EmbeddingBagConfig, EmbeddingConfig
@@ -47,28 +47,26 @@ _ROWS_PER_CHUNK = 1 << 16
 def table_weights(ebc: EmbeddingBagCollectionInterface) -> Dict[str, torch.Tensor]:
     """``{table name: weight [num_embeddings, dim]}`` of an unsharded TorchRec
     ``EmbeddingBagCollection`` (its ``embedding_bags.<name>.weight`` state)."""
-    state = ebc.state_dict()
-    out = {}
-    for table in ebc.embedding_bag_configs():
-        key = f"embedding_bags.{table.name}.weight"
-        if key not in state:
-            raise TypeError(f"{type(ebc).__name__} has no {key}: pass an unsharded TorchRec "
-                            f"EmbeddingBagCollection (load a sharded one with "
-                            f"robe_torchrec.compress.load_embedding_bag_collection)")
-        out[table.name] = state[key]
-    return out
+    return _weights_by_table(ebc, ebc.embedding_bag_configs(), "embedding_bags",
+                             "EmbeddingBagCollection (load a sharded one with "
+                             "robe_torchrec.compress.load_embedding_bag_collection)")
 
 
 def sequence_table_weights(ec: EmbeddingCollectionInterface) -> Dict[str, torch.Tensor]:
     """``{table name: weight [num_embeddings, dim]}`` of an unsharded TorchRec
     ``EmbeddingCollection`` (its ``embeddings.<name>.weight`` state)."""
-    state = ec.state_dict()
+    return _weights_by_table(ec, ec.embedding_configs(), "embeddings", "EmbeddingCollection")
+
+
+def _weights_by_table(module: torch.nn.Module, tables: Sequence[Any], tables_key: str,
+                      expected: str) -> Dict[str, torch.Tensor]:
+    state = module.state_dict()
     out = {}
-    for table in ec.embedding_configs():
-        key = f"embeddings.{table.name}.weight"
+    for table in tables:
+        key = f"{tables_key}.{table.name}.weight"
         if key not in state:
-            raise TypeError(f"{type(ec).__name__} has no {key}: pass an unsharded TorchRec "
-                            "EmbeddingCollection")
+            raise TypeError(f"{type(module).__name__} has no {key}: pass an unsharded "
+                            f"TorchRec {expected}")
         out[table.name] = state[key]
     return out
 
