@@ -402,9 +402,43 @@ def _check_inputs(program: ExportedProgram, path: Any) -> None:
                                          f"code it executes")
 
 
+#: the operators a program may call: what DLRM, DCN and sequence models over ROBE-Z (or
+#: TorchRec's tables) export to, and common ATen ops that check their arguments' bounds.
+#: Not every ATen op does: ``_reshape_alias`` makes a view past its storage (a program
+#: returning it hands out the process's memory), ``empty`` returns memory as it was left
+#: (which a full-table program calls: load that with torch.export.load, if you trust it)
+_OPERATORS = frozenset(f"aten::{name}" for name in (
+    "_assert_scalar", "_assert_tensor_metadata", "_to_copy", "abs", "add", "addmm", "amax",
+    "amin", "arange", "argmax", "argmin", "baddbmm", "batch_norm", "bitwise_and",
+    "bitwise_not", "bitwise_or", "bitwise_xor", "bmm", "bucketize", "cat", "ceil", "chunk",
+    "clamp", "clamp_max", "clamp_min", "clone", "contiguous", "cumsum", "detach", "div",
+    "dropout", "embedding", "embedding_bag", "eq", "exp", "expand", "flatten", "flip",
+    "floor", "full", "full_like", "gather", "ge", "gelu", "gt", "index", "index_select",
+    "item", "layer_norm", "le", "linear", "log", "log1p", "log_softmax", "logical_and",
+    "logical_not", "logical_or", "lt", "masked_fill", "matmul", "max", "maximum", "mean",
+    "min", "minimum", "mm", "mul", "narrow", "ne", "neg", "new_ones", "new_zeros",
+    "native_layer_norm", "ones", "ones_like", "permute", "pow", "prod", "relu",
+    "remainder", "repeat", "repeat_interleave", "reshape", "round", "rsqrt", "scalar_tensor",
+    "select", "sigmoid", "sign", "silu", "slice", "softmax", "split", "split_with_sizes",
+    "sqrt", "squeeze", "stack", "sub", "sum", "sym_constrain_range",
+    "sym_constrain_range_for_size", "sym_numel", "sym_size", "sym_stride", "t", "tanh",
+    "to", "transpose", "tril", "triu", "triu_indices", "unbind", "unflatten", "unsqueeze",
+    "view", "where", "zeros", "zeros_like")) | {
+    "robe::forward", "robe::unpooled_keys",  # memory-safe against any arguments (ops.md)
+    "fbgemm::asynchronous_complete_cumsum"}  # a KJT's offsets from its lengths
+#: the ``operator`` functions a graph may call: arithmetic and comparisons on sizes (not
+#: ``attrgetter``, ``methodcaller`` and the like, which reach any object)
+_OPERATOR_FUNCTIONS = frozenset((
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq",
+    "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift",
+    "rshift", "getitem", "truth", "index"))
+
+
 def _allowed_call(target: Any, plain: set) -> bool:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._schema.name) in _OPERATORS
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name in _OPERATORS
     if isinstance(target, torch._ops.HigherOrderOperator):
         return target.name() in _HIGHER_ORDER
     try:
@@ -417,7 +451,7 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
     """Refuse a program whose graph calls anything but operators, ``operator`` / ``math``
     functions and torch's symbolic-size helpers: the deserializer resolves any ``torch.*``
     name, ``torch.os.system`` included, and calling the program would run it."""
-    plain = {getattr(operator, n) for n in dir(operator) if not n.startswith("_")}
+    plain = {getattr(operator, n) for n in _OPERATOR_FUNCTIONS}
     plain |= {getattr(math, n) for n in dir(math) if callable(getattr(math, n))}
     plain |= {getattr(torch, n) for n in ("sym_int", "sym_float", "sym_max", "sym_min",
                                           "sym_not", "sym_ite", "sym_sqrt", "sym_sum")
@@ -434,8 +468,9 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
             for target in [node.target, *_callables((node.args, node.kwargs))]:
                 if not _allowed_call(target, plain):
                     raise UnsafeProgramError(
-                        f"{path}: refused: node {node.name} calls {target!r}, which is not "
-                        f"an operator. Load only programs you trust with torch.export.load")
+                        f"{path}: refused: node {node.name} calls {target!r}, which is not one "
+                        f"of the memory-safe operators this loader admits. Load only programs "
+                        f"you trust with torch.export.load")
 
 
 def _callables(value: Any) -> List[Any]:

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import logging
+import operator
 import os
 import pickle
 import re
@@ -616,3 +617,22 @@ def test_keys_of_the_call_spec_torch_would_paste_into_code_are_refused():
                                     call_spec=types.SimpleNamespace(in_spec=spec, out_spec=None))
     with pytest.raises(UnsafeProgramError, match="hold the key \"k': 1, 'x\""):
         _check_inputs(program, "x.pt2")
+
+
+@pytest.mark.parametrize("target,named", [
+    (torch.ops.aten._reshape_alias.default, "aten._reshape_alias"),  # a view past storage
+    (torch.ops.aten.empty.memory_format, "aten.empty"),  # memory as it was left
+    (operator.attrgetter, "operator.attrgetter"),  # reaches any object
+])
+def test_load_program_admits_memory_safe_operators_only(program, target, named):
+    """A node calling an operator that does not check its bounds (or hands out memory
+    as it was left, or reaches any object) would let a program return the process's
+    memory: refused, by name."""
+    from robe_torchrec.safe_program import _check_targets
+
+    loaded = load_program(program)
+    node = next(n for n in loaded.graph_module.graph.nodes if n.op == "call_function")
+    node.target = target
+    with pytest.raises(UnsafeProgramError, match=f"calls .*{re.escape(named.split('.')[-1])}"
+                                                 f".*not one of the memory-safe operators"):
+        _check_targets(loaded, "x.pt2")
