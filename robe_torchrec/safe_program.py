@@ -84,7 +84,8 @@ _SYMPY_NAMES = frozenset((
     "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Abs", "Eq", "Ne",
     "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "True", "False", "oo", "zoo", "nan",
     "Integer", "Rational", "Float", "floor", "ceiling", "sqrt", "Piecewise", "OpaqueUnaryFn",
-    "BitwiseFn", "Mul", "Add", "Pow", "Symbol"))
+    "BitwiseFn", "Mul", "Add", "Pow", "Symbol", "GreaterThan", "LessThan",
+    "StrictGreaterThan", "StrictLessThan", "Equality", "Unequality"))
 _SYMBOL = re.compile(r"^[a-z]+\d+$")
 # a name, a keyword argument (``positive=True``), a quoted symbol name (``Symbol('s0')``, as
 # sympy's srepr writes them), a number, an operator
