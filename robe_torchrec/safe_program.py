@@ -360,6 +360,12 @@ def load_program(path: "str | os.PathLike") -> ExportedProgram:
         program = torch.export.load(io.BytesIO(archive.rebuilt()))
     _check_targets(program, path)
     _check_inputs(program, path)
+    held = [*program.state_dict.values(), *program.constants.values()]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in held):
+        raise UnsafeProgramError(f"{path}: refused: it holds tensors on the meta device; with "
+                                 f"tensors holding data an operator then returns memory as it "
+                                 f"was left. Load only programs you trust with "
+                                 f"torch.export.load")
     return program
 
 
@@ -466,12 +472,27 @@ def _check_targets(program: ExportedProgram, path: Any) -> None:
             if node.op != "call_function":
                 continue
             # what it calls, and what it hands a higher-order operator to call
+            meta = _meta_devices((node.args, node.kwargs))
+            if meta:
+                raise UnsafeProgramError(
+                    f"{path}: refused: node {node.name} puts a tensor on the meta device; with "
+                    f"other tensors holding data an operator then returns memory as it was "
+                    f"left. Load only programs you trust with torch.export.load")
             for target in [node.target, *_callables((node.args, node.kwargs))]:
                 if not _allowed_call(target, plain):
                     raise UnsafeProgramError(
                         f"{path}: refused: node {node.name} calls {target!r}, which is not one "
                         f"of the memory-safe operators this loader admits. Load only programs "
                         f"you trust with torch.export.load")
+
+
+def _meta_devices(value: Any) -> bool:
+    """Whether a node's arguments (nested lists, tuples and dicts) name the meta device."""
+    if isinstance(value, (list, tuple)):
+        return any(_meta_devices(v) for v in value)
+    if isinstance(value, dict):
+        return any(_meta_devices(v) for v in value.values())
+    return isinstance(value, torch.device) and value.type == "meta"
 
 
 def _callables(value: Any) -> List[Any]:

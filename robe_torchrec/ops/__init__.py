@@ -61,7 +61,7 @@ from robe_torchrec.ops.backends import (checks_deferred, cpu_backend, cpu_implem
 from robe_torchrec.ops.deferred_checks import (DeferredCheckError, defer_checks,
                                                raise_pending_checks)
 from robe_torchrec.ops.feature_names import name_in_error
-from robe_torchrec.ops.validation import check_static
+from robe_torchrec.ops.validation import check_shapes_only, check_static
 
 #: the ``robe`` namespace. Every op is defined with ``torch.library.define`` and its kernels
 #: registered with ``torch.library.impl``, not with ``torch.library.custom_op``: a call then
@@ -118,6 +118,7 @@ def _define(schema: str, fake: Callable[..., object]) -> None:
 
 def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, output_dim,
                   block_size, hash_mode, hash_params, bounds_check) -> Tensor:
+    check_shapes_only(weights, values, offsets, per_sample_weights, table_meta)
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
     batch = (offsets.shape[0] - 1) // table_meta.shape[1]
     return weights.new_empty(batch, output_dim, dtype=meta.accumulation_dtype(weights.dtype))
@@ -212,6 +213,7 @@ _LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 # ---------------------------------------------------------------------------------------
 
 def _backward_dense_fake(grad_output, weights, *rest) -> Tensor:
+    check_shapes_only(grad_output, weights, *rest)
     return torch.empty_like(weights, dtype=meta.accumulation_dtype(weights.dtype))
 
 
@@ -221,6 +223,7 @@ _define("backward_dense(Tensor grad_output, Tensor weights, Tensor values, Tenso
 
 
 def _psw_grad_fake(grad_output, weights, values, *rest) -> Tensor:
+    check_shapes_only(grad_output, weights, values, *rest)
     return weights.new_empty(values.shape[0], dtype=meta.accumulation_dtype(weights.dtype))
 
 

@@ -53,7 +53,8 @@ from robe_torchrec.ops.deferred_checks import name_problems_with
 from robe_torchrec.ops.feature_names import name_in_error, names_of
 from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.small_copies import ints_on_device
-from robe_torchrec.ops.validation import IdCheck, check_ids, id_check_of, meta_facts
+from robe_torchrec.ops.validation import (IdCheck, check_ids, check_shapes_only, id_check_of,
+                                          meta_facts)
 from robe_torchrec.ops.weak_ids import WeakIdDict
 
 
@@ -317,6 +318,7 @@ def _unpooled_keys(values: Tensor, counts: List[int], *layout) -> Tensor:
 
 
 def _unpooled_keys_fake(values: Tensor, counts: List[int], *layout) -> Tensor:
+    check_shapes_only(values, *layout)
     return values.new_empty(values.shape, dtype=torch.int64)
 
 

@@ -476,3 +476,16 @@ def _raise_first(vals: torch.Tensor, bad: torch.Tensor, feature: torch.Tensor, d
         pos = int(torch.nonzero(bad)[0])
         t = int(feature[pos])
         raise ValueError(f"robe: id {int(vals[pos])} at position {pos} of feature {t} {describe(t)}")
+
+
+def check_shapes_only(*tensors: Optional[torch.Tensor]) -> None:
+    """A fake (shape-only) kernel is reached with tensors on the meta device or fake ones
+    only; a tensor that holds data got here because another argument is on the meta device,
+    and the kernel would return memory as it was left, checked by nothing: refuse it."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if "meta" in devices and any(isinstance(t, torch.Tensor) and not t.is_meta
+                                 and not is_fake(t) for t in tensors):
+        raise ValueError(f"robe: the arguments mix the meta device with tensors holding data "
+                         f"(devices {sorted(devices)}); put them all on one device")

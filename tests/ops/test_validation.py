@@ -135,3 +135,24 @@ def test_an_unknown_optimizer_number_is_refused():
     weights = torch.zeros(16)
     with pytest.raises(ValueError, match="unknown fused optimizer 7"):
         validation.check_optimizer_args(weights, weights, weights, 7, _HPARAMS, 1, 4)
+
+
+def test_the_meta_device_mixed_with_data_is_refused():
+    """A tensor on the meta device sends a call to the shape-only kernel; with the other
+    arguments holding data it would return memory as it was left, checked by nothing."""
+    from robe_torchrec.hashing import HashMode, hash_params
+    from robe_torchrec.ops.meta import BoundsCheck, Pooling, build_table_meta
+
+    meta = build_table_meta([4], [0], [64], [0], [10], [int(Pooling.SUM)])
+    layout = (4, 4, int(HashMode.REFERENCE), hash_params(HashMode.REFERENCE, seed=1),
+              int(BoundsCheck.ERROR))
+    weights, ids = torch.zeros(64), torch.tensor([1, 2, 3])
+    offsets = torch.arange(4)
+    with pytest.raises(ValueError, match="mix the meta device with tensors holding data"):
+        torch.ops.robe.forward(weights, ids, offsets, None, meta.to("meta"), *layout)
+    with pytest.raises(ValueError, match="mix the meta device with tensors holding data"):
+        torch.ops.robe.unpooled_keys(ids, [3], meta.to("meta"), *layout)
+    # all on the meta device: shapes, as before
+    out = torch.ops.robe.forward(weights.to("meta"), ids.to("meta"), offsets.to("meta"), None,
+                                 meta.to("meta"), *layout)
+    assert out.is_meta and out.shape == (3, 4)

@@ -636,3 +636,15 @@ def test_load_program_admits_memory_safe_operators_only(program, target, named):
     with pytest.raises(UnsafeProgramError, match=f"calls .*{re.escape(named.split('.')[-1])}"
                                                  f".*not one of the memory-safe operators"):
         _check_targets(loaded, "x.pt2")
+
+
+def test_load_program_refuses_the_meta_device(program):
+    """An operator given a meta tensor beside tensors holding data returns memory as it
+    was left: a node naming the meta device is refused."""
+    from robe_torchrec.safe_program import _check_targets
+
+    loaded = load_program(program)
+    node = next(n for n in loaded.graph_module.graph.nodes if n.op == "call_function")
+    node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    with pytest.raises(UnsafeProgramError, match="puts a tensor on the meta device"):
+        _check_targets(loaded, "x.pt2")
