@@ -118,8 +118,9 @@ def _define(schema: str, fake: Callable[..., object]) -> None:
 
 def _forward_fake(weights, values, offsets, per_sample_weights, table_meta, output_dim,
                   block_size, hash_mode, hash_params, bounds_check) -> Tensor:
-    check_shapes_only(weights, values, offsets, per_sample_weights, table_meta)
+    # (check_static names a meta input beside the weights; this, the rest of the mix)
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    check_shapes_only(weights, values, offsets, per_sample_weights, table_meta)
     batch = (offsets.shape[0] - 1) // table_meta.shape[1]
     return weights.new_empty(batch, output_dim, dtype=meta.accumulation_dtype(weights.dtype))
 
