@@ -176,6 +176,9 @@ class RobeLayout:
     #: and deriving it (a sum over the features, two config parses) took 3 us of a module
     #: forward's host work
     _fixed_op_args: Tuple[Any, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    #: the features' names, for the same reason (a module forward selects its keys by them)
+    _fixed_feature_names: Tuple[str, ...] = dataclasses.field(init=False, repr=False,
+                                                              compare=False)
 
     @classmethod
     def build(cls, tables: Sequence[EmbeddingBagConfig], robe: RobeConfig) -> "RobeLayout":
@@ -223,6 +226,7 @@ class RobeLayout:
             sum(f.dim for f in self.features), self.config.block_size,
             int(self.config.hash_mode), tuple(self.hash_params),
             int(self.config.bounds_check_mode)))
+        object.__setattr__(self, "_fixed_feature_names", tuple(f.name for f in self.features))
         # the reference hash overflows beyond a key limit: refuse tables whose ids reach it
         if self.hash_mode != HashMode.REFERENCE or self.bounds_check != BoundsCheck.ERROR:
             return
@@ -265,7 +269,7 @@ class RobeLayout:
 
     @property
     def feature_names(self) -> List[str]:
-        return [f.name for f in self.features]
+        return list(self._fixed_feature_names)
 
     @property
     def dims(self) -> List[int]:

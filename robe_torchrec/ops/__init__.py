@@ -132,39 +132,40 @@ _define("forward(Tensor weights, Tensor values, Tensor offsets, Tensor? per_samp
 
 class _ForwardFunction(torch.autograd.Function):
     """The autograd node of ``robe::forward``: its forward runs the op's kernel below the
-    autograd keys, its backward the two gradient ops."""
+    autograd keys, its backward the two gradient ops. The layout's six arguments come as
+    one tuple: ``apply`` walks every argument it is given twice (once in Python, once in
+    C++), host time a training forward waits on."""
 
     @staticmethod
-    def forward(ctx, keyset, weights, values, offsets, per_sample_weights, *layout):  # type: ignore[override]
+    def forward(ctx, keyset, weights, values, offsets, per_sample_weights, layout):  # type: ignore[override]
         output = _forward_below_autograd(keyset, weights, values, offsets, per_sample_weights,
                                          *layout)
-        args = LookupArgs.from_flat(values, offsets, per_sample_weights, *layout)
-        ctx.save_for_backward(weights, values, offsets, per_sample_weights,
-                              args.layout.table_meta)
-        # the tensor travels through save_for_backward; the rest of the layout on ctx
-        ctx.layout = args.layout._replace(table_meta=None,
-                                          hash_params=list(args.layout.hash_params))
+        table_meta, output_dim, block_size, hash_mode, hash_params, bounds_check = layout
+        ctx.save_for_backward(weights, values, offsets, per_sample_weights, table_meta)
+        # the tensor travels through save_for_backward, the rest of the layout on ctx (the
+        # hash parameters copied: the caller's list may change before the backward)
+        ctx.layout = (output_dim, block_size, hash_mode, list(hash_params), bounds_check)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         weights, values, offsets, per_sample_weights, table_meta = ctx.saved_tensors
         args = LookupArgs(values, offsets, per_sample_weights,
-                          ctx.layout._replace(table_meta=table_meta))
+                          LayoutArgs(table_meta, *ctx.layout))
         # needs_input_grad[0] is the dispatch key set's
         grad_weights = grad_psw = None
         if ctx.needs_input_grad[1]:
             grad_weights = args.backward_dense(grad_output, weights)
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = args.per_sample_weights_grad(grad_output, weights)
-        return (None, grad_weights, None, None, grad_psw) + (None,) * len(LayoutArgs._fields)
+        return None, grad_weights, None, None, grad_psw, None
 
 
 def _forward_autograd(keyset, weights, values, offsets, per_sample_weights, *layout):
     if torch.is_grad_enabled() and (weights.requires_grad or (
             per_sample_weights is not None and per_sample_weights.requires_grad)):
         return _ForwardFunction.apply(keyset, weights, values, offsets, per_sample_weights,
-                                      *layout)
+                                      layout)
     return _forward_below_autograd(keyset, weights, values, offsets, per_sample_weights,
                                    *layout)
 

@@ -111,7 +111,7 @@ def deferred_for(device: torch.device) -> bool:
     return device.type == "cuda" if _setting is None else _setting
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Pending:
     """One summary's counts on their way to the host, and the inputs it checked (kept until
     the counts are read, to name the first problem). The counts travel in an answer copy
@@ -174,7 +174,7 @@ class _Pending:
             raise DeferredCheckError(self.error)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Record:
     """What a forward checked, for the backward ops that get the same inputs."""
     offsets: "weakref.ref[torch.Tensor]"
@@ -191,9 +191,12 @@ _pending: Deque[_Pending] = collections.deque()
 _records: WeakIdDict = WeakIdDict()
 
 
-def _versions(*tensors: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+def _versions(values: torch.Tensor, offsets: torch.Tensor,
+              per_sample_weights: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+    # spelled out: a generator over the three took 1 us a call, 0.3 us this way
     try:
-        return tuple(-1 if t is None else t._version for t in tensors)
+        return (values._version, offsets._version,
+                -1 if per_sample_weights is None else per_sample_weights._version)
     except RuntimeError:  # inference tensors carry no version: nothing can be matched later
         return None
 

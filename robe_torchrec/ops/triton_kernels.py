@@ -562,7 +562,8 @@ def forward(
     hash_params: List[int],
     bounds_check: int,
 ) -> torch.Tensor:
-    kernels = _kernels_for(weights.device)
+    device = weights.device  # (a new object at every read)
+    kernels = _kernels_for(device)
     psw = per_sample_weights
     plan = _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_size,
                          hash_mode, hash_params, bounds_check)
@@ -574,13 +575,13 @@ def forward(
         check_data(values, offsets, psw, table_meta, meta_cpu, id_check)  # raises
     # columns no feature covers (output_dim > sum of dims) must read 0
     shape, dtype = (batch, output_dim), m.accumulation_dtype(weights.dtype)
-    out = (_empty(*shape, dtype=dtype, device=weights.device) if plan.covers_output
-           else torch.zeros(shape, dtype=dtype, device=weights.device))
+    out = (_empty(*shape, dtype=dtype, device=device) if plan.covers_output
+           else torch.zeros(shape, dtype=dtype, device=device))
     if batch == 0 or output_dim == 0:
         return out
     if plan.counted:
         deferred_checks.raise_ready()
-        problems = _check_counts(weights.device)
+        problems = _check_counts(device)
         check_args = (problems, plan.key_limit)
     else:  # any pointer will do
         check_args = (out, 0)
