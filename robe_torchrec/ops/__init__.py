@@ -243,10 +243,10 @@ _define("per_sample_weights_grad(Tensor grad_output, Tensor weights, Tensor valu
 # tensor they wrote (autograd and the input checks' caches see the change), as
 # ``torch.library.custom_op`` does but without its generic layer, which rebuilt the 14-argument
 # list on every call (``torch._library.utils.fill_defaults``, about 55 us a call under
-# cProfile). A fused step (forward and fused backward ops) now takes 88 us of host time
-# against 57 us calling the implementations directly, launches stubbed on a CPU core
+# cProfile). A fused step (forward and fused backward ops) now takes 90 us of host time
+# against 58 us calling the implementations directly, launches stubbed on a CPU core
 # (benchmarks/results/host_overhead.md); behind custom_op it took 201 us, in a run where the
-# forward's wrapper took 27 us against 20.8 us now (results/history/host_overhead_9bc96fe.md).
+# forward's wrapper took 27 us against 19.9 us now (results/history/host_overhead_9bc96fe.md).
 
 def _define_mutating(schema: str, written: Tuple[str, ...],
                      cpu_kernel: Callable[..., None], cuda_kernel: Callable[..., None]) -> None:
