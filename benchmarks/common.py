@@ -106,19 +106,22 @@ class DeviceTimer:
         return start.elapsed_time(end) / inner
 
 
-def keep_freed_memory() -> str:
-    """Ask glibc's malloc to keep freed blocks of up to 32 MiB in the process; says what it
-    did, for the report. A fresh 16 MiB output otherwise costs thousands of page faults or
-    none depending on the allocator's history: that moved a 1-thread CPU forward floor between
-    1.6 and 6.2 ms from run to run. A training loop reaches the same steady state."""
+def keep_freed_memory(limit_mib: int = 32) -> str:
+    """Ask glibc's malloc to keep freed blocks of up to ``limit_mib`` MiB in the process; says
+    what it did, for the report. A fresh 16 MiB output otherwise costs thousands of page
+    faults or none depending on the allocator's history: that moved a 1-thread CPU forward
+    floor between 1.6 and 6.2 ms from run to run. A training loop reaches the same steady
+    state for blocks up to 32 MiB (glibc raises its limit up to there as blocks are freed);
+    a larger block is returned to the system when freed and page-faulted in again at every
+    allocation, unless the limit is set higher."""
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = (libc.mallopt(m_mmap_threshold, 32 << 20) == 1
-              and libc.mallopt(m_trim_threshold, 1 << 30) == 1)
+        ok = (libc.mallopt(m_mmap_threshold, limit_mib << 20) == 1
+              and libc.mallopt(m_trim_threshold, max(1 << 30, 2 * (limit_mib << 20))) == 1)
     except (OSError, AttributeError):
         ok = False
-    return ("glibc malloc keeps freed blocks up to 32 MiB" if ok else
+    return (f"glibc malloc keeps freed blocks up to {limit_mib} MiB" if ok else
             "allocator left as is (not glibc): fresh outputs may page-fault, timings vary more")
 
 

@@ -26,7 +26,8 @@ import torch
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim import apply_optimizer_in_backward
 
-from benchmarks.common import command_line, header, interleaved, medians_ms, parser, publish, table
+from benchmarks.common import (command_line, header, interleaved, keep_freed_memory, medians_ms,
+                               parser, publish, table)
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
 from robe_torchrec.ops import raise_pending_checks
 
@@ -112,6 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                           ("iters", 15)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--keep-freed-mib", type=int, default=1024,
+                   help="glibc's malloc keeps freed blocks up to this size (32: the most it "
+                        "keeps by itself)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     p.add_argument("--out", default=None, help="a folder (unpooled_ops.md) or a .md file")
@@ -120,6 +124,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         args.batch, args.history, args.rows, args.memory, args.dim = 16, 4, 1000, 4096, 8
         args.warmup, args.iters, args.compile_backend = 1, 2, "aot_eager"
     torch.set_num_threads(args.threads)
+    # outputs reuse freed memory, as a training loop's do up to glibc's 32 MiB, and beyond it
+    # up to --keep-freed-mib (the padded layout's output is larger than the rows asked for)
+    allocator = (keep_freed_memory(args.keep_freed_mib) if args.device == "cpu"
+                 else "CUDA's caching allocator")
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     fns = {name: (lambda it, fn=fn: (fn(), synchronize()))
            for name, fn in build_rows(args).items()}
@@ -141,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                   ms[f"{COMPILED_PADDED}: forward"] / ms[f"{COMPILED}: forward"]}
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = header(f"Unpooled ROBE-Z lookup on {where} (`RobeEmbeddingCollection`)",
-                   command_line("unpooled_ops", argv),
+                   command_line("unpooled_ops", argv), f"allocator: {allocator}",
                    f"{args.batch * args.history:,} ids ({args.batch} x {args.history}), dim "
                    f"{args.dim}, table {args.rows:,} rows, ROBE array {args.memory:,} floats, Z = "
                    f"{args.block_size}, {args.threads} thread(s); median of {args.iters} "
@@ -151,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                      f"{t / ms['step floor']:.1f}x"] for k, t in ms.items()])
     lines += [""] + [f"- {k}: {v:.2f}x" for k, v in ratios.items()]
     result = {"command": command_line("unpooled_ops", argv), "args": vars(args), "ms": ms,
-              "ratios": ratios}
+              "ratios": ratios, "allocator": allocator}
     publish(args.out, "unpooled_ops", lines, result)
     return result
 
