@@ -404,4 +404,33 @@ def select_features(features: KeyedJaggedTensor, feature_names: List[str],
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"{owner}: the input has features {twice} more than once (keys "
                          f"{keys}); give each feature once, its ids in one place")
-    return features.permute([keys.index(f) for f in feature_names])
+    order = [keys.index(f) for f in feature_names]
+    selected = features.permute(order)
+    weights = features.weights_or_none()
+    if weights is None or not weights.requires_grad:
+        return selected
+    return _with_weights(selected, _weights_in_order(weights, features.length_per_key(), order))
+
+
+def _weights_in_order(weights: torch.Tensor, length_per_key: List[int],
+                      order: List[int]) -> torch.Tensor:
+    """The per-sample weights of the keys ``order`` picks, key after key: cut by key and
+    joined, which autograd differentiates whatever the order. ``KeyedJaggedTensor.permute``
+    passes their gradient back wrongly (torchrec 1.8, fbgemm 1.8): none for a variable batch
+    per feature, a wrong shape for a subset of the keys, and reads out of its tensors for a
+    key taken twice (a feature shared by two tables); TorchRec's ``EmbeddingBagCollection``
+    cuts its input by key too (``to_dict``)."""
+    by_key = weights.split(length_per_key)
+    return torch.cat([by_key[i] for i in order])
+
+
+def _with_weights(features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """``features`` with other per-sample weights (ids, lengths, strides and inverse indices
+    kept)."""
+    variable = features.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        keys=features.keys(), values=features.values(), weights=weights,
+        lengths=features.lengths(),
+        stride=None if variable else features.stride(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank() if variable else None,
+        inverse_indices=features.inverse_indices_or_none())

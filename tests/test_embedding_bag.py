@@ -267,6 +267,57 @@ def test_weighted_module_with_fused_optimizer(psw_requires_grad):
         assert grads == [None, None]
 
 
+#: each feature's ids and bag lengths, and the keys of each case of the test below
+_WEIGHTED_IDS = {"a": ([1, 2, 3], [2, 1]), "b": ([4, 5], [0, 2]), "x": ([9, 8], [1, 1])}
+_WEIGHTED_KEYS = {"in order": ["a", "b"], "reordered": ["b", "a"], "extra key": ["x", "b", "a"],
+                  "variable batch, reordered": ["b", "a"]}
+
+
+def _weighted_inputs(case: str, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """The weighted KJT of ``case`` for the tables of :func:`_shared_feature_tables`: keys
+    ``_WEIGHTED_KEYS[case]``, ids ``_WEIGHTED_IDS``, per-sample weights ``weights``."""
+    keys = _WEIGHTED_KEYS[case]
+    values = torch.tensor(sum((_WEIGHTED_IDS[k][0] for k in keys), []))
+    lengths = torch.tensor(sum((_WEIGHTED_IDS[k][1] for k in keys), []))
+    if case != "variable batch, reordered":
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+    # b holds one bag for the 2 samples, a two
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.tensor([2, 2, 1]),
+                             weights=weights, stride_per_key_per_rank=[[1], [2]],
+                             inverse_indices=(keys, torch.tensor([[0, 0], [0, 1]])))
+
+
+def _shared_feature_tables():
+    # feature "a" feeds two tables (TorchRec names their outputs a@t0 and a@t1)
+    return [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=20, feature_names=["a"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=20,
+                               feature_names=["a", "b"], pooling=PoolingType.MEAN)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", ["in order", "reordered", "extra key",
+                                  "variable batch, reordered"])
+def test_per_sample_weight_gradients_whatever_the_keys(case, fused):
+    """The per-sample weights' gradient for keys in another order, an extra key, a variable
+    batch per feature and a feature that two tables look up: the output is linear in the
+    weights, so weight p's gradient is the loss's slope along the output the one-hot weights
+    e_p give (KeyedJaggedTensor.permute's own gradient gets these wrong, or crashes)."""
+    ebc = RobeEmbeddingBagCollection(_shared_feature_tables(),
+                                     RobeConfig(memory_size=256, block_size=4), is_weighted=True)
+    if fused:  # the fused lookup's backward gives the weights' gradient and steps the array
+        apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.0})
+    count = sum(len(_WEIGHTED_IDS[k][0]) for k in _WEIGHTED_KEYS[case])
+    weights = torch.rand(count, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    out = ebc(_weighted_inputs(case, weights)).values()
+    slope = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    (out * slope).sum().backward()
+    with torch.no_grad():
+        expected = torch.stack([(ebc(_weighted_inputs(case, one_hot)).values() * slope).sum()
+                                for one_hot in torch.eye(count)])
+    assert weights.grad is not None
+    torch.testing.assert_close(weights.grad, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_state_dict_round_trip_and_layout_check():
     tables = make_tables()
     robe = RobeConfig(memory_size=300, block_size=4)
