@@ -16,8 +16,11 @@ autograd altogether for a compiled graph: an array that required grad, written i
 backward, is what torch 2.11's AOTAutograd refuses to compile, "a leaf Variable that
 requires grad is being used in an in-place operation", pytorch/pytorch#178622; in eager
 mode its ``requires_grad`` stays the user's, off meaning frozen.) Autograd still calls
-this backward: the forward takes an *anchor*, an empty leaf that requires grad (or the
-per-sample weights, when they need a gradient). Make one with :func:`autograd_anchor` on the
+this backward: the forward takes an *anchor*, an empty leaf that requires grad and stands
+for the array. The array steps when the backward pass reaches the anchor: a plain
+``loss.backward()`` does, ``torch.autograd.grad`` of other tensors (the per-sample weights
+alone, say) does not, as a stock table's in-backward optimizer runs only when its weight's
+gradient is accumulated. Make one with :func:`autograd_anchor` on the
 array's device: a sharded lookup with no features makes its empty output from it, which
 must be on the device its output dist runs on.
 
@@ -66,20 +69,34 @@ def fused_lookup(
     """
     per_sample_weights = args.per_sample_weights
     psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
-    # autograd calls backward only if an input requires grad
-    if psw_needs_grad:
-        anchor = per_sample_weights
-    elif anchor is None:
+    if anchor is None:
         anchor = _CPU_ANCHOR
-    return _FusedLookup.apply(anchor, weights.detach(), optimizer, args, psw_needs_grad,
-                              all_reduce_group)
+    return _FusedLookup.apply(anchor, per_sample_weights if psw_needs_grad else None,
+                              weights.detach(), optimizer, args, all_reduce_group)
+
+
+def _array_update_node(anchor: torch.Tensor) -> Optional[object]:
+    """The node whose run tells :class:`_FusedLookup`'s backward that the array is part of
+    the backward pass: the anchor's gradient accumulator. ``None`` in a graph that
+    ``torch.compile`` traces, which cannot ask the autograd engine: its backward always
+    steps."""
+    if torch.compiler.is_compiling():
+        return None
+    return torch.autograd.graph.get_gradient_edge(anchor).node
 
 
 class _FusedLookup(torch.autograd.Function):
+    """The lookup whose backward steps the array. Its inputs that autograd follows are the
+    anchor, which stands for the array, and the per-sample weights when they need a
+    gradient. The array steps only when the backward pass reaches the anchor, as a stock
+    table's in-backward optimizer runs only when its weight's gradient is accumulated:
+    ``torch.autograd.grad(out, [per_sample_weights])`` or ``loss.backward(inputs=[...])``
+    without the array leave it alone (eager mode; a compiled graph always steps it)."""
+
     @staticmethod
-    def forward(ctx, anchor, weights, optimizer, args, psw_needs_grad, group):  # type: ignore[override]
-        ctx.weights, ctx.optimizer, ctx.args = weights, optimizer, args
-        ctx.psw_needs_grad, ctx.group = psw_needs_grad, group
+    def forward(ctx, anchor, per_sample_weights, weights, optimizer, args, group):  # type: ignore[override]
+        ctx.weights, ctx.optimizer, ctx.args, ctx.group = weights, optimizer, args, group
+        ctx.update_node = _array_update_node(anchor)
         return args.forward(weights)
 
     @staticmethod
@@ -87,20 +104,26 @@ class _FusedLookup(torch.autograd.Function):
         args: LookupArgs = ctx.args
         weights, optimizer = ctx.weights, ctx.optimizer
         grad_psw = None
-        if ctx.psw_needs_grad and ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[1]:  # before the update: it reads the weights it pooled
             grad_psw = args.per_sample_weights_grad(grad_output, weights)
-        state1, state2 = optimizer.state_tensors()
-        group = ctx.group
-        if group is not None and dist.get_world_size(group) > 1:
-            grad = args.backward_dense(grad_output, weights)
-            dist.all_reduce(grad, group=group)
-            grad.div_(dist.get_world_size(group))
-            apply_dense_update_(weights, grad, state1, state2, int(optimizer.kind),
-                                optimizer.hparams(), optimizer.advance_step(),
-                                block_size=args.layout.block_size)
-        else:
-            args.counted_backward_fused_(grad_output, weights, state1, state2,
-                                         optimizer.param_state.get("step"),
-                                         int(optimizer.kind), optimizer.hparams())
-        return grad_psw, None, None, None, None, None
+        if ctx.update_node is None or torch._C._will_engine_execute_node(ctx.update_node):
+            _step(args, grad_output, weights, optimizer, ctx.group)
+        return None, grad_psw, None, None, None, None
 
+
+def _step(args: LookupArgs, grad_output: torch.Tensor, weights: torch.Tensor,
+          optimizer: RobeFusedOptimizer, group: Optional[dist.ProcessGroup]) -> None:
+    """Scatter ``grad_output`` into ``weights`` and apply ``optimizer``, in place: in one op,
+    or for a data-parallel array (``group``) after averaging the dense gradient."""
+    state1, state2 = optimizer.state_tensors()
+    if group is not None and dist.get_world_size(group) > 1:
+        grad = args.backward_dense(grad_output, weights)
+        dist.all_reduce(grad, group=group)
+        grad.div_(dist.get_world_size(group))
+        apply_dense_update_(weights, grad, state1, state2, int(optimizer.kind),
+                            optimizer.hparams(), optimizer.advance_step(),
+                            block_size=args.layout.block_size)
+    else:
+        args.counted_backward_fused_(grad_output, weights, state1, state2,
+                                     optimizer.param_state.get("step"),
+                                     int(optimizer.kind), optimizer.hparams())

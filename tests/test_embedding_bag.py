@@ -267,6 +267,35 @@ def test_weighted_module_with_fused_optimizer(psw_requires_grad):
         assert grads == [None, None]
 
 
+def test_fused_array_steps_only_when_the_backward_reaches_it():
+    """As a stock table's in-backward optimizer, which runs when its weight's gradient is
+    accumulated: the gradient of the per-sample weights alone (``autograd.grad``,
+    ``backward(inputs=...)``) leaves the array alone, and a plain backward steps it."""
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4),
+                                     is_weighted=True)
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.5})
+    kjt = random_kjt(tables, weighted=True, seed=11)
+
+    def weighted():
+        w = kjt.weights().clone().requires_grad_()
+        batch = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                  weights=w)
+        return ebc(batch).values().square().sum(), w
+
+    before = ebc.weight.detach().clone()
+    loss, w = weighted()
+    (alone,) = torch.autograd.grad(loss, [w])
+    loss, w = weighted()
+    loss.backward(inputs=[w])
+    assert torch.equal(ebc.weight, before)
+    torch.testing.assert_close(w.grad, alone)
+    loss, w = weighted()
+    loss.backward()
+    assert not torch.equal(ebc.weight, before)
+    torch.testing.assert_close(w.grad, alone)  # the weights' gradient, before the update
+
+
 #: each feature's ids and bag lengths, and the keys of each case of the test below
 _WEIGHTED_IDS = {"a": ([1, 2, 3], [2, 1]), "b": ([4, 5], [0, 2]), "x": ([9, 8], [1, 1])}
 _WEIGHTED_KEYS = {"in order": ["a", "b"], "reordered": ["b", "a"], "extra key": ["x", "b", "a"],
