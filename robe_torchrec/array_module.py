@@ -206,6 +206,10 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         fused = RobeFusedOptimizer("weight", weight, optimizer_class, kwargs,
                                    block_size=self._layout.block_size)
         setattr(weight, _ARRAY_OPTIMIZER, fused)
+        _take_over_from_pytorch(weight, fused)
+        # where torch.distributed.optim._get_in_backward_optimizers (checkpoints, schedulers)
+        # finds a parameter's in-backward optimizer, as TorchRec's sharded tables put theirs
+        weight._in_backward_optimizers = [fused]  # type: ignore[attr-defined]
         return fused
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
@@ -235,6 +239,14 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         name_features(self.table_meta, self._layout.feature_names)  # a new tensor, perhaps
         self._follow_new_array(applied, fused, frozen)
         return module
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The module's state for a copy or a pickle, with what ``apply_optimizer_in_backward``
+        recorded on :attr:`weight` even before a forward made the fused optimizer: the copy's
+        new array lacks it (see :meth:`__setstate__`)."""
+        state = dict(self.__dict__)
+        state["_applied"] = self._recorded_in_backward() or self._applied
+        return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """A deep copy (or an unpickled module) has a new array, without what
@@ -355,6 +367,24 @@ def _carry_fused_state(old: RobeFusedOptimizer, new: RobeFusedOptimizer) -> None
     for key, value in old.param_state.items():
         if key in state and not value.is_meta:
             state[key] = value  # converted to the array's device and dtype at the next step
+
+
+def _take_over_from_pytorch(weight: torch.Tensor, fused: RobeFusedOptimizer) -> None:
+    """Give ``fused`` the hyper-parameters and state of the optimizer of its class that
+    ``apply_optimizer_in_backward`` made for ``weight``, which ``fused`` replaces: a
+    scheduler may have set its rate before the first forward, and a traced graph's backward
+    (which runs without the fused optimizer) may have stepped it."""
+    for own in getattr(weight, "_in_backward_optimizers", []):
+        if type(own) is not fused.optimizer_class:
+            continue
+        group, source = fused.param_groups[0], own.param_groups[0]
+        for key in group:
+            if key != "params" and key in source:
+                group[key] = source[key]
+        state = fused.param_state
+        for key, value in own.state.get(weight, {}).items():
+            if key in state and torch.is_tensor(value) and value.shape == state[key].shape:
+                state[key] = value  # converted to the array's device and dtype at the next step
 
 
 # --- input handling ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torchrec.optim
 from torchrec.optim.fused import FusedOptimizer
 
 from robe_torchrec.ops.deferred_checks import raise_ready
+from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.ops.meta import Optimizer, accumulation_dtype, rowwise_state_size
 from robe_torchrec.rowwise_install import init_without_arrays, refuse_array_grads, torchrec_init
 
@@ -202,6 +203,16 @@ class RobeFusedOptimizer(FusedOptimizer):
 
     def step(self, closure: Any = None) -> None:
         raise_ready()
+        grad = self._param.grad
+        if grad is not None:
+            # a gradient that reached the array outside the fused lookup (a penalty on the
+            # array, say), accumulated where PyTorch's in-backward hook then calls this step:
+            # applied with the same state, as a stock table's in-backward optimizer applies
+            # whatever gradient its weight accumulates
+            state1, state2 = self.state_tensors()
+            apply_dense_update_(self._param, grad, state1, state2, int(self.kind),
+                                self.hparams(), self.advance_step(),
+                                block_size=self.block_size or 0)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass

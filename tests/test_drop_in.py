@@ -12,6 +12,7 @@ import contextlib
 import copy
 import importlib
 import inspect
+import io
 import sys
 import types
 
@@ -479,6 +480,77 @@ def test_a_deep_copy_keeps_the_fused_optimizer():
     torch.testing.assert_close(twin.weight, ebc.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(twin.fused_optimizer.param_state["sum"],
                                ebc.fused_optimizer.param_state["sum"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_before_any_forward_keeps_the_optimizer_applied(how):
+    """The fused optimizer is made at the first forward; a copy (or a pickle) made between
+    ``apply_optimizer_in_backward`` and that forward still trains with it."""
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    if how == "deepcopy":
+        twin = copy.deepcopy(ebc)
+    else:
+        buffer = io.BytesIO()
+        torch.save(ebc, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)  # a module the test itself made
+    for module in (ebc, twin):
+        module(make_kjt(1)).values().sum().backward()
+    assert twin.weight.grad is None
+    torch.testing.assert_close(twin.weight, ebc.weight, rtol=0, atol=0)
+
+
+def test_pytorchs_in_backward_optimizer_list_holds_the_fused_optimizer():
+    """``torch.distributed.optim._get_in_backward_optimizers`` (what checkpoints and
+    schedulers of in-backward training read) finds the fused optimizer once the module has
+    made it, as TorchRec's sharded tables put theirs there: a learning rate set through it
+    takes effect."""
+    from torch.distributed.optim import _get_in_backward_optimizers
+
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    ebc(make_kjt(0)).values().sum().backward()
+    (found,) = _get_in_backward_optimizers(ebc)
+    assert found is ebc.fused_optimizer
+    found.param_groups[0]["lr"] = 0.0
+    before = ebc.weight.detach().clone()
+    ebc(make_kjt(1)).values().sum().backward()
+    assert torch.equal(ebc.weight, before)
+
+
+def test_the_fused_optimizer_takes_over_pytorchs_rate():
+    """A rate set before the first forward on the optimizer PyTorch made (a scheduler built
+    on ``_get_in_backward_optimizers`` sets one) is the fused optimizer's when it is made."""
+    from torch.distributed.optim import _get_in_backward_optimizers
+
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
+    (pytorchs,) = _get_in_backward_optimizers(ebc)
+    pytorchs.param_groups[0]["lr"] = 0.0
+    before = ebc.weight.detach().clone()
+    ebc(make_kjt(1)).values().sum().backward()
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.0
+    assert torch.equal(ebc.weight, before)
+
+
+def test_a_gradient_on_the_array_from_elsewhere_is_applied_too():
+    """A penalty on the array itself sends it a gradient outside the fused lookup; PyTorch's
+    in-backward hook then steps the fused optimizer, which applies it with the same state,
+    as a stock table's in-backward optimizer applies whatever its weight accumulates. With
+    SGD the two updates add up to one step on the summed gradient."""
+    torch.manual_seed(0)
+    ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    torch.manual_seed(0)
+    dense = RobeEmbeddingBagCollection(make_tables(), ROBE)
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    kjt = make_kjt(2)
+    (ebc(kjt).values().sum() + ebc.weight.square().sum()).backward()
+    (dense(kjt).values().sum() + dense.weight.square().sum()).backward()
+    with torch.no_grad():
+        expected = dense.weight - 0.1 * dense.weight.grad
+    assert ebc.weight.grad is None
+    torch.testing.assert_close(ebc.weight, expected, rtol=1e-5, atol=1e-6)
 
 
 # --- input features ------------------------------------------------------------------------
