@@ -207,9 +207,7 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
                                    block_size=self._layout.block_size)
         setattr(weight, _ARRAY_OPTIMIZER, fused)
         _take_over_from_pytorch(weight, fused)
-        # where torch.distributed.optim._get_in_backward_optimizers (checkpoints, schedulers)
-        # finds a parameter's in-backward optimizer, as TorchRec's sharded tables put theirs
-        weight._in_backward_optimizers = [fused]  # type: ignore[attr-defined]
+        _list_in_backward(weight, fused)
         return fused
 
     # --- moves and casts: the in-backward optimizer stays with the array ------------------
@@ -291,6 +289,8 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
             if frozen:
                 self.weight.requires_grad_(False)
         if fused is None or fused.param is self.weight:
+            if fused is not None:  # a copy's: its array has PyTorch's own in the list again
+                _list_in_backward(self.weight, fused)
             return
         self._fused = None
         self._sync_fused_optimizer()
@@ -367,6 +367,13 @@ def _carry_fused_state(old: RobeFusedOptimizer, new: RobeFusedOptimizer) -> None
     for key, value in old.param_state.items():
         if key in state and not value.is_meta:
             state[key] = value  # converted to the array's device and dtype at the next step
+
+
+def _list_in_backward(weight: torch.Tensor, fused: RobeFusedOptimizer) -> None:
+    """Put ``fused`` where ``torch.distributed.optim._get_in_backward_optimizers``
+    (checkpoints, schedulers) finds a parameter's in-backward optimizer, in place of the one
+    PyTorch made, as TorchRec's sharded tables put theirs."""
+    weight._in_backward_optimizers = [fused]  # type: ignore[attr-defined]
 
 
 def _take_over_from_pytorch(weight: torch.Tensor, fused: RobeFusedOptimizer) -> None:

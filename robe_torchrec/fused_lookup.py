@@ -17,9 +17,9 @@ backward, is what torch 2.11's AOTAutograd refuses to compile, "a leaf Variable 
 requires grad is being used in an in-place operation", pytorch/pytorch#178622; in eager
 mode its ``requires_grad`` stays the user's, off meaning frozen.) Autograd still calls
 this backward: the forward takes an *anchor*, an empty leaf that requires grad and stands
-for the array. The array steps when the backward pass reaches the anchor: a plain
-``loss.backward()`` does, ``torch.autograd.grad`` of other tensors (the per-sample weights
-alone, say) does not, as a stock table's in-backward optimizer runs only when its weight's
+for the array. The array steps when the backward pass reaches the anchor or the array
+itself: a plain ``loss.backward()`` does, and so does one whose ``inputs`` name the array;
+``torch.autograd.grad`` of other tensors (the per-sample weights alone, say) does not, as a stock table's in-backward optimizer runs only when its weight's
 gradient is accumulated. Make one with :func:`autograd_anchor` on the
 array's device: a sharded lookup with no features makes its empty output from it, which
 must be on the device its output dist runs on.
@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from robe_torchrec.ops import no_second_derivative
 from robe_torchrec.ops.args import LookupArgs
 from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.optim import RobeFusedOptimizer
@@ -71,32 +72,37 @@ def fused_lookup(
     psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
     if anchor is None:
         anchor = _CPU_ANCHOR
-    return _FusedLookup.apply(anchor, per_sample_weights if psw_needs_grad else None,
+    # the array itself too, where it takes part in autograd (eager mode): a backward pass
+    # that names it (loss.backward(inputs=[module.weight, ...])) then reaches it here
+    array = weights if weights.requires_grad else None
+    return _FusedLookup.apply(anchor, per_sample_weights if psw_needs_grad else None, array,
                               weights.detach(), optimizer, args, all_reduce_group)
 
 
-def _array_update_node(anchor: torch.Tensor) -> Optional[object]:
-    """The node whose run tells :class:`_FusedLookup`'s backward that the array is part of
-    the backward pass: the anchor's gradient accumulator. ``None`` in a graph that
-    ``torch.compile`` traces, which cannot ask the autograd engine: its backward always
-    steps."""
+def _array_update_nodes(anchor: torch.Tensor, array: Optional[torch.Tensor]) -> Optional[list]:
+    """The nodes whose run tells :class:`_FusedLookup`'s backward that the array is part of
+    the backward pass: the gradient accumulators of the anchor and of the array (when it
+    requires grad). ``None`` in a graph that ``torch.compile`` traces, which cannot ask the
+    autograd engine: its backward always steps."""
     if torch.compiler.is_compiling():
         return None
-    return torch.autograd.graph.get_gradient_edge(anchor).node
+    return [torch.autograd.graph.get_gradient_edge(t).node for t in (anchor, array)
+            if t is not None]
 
 
 class _FusedLookup(torch.autograd.Function):
     """The lookup whose backward steps the array. Its inputs that autograd follows are the
-    anchor, which stands for the array, and the per-sample weights when they need a
-    gradient. The array steps only when the backward pass reaches the anchor, as a stock
-    table's in-backward optimizer runs only when its weight's gradient is accumulated:
+    anchor, which stands for the array, the array itself where it requires grad (it never
+    gets a gradient), and the per-sample weights when they need one. The array steps only
+    when the backward pass reaches the anchor or the array, as a stock table's in-backward
+    optimizer runs only when its weight's gradient is accumulated:
     ``torch.autograd.grad(out, [per_sample_weights])`` or ``loss.backward(inputs=[...])``
     without the array leave it alone (eager mode; a compiled graph always steps it)."""
 
     @staticmethod
-    def forward(ctx, anchor, per_sample_weights, weights, optimizer, args, group):  # type: ignore[override]
+    def forward(ctx, anchor, per_sample_weights, array, weights, optimizer, args, group):  # type: ignore[override]
         ctx.weights, ctx.optimizer, ctx.args, ctx.group = weights, optimizer, args, group
-        ctx.update_node = _array_update_node(anchor)
+        ctx.update_nodes = _array_update_nodes(anchor, array)
         return args.forward(weights)
 
     @staticmethod
@@ -106,9 +112,10 @@ class _FusedLookup(torch.autograd.Function):
         grad_psw = None
         if ctx.needs_input_grad[1]:  # before the update: it reads the weights it pooled
             grad_psw = args.per_sample_weights_grad(grad_output, weights)
-        if ctx.update_node is None or torch._C._will_engine_execute_node(ctx.update_node):
+        nodes = ctx.update_nodes
+        if nodes is None or any(torch._C._will_engine_execute_node(n) for n in nodes):
             _step(args, grad_output, weights, optimizer, ctx.group)
-        return None, grad_psw, None, None, None, None
+        return None, no_second_derivative(grad_psw, grad_output), None, None, None, None, None
 
 
 def _step(args: LookupArgs, grad_output: torch.Tensor, weights: torch.Tensor,

@@ -501,16 +501,19 @@ def test_a_copy_made_before_any_forward_keeps_the_optimizer_applied(how):
     torch.testing.assert_close(twin.weight, ebc.weight, rtol=0, atol=0)
 
 
-def test_pytorchs_in_backward_optimizer_list_holds_the_fused_optimizer():
+@pytest.mark.parametrize("copied", [False, True])
+def test_pytorchs_in_backward_optimizer_list_holds_the_fused_optimizer(copied):
     """``torch.distributed.optim._get_in_backward_optimizers`` (what checkpoints and
     schedulers of in-backward training read) finds the fused optimizer once the module has
-    made it, as TorchRec's sharded tables put theirs there: a learning rate set through it
-    takes effect."""
+    made it, as TorchRec's sharded tables put theirs there, also in a copy: a learning rate
+    set through it takes effect."""
     from torch.distributed.optim import _get_in_backward_optimizers
 
     ebc = RobeEmbeddingBagCollection(make_tables(), ROBE)
     apply_optimizer_in_backward(torch.optim.Adagrad, [ebc.weight], {"lr": 0.1})
     ebc(make_kjt(0)).values().sum().backward()
+    if copied:
+        ebc = copy.deepcopy(ebc)
     (found,) = _get_in_backward_optimizers(ebc)
     assert found is ebc.fused_optimizer
     found.param_groups[0]["lr"] = 0.0

@@ -291,9 +291,32 @@ def test_fused_array_steps_only_when_the_backward_reaches_it():
     assert torch.equal(ebc.weight, before)
     torch.testing.assert_close(w.grad, alone)
     loss, w = weighted()
-    loss.backward()
+    loss.backward(inputs=[w, ebc.weight])  # names the array: it steps, as a stock table
     assert not torch.equal(ebc.weight, before)
     torch.testing.assert_close(w.grad, alone)  # the weights' gradient, before the update
+    before = ebc.weight.detach().clone()
+    loss, w = weighted()
+    loss.backward()
+    assert not torch.equal(ebc.weight, before)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_second_derivative_through_a_lookup_raises(fused):
+    """The gradient ops have no derivative: differentiating a per-sample weights' gradient
+    again raises (as TorchRec's embedding_bag does) instead of reading 0; a backward with
+    create_graph=True whose result is not differentiated again still runs."""
+    tables = make_tables()
+    ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=300, block_size=4),
+                                     is_weighted=True)
+    if fused:
+        apply_optimizer_in_backward(torch.optim.SGD, [ebc.weight], {"lr": 0.1})
+    kjt = random_kjt(tables, weighted=True, seed=12)
+    w = kjt.weights().clone().requires_grad_()
+    batch = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                              weights=w)
+    (grad,) = torch.autograd.grad(ebc(batch).values().square().sum(), [w], create_graph=True)
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        grad.sum().backward()
 
 
 #: each feature's ids and bag lengths, and the keys of each case of the test below

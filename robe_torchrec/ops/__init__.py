@@ -49,7 +49,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -158,7 +158,35 @@ class _ForwardFunction(torch.autograd.Function):
             grad_weights = args.backward_dense(grad_output, weights)
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = args.per_sample_weights_grad(grad_output, weights)
-        return None, grad_weights, None, None, grad_psw, None
+        return (None, no_second_derivative(grad_weights, grad_output), None, None,
+                no_second_derivative(grad_psw, grad_output), None)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """A gradient of a ROBE lookup, tied to the gradient it was computed from, whose own
+    backward raises: the gradient ops have no derivative, and an untied result would be a
+    constant whose second derivative reads 0 (TorchRec's ``embedding_bag`` raises there
+    too, as this does, when the second backward reaches it)."""
+
+    @staticmethod
+    def forward(ctx, result, grad_output):  # type: ignore[override]
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        raise NotImplementedError(
+            "robe: the gradient of a ROBE lookup cannot be differentiated again (a second "
+            "derivative through its weights or per-sample weights); take the ROBE lookup "
+            "out of the graph differentiated twice, e.g. detach its output there")
+
+
+def no_second_derivative(result: Optional[Tensor], grad_output: Tensor) -> Optional[Tensor]:
+    """``result``, a gradient computed from ``grad_output`` in a backward, made to raise if
+    differentiated (only under ``create_graph=True``, when ``grad_output`` needs a
+    gradient; else returned as it is)."""
+    if result is None or not (torch.is_grad_enabled() and grad_output.requires_grad):
+        return result
+    return _NoSecondDerivative.apply(result, grad_output)
 
 
 def _forward_autograd(keyset, weights, values, offsets, per_sample_weights, *layout):
@@ -373,6 +401,7 @@ __all__ = [
     "meta",
     "per_sample_weights_grad",
     "raise_pending_checks",
+    "no_second_derivative",
     "robe_unpooled_lookup",
 ]
 
