@@ -331,21 +331,22 @@ _define_mutating(
     "backward_fused_(Tensor grad_output, Tensor(a1!) weights, Tensor(a2!) state1, "
     "Tensor(a3!) state2, Tensor values, Tensor offsets, Tensor? per_sample_weights, "
     "Tensor table_meta, SymInt block_size, SymInt hash_mode, SymInt[] hash_params, "
-    "SymInt optimizer, float[] hparams, SymInt step) -> ()",
+    "SymInt optimizer, float[] hparams, SymInt step, Tensor? lr=None) -> ()",
     ("weights", "state1", "state2"), _backward_fused_cpu, _backward_fused_cuda)
 
 
 def _counted_on_host(implementation, grad_output, weights, state1, state2, step, optimizer,
-                     hparams, *lookup) -> None:
+                     hparams, values, offsets, per_sample_weights, table_meta, block_size,
+                     hash_mode, hash_params, lr=None) -> None:
     """Advance ``step`` (if any), read it on the host and run ``implementation``'s
-    ``backward_fused_`` with it; ``lookup`` is ``values`` to ``hash_params`` in the op's
-    order."""
+    ``backward_fused_`` with it."""
     count = 1
     if step is not None:
         step += 1
         count = int(step)
-    implementation.backward_fused_(grad_output, weights, state1, state2, *lookup, optimizer,
-                                   hparams, count)
+    implementation.backward_fused_(grad_output, weights, state1, state2, values, offsets,
+                                   per_sample_weights, table_meta, block_size, hash_mode,
+                                   hash_params, optimizer, hparams, count, lr)
 
 
 def _counted_backward_fused_cpu(*args) -> None:
@@ -374,7 +375,7 @@ _define_mutating(
     "counted_backward_fused_(Tensor grad_output, Tensor(a1!) weights, Tensor(a2!) state1, "
     "Tensor(a3!) state2, Tensor(a4!)? step, SymInt optimizer, float[] hparams, "
     "Tensor values, Tensor offsets, Tensor? per_sample_weights, Tensor table_meta, "
-    "SymInt block_size, SymInt hash_mode, SymInt[] hash_params) -> ()",
+    "SymInt block_size, SymInt hash_mode, SymInt[] hash_params, Tensor? lr=None) -> ()",
     ("weights", "state1", "state2", "step"), _counted_backward_fused_cpu,
     _counted_backward_fused_cuda)
 

@@ -86,11 +86,13 @@ class LookupArgs(NamedTuple):
 
     def counted_backward_fused_(self, grad_output: Tensor, weights: Tensor, state1: Tensor,
                                 state2: Tensor, step: Optional[Tensor], optimizer: int,
-                                hparams: List[float]) -> None:
+                                hparams: List[float], lr: Optional[Tensor] = None) -> None:
         """:meth:`backward_fused_` whose step count is the tensor ``step``, advanced by one
-        inside the op (what a compiled backward needs: no host read of the count)."""
+        inside the op, and whose rate, where ``lr`` is given, is that tensor's one float,
+        read in place of ``hparams[0]`` (what a compiled backward needs: no host read of
+        the count, no guard on the rate)."""
         s = self.layout
         torch.ops.robe.counted_backward_fused_(
             grad_output, weights, state1, state2, step, optimizer, hparams, self.values,
             self.offsets, self.per_sample_weights, s.table_meta, s.block_size, s.hash_mode,
-            s.hash_params)
+            s.hash_params, lr)

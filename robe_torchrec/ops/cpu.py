@@ -33,7 +33,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from robe_torchrec.ops.validation import check_static
+from robe_torchrec.ops.validation import check_static, with_rate
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _HEADERS = [os.path.join(_CSRC, f"{name}.h")
@@ -323,8 +323,10 @@ def backward_fused_(
     optimizer: int,
     hparams: List[float],
     step: int,
+    lr: Optional[torch.Tensor] = None,
 ) -> None:
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    hparams = with_rate(hparams, lr, weights)
     ext = extension()
     with _value_errors():
         ext.backward_fused_(grad_output, weights, state1, state2, values, offsets, per_sample_weights,

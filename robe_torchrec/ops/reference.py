@@ -22,7 +22,7 @@ import torch
 from robe_torchrec.hashing import block_starts
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops.validation import (check_backward_inputs, check_inputs,
-                                          check_optimizer_args, check_static)
+                                          check_optimizer_args, check_static, with_rate)
 
 
 def _feature_slices(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor):
@@ -214,8 +214,10 @@ def backward_fused_(
     optimizer: int,
     hparams: List[float],
     step: int,
+    lr: Optional[torch.Tensor] = None,
 ) -> None:
     check_static(weights, values, offsets, per_sample_weights, table_meta, block_size, hash_mode)
+    hparams = with_rate(hparams, lr, weights)
     check_optimizer_args(weights, state1, state2, optimizer, hparams, step, block_size)
     # low-precision weights are read, stepped in float32 and written back rounded
     work = weights.to(m.accumulation_dtype(weights.dtype))

@@ -39,7 +39,8 @@ from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
                                           check_data_summarized, check_grad_rows,
                                           check_layout, check_optimizer_args,
-                                          check_output_size, checked_batch, meta_facts)
+                                          check_output_size, check_rate, checked_batch,
+                                          meta_facts)
 from robe_torchrec.ops.weak_ids import WeakIdDict
 
 #: test hook: fill buffers allocated with ``torch.empty`` with NaN before kernels write them
@@ -864,9 +865,12 @@ def backward_fused_(
     optimizer: int,
     hparams: List[float],
     step: int,
+    lr: Optional[torch.Tensor] = None,
 ) -> None:
     """Scatter the gradient into ``weights`` and apply the optimizer in place; ``step`` is
-    the 1-based number of this update, Adam's bias correction computed from it here."""
+    the 1-based number of this update, Adam's bias correction computed from it here; ``lr``
+    (one float on the weights' device), where given, the rate the kernel reads in place of
+    ``hparams[0]``."""
     optimizer = int(optimizer)
     if optimizer == m.Optimizer.ADAM and deferred_checks.is_capturing():
         raise ValueError("robe: fused Adam cannot be captured in a CUDA graph with its step "
@@ -875,7 +879,7 @@ def backward_fused_(
                          "step is then counted on the device, each replay takes the next), "
                          "or leave the backward out of the graph")
     _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
-                  table_meta, block_size, hash_mode, hash_params, optimizer, hparams, step)
+                  table_meta, block_size, hash_mode, hash_params, optimizer, hparams, step, lr)
 
 
 def counted_backward_fused_(
@@ -893,6 +897,7 @@ def counted_backward_fused_(
     block_size: int,
     hash_mode: int,
     hash_params: List[int],
+    lr: Optional[torch.Tensor] = None,
 ) -> None:
     """``robe::counted_backward_fused_`` for a step count kept on the weights' device (a
     capturable optimizer's; ``None``: an optimizer without one, the count is 1).
@@ -904,12 +909,13 @@ def counted_backward_fused_(
     if step is None:
         backward_fused_(grad_output, weights, state1, state2, values, offsets,
                         per_sample_weights, table_meta, block_size, hash_mode, hash_params,
-                        optimizer, hparams, 1)
+                        optimizer, hparams, 1, lr)
         return
     _check_device_step(step, weights)
     step += 1
     _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
-                  table_meta, block_size, hash_mode, hash_params, int(optimizer), hparams, step)
+                  table_meta, block_size, hash_mode, hash_params, int(optimizer), hparams, step,
+                  lr)
 
 
 def _check_device_step(step: torch.Tensor, weights: torch.Tensor) -> None:
@@ -920,26 +926,26 @@ def _check_device_step(step: torch.Tensor, weights: torch.Tensor) -> None:
                          f"{tuple(step.shape)}")
 
 
-def _adam_step_args(optimizer: int, lr: float, beta1: float, beta2: float, step,
-                    unused: torch.Tensor):
-    """The optimizer kernel's ``(step_size, bias2_sqrt, beta1, step_ptr)`` and its
+def _adam_step_args(optimizer: int, beta1: float, beta2: float, step, unused: torch.Tensor):
+    """The optimizer kernel's ``(bias1, bias2_sqrt, beta1, step_ptr)`` and its
     ``STEP_ON_DEVICE``: Adam's bias corrections computed here from an int ``step``, or left
     to the kernel, which reads a step tensor (``unused`` stands in for a pointer it does
     not read)."""
     on_device = optimizer == m.Optimizer.ADAM and isinstance(step, torch.Tensor)
-    step_size, bias2_sqrt = 0.0, 1.0
+    bias1, bias2_sqrt = 1.0, 1.0
     if optimizer == m.Optimizer.ADAM and not on_device:
-        step_size = -lr / (1.0 - beta1 ** step)
+        bias1 = 1.0 - beta1 ** step
         bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    return ((step_size, bias2_sqrt, beta1, step if on_device else unused),
+    return ((bias1, bias2_sqrt, beta1, step if on_device else unused),
             dict(STEP_ON_DEVICE=on_device))
 
 
 def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
                   table_meta, block_size, hash_mode, hash_params, optimizer: int,
-                  hparams: List[float], step) -> None:
+                  hparams: List[float], step, lr: Optional[torch.Tensor]) -> None:
     """The fused backward's checks, scatter and optimizer launch; ``step`` is the int
-    count of this update, or a tensor on the weights' device that already holds it."""
+    count of this update, or a tensor on the weights' device that already holds it; ``lr``
+    the rate tensor the kernel reads, or None (``hparams[0]``)."""
     # the gradient goes to a buffer of its own: bad optimizer arguments raise below, before
     # weights or state change; the layout (block_size included) is checked first, as the
     # reference does
@@ -949,30 +955,33 @@ def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sam
     # advanced from a count that started at 0
     host_step = 1 if isinstance(step, torch.Tensor) else step
     check_optimizer_args(weights, state1, state2, optimizer, hparams, host_step, block_size)
+    check_rate(lr, weights)
     kernels = _kernels_for(weights.device)
-    lr, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
+    rate, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
     numel = weights.numel()
     if numel == 0:
         return
     guard_args, guard_constants = _guard_args(guard, grad)
+    rate_ptr = grad if lr is None else lr  # a scalar rate reads no pointer: any will do
     if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
         num_rows = state1.numel()
         block_z = _next_pow2(block_size)
         rows = max(1, _OPTIM_BLOCK // block_z)
         kernels._rowwise_adagrad_kernel[(_cdiv(num_rows, rows),)](
-            weights, grad, state1, numel, num_rows, lr, eps, weight_decay, *guard_args,
-            Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-            COMPUTE=_acc_dtype(weights), ROWS=rows, BLOCK_Z=block_z, **guard_constants,
+            weights, grad, state1, numel, num_rows, rate, eps, weight_decay, rate_ptr,
+            *guard_args, Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+            COMPUTE=_acc_dtype(weights), RATE_ON_DEVICE=lr is not None, ROWS=rows,
+            BLOCK_Z=block_z, **guard_constants,
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
-    step_args, step_constants = _adam_step_args(optimizer, lr, beta1, beta2, step, grad)
+    step_args, step_constants = _adam_step_args(optimizer, beta1, beta2, step, grad)
     kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
-        lr, eps, beta2, weight_decay, 1.0 - beta1, *step_args, *guard_args,
+        rate, eps, beta2, weight_decay, 1.0 - beta1, *step_args, rate_ptr, *guard_args,
         OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-        COMPUTE=_acc_dtype(weights), GUARDED=guard_constants["GUARDED"], BLOCK=_OPTIM_BLOCK,
-        **step_constants,
+        COMPUTE=_acc_dtype(weights), GUARDED=guard_constants["GUARDED"],
+        RATE_ON_DEVICE=lr is not None, BLOCK=_OPTIM_BLOCK, **step_constants,
     )
 
 

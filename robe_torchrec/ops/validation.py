@@ -462,6 +462,27 @@ def check_optimizer_args(weights: torch.Tensor, state1: torch.Tensor, state2: to
         raise ValueError(f"robe: Adam's step counts from 1 (bias correction), got {step}")
 
 
+def check_rate(lr: Optional[torch.Tensor], weights: torch.Tensor) -> None:
+    """The fused backward's learning-rate tensor, where given: one float on the weights'
+    device (the kernels read it there; hparams[0] is then not read)."""
+    if lr is None:
+        return
+    if lr.numel() != 1 or not lr.is_floating_point() or lr.device != weights.device:
+        raise ValueError(f"robe: lr must be one float on the weights' device "
+                         f"({weights.device}), got {lr.dtype} of shape {tuple(lr.shape)} on "
+                         f"{lr.device}")
+
+
+def with_rate(hparams: List[float], lr: Optional[torch.Tensor],
+              weights: torch.Tensor) -> List[float]:
+    """``hparams`` with the rate read from ``lr`` where given: for the kernels that read the
+    hyper-parameters on the host, which a CPU tensor's read does not make wait."""
+    check_rate(lr, weights)
+    if lr is None:
+        return list(hparams)
+    return [float(lr)] + list(hparams[1:])
+
+
 #: the fused optimizers by their number
 _OPTIMIZERS = {int(o): o for o in m.Optimizer}
 

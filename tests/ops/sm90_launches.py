@@ -101,22 +101,25 @@ def run_ops(case) -> None:
         tk.backward_dense(grad, *case.backward_args(grad)[1:])
     if case.per_sample_weights is not None:
         tk.per_sample_weights_grad(grad, *case.psw_grad_args(grad)[1:])
-    for optimizer in m.Optimizer:
+    # the rate as a float, and read by the kernel from the optimizer's rate tensor
+    rates = (None, torch.tensor(0.1, dtype=torch.float64))
+    for optimizer, rate in itertools.product(m.Optimizer, rates):
         rows = m.rowwise_state_size(weights.numel(), case.block_size)
         shape = (rows,) if optimizer == m.Optimizer.ROWWISE_ADAGRAD else weights.shape
         state1, state2 = torch.zeros(shape, dtype=acc), torch.zeros(weights.shape, dtype=acc)
         tk.backward_fused_(grad, weights, state1, state2, case.values, case.offsets,
                            case.per_sample_weights, case.table_meta, case.block_size,
                            case.hash_mode, case.hash_params, int(optimizer),
-                           [0.1, 1e-8, 0.9, 0.999, 0.0], 1)
+                           [0.1, 1e-8, 0.9, 0.999, 0.0], 1, rate)
     # Adam's step counted on the device (capturable): the kernel computes its bias
     # correction itself, in float64 (exp2, log2)
-    state = torch.zeros(weights.shape, dtype=acc)
-    tk.counted_backward_fused_(grad, weights, state, state.clone(), torch.zeros(()),
-                               int(m.Optimizer.ADAM), [0.1, 1e-8, 0.9, 0.999, 0.0],
-                               case.values, case.offsets, case.per_sample_weights,
-                               case.table_meta, case.block_size, case.hash_mode,
-                               case.hash_params)
+    for rate in rates:
+        state = torch.zeros(weights.shape, dtype=acc)
+        tk.counted_backward_fused_(grad, weights, state, state.clone(), torch.zeros(()),
+                                   int(m.Optimizer.ADAM), [0.1, 1e-8, 0.9, 0.999, 0.0],
+                                   case.values, case.offsets, case.per_sample_weights,
+                                   case.table_meta, case.block_size, case.hash_mode,
+                                   case.hash_params, rate)
     tk.block_starts(case.values, -(-max(case.table_meta[m.DIM].tolist()) // case.block_size),
                     int(case.table_meta[m.W_SIZE, 0]), case.block_size, case.hash_mode,
                     case.hash_params)

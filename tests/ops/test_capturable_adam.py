@@ -21,6 +21,7 @@ import triton.language as tl  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.dense_update import apply_dense_update_  # noqa: E402
 from robe_torchrec.ops.meta import Optimizer  # noqa: E402
+from robe_torchrec.ops.triton.common import _div_rn  # noqa: E402
 from robe_torchrec.ops.triton.optimizers import _adam_bias_corrections, _pow  # noqa: E402
 from robe_torchrec.optim import RobeFusedOptimizer  # noqa: E402
 from robe_torchrec.testing.op_cases import random_case  # noqa: E402
@@ -122,7 +123,8 @@ def _bias_corrections_kernel(step_ptr, out_ptr, lr: tl.float64, beta1: tl.float6
     """``[step_size, bias2_sqrt, beta1**step, beta2**step]`` rows for N steps, as the
     optimizer kernel computes them."""
     i = tl.arange(0, N)
-    step_size, bias2_sqrt = _adam_bias_corrections(step_ptr + i, lr, beta1, beta2)
+    bias1, bias2_sqrt = _adam_bias_corrections(step_ptr + i, beta1, beta2)
+    step_size = _div_rn(-tl.full([], lr, tl.float64), bias1)
     step = tl.load(step_ptr + i).to(tl.float64)
     tl.store(out_ptr + i, step_size)
     tl.store(out_ptr + N + i, bias2_sqrt)

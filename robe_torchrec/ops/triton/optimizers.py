@@ -9,21 +9,26 @@ from robe_torchrec.ops.triton.bags import _inputs_clean
 def _optimizer_kernel(
     w_ptr, grad_ptr, state1_ptr, state2_ptr, numel,
     lr: tl.float64, eps: tl.float64, beta2: tl.float64, weight_decay: tl.float64,
-    lerp_weight: tl.float64, step_size: tl.float64, bias2_sqrt: tl.float64,
-    beta1: tl.float64, step_ptr, guard_ptr,
+    lerp_weight: tl.float64, bias1: tl.float64, bias2_sqrt: tl.float64,
+    beta1: tl.float64, step_ptr, lr_ptr, guard_ptr,
     OPTIMIZER: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    GUARDED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr,
+    GUARDED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, RATE_ON_DEVICE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One dense SGD / Adagrad / Adam step, elementwise, with torch.optim's formulas
     (see ``reference.apply_optimizer_``). Scalars arrive as float64 and are rounded to
-    COMPUTE once, as torch rounds its Python-float scalars: ``lerp_weight = 1 - beta1``,
-    ``step_size = -lr / (1 - beta1**step)``, ``bias2_sqrt = sqrt(1 - beta2**step)``.
+    COMPUTE once, as torch rounds its Python-float scalars: ``-lr``, ``lerp_weight =
+    1 - beta1``, Adam's ``step_size = -lr / bias1`` (computed here in float64, as Python
+    divides) with ``bias1 = 1 - beta1**step``, and ``bias2_sqrt = sqrt(1 - beta2**step)``.
 
-    With ``STEP_ON_DEVICE`` Adam's step is the count at ``step_ptr`` (a capturable
-    optimizer's, counted on the device, so that a CUDA graph's replays each take the next
-    step): ``step_size`` and ``bias2_sqrt`` are computed here, in float64, from it and
-    ``lr``, ``beta1``, ``beta2`` (see :func:`_adam_bias_corrections`); otherwise the host
-    computed them and ``beta1`` and ``step_ptr`` are unused."""
+    With ``RATE_ON_DEVICE`` the rate is the number at ``lr_ptr`` (the optimizer's rate
+    tensor, which a scheduler writes without a recompile, and a CUDA graph's replays read
+    anew), else ``lr``. With ``STEP_ON_DEVICE`` Adam's step is the count at ``step_ptr`` (a
+    capturable optimizer's, counted on the device, so that a CUDA graph's replays each take
+    the next step): ``bias1`` and ``bias2_sqrt`` are computed here, in float64, from it and
+    ``beta1``, ``beta2`` (see :func:`_adam_bias_corrections`); otherwise the host computed
+    them and ``beta1`` and ``step_ptr`` are unused."""
+    lr = _rate(lr, lr_ptr, RATE_ON_DEVICE)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < tl.where(_inputs_clean(guard_ptr, GUARDED), numel, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
@@ -39,7 +44,8 @@ def _optimizer_kernel(
         w = w + tl.full([], -lr, COMPUTE) * _div_rn(g, denom)
     else:
         if STEP_ON_DEVICE:
-            step_size, bias2_sqrt = _adam_bias_corrections(step_ptr, lr, beta1, beta2)
+            bias1, bias2_sqrt = _adam_bias_corrections(step_ptr, beta1, beta2)
+        step_size = _div_rn(-lr, tl.full([], bias1, tl.float64))
         # exp_avg.lerp_(grad, 1 - beta1): torch's two-sided lerp formula
         exp_avg = tl.load(state1_ptr + i, mask=mask, other=0.0).to(COMPUTE)
         weight = tl.full([], lerp_weight, COMPUTE)
@@ -60,16 +66,26 @@ def _optimizer_kernel(
 
 
 @triton.jit
-def _adam_bias_corrections(step_ptr, lr, beta1, beta2):
-    """``(-lr / (1 - beta1**step), sqrt(1 - beta2**step))`` in float64, ``step`` read from
+def _rate(lr, lr_ptr, RATE_ON_DEVICE: tl.constexpr):
+    """The learning rate in float64: the number at ``lr_ptr`` (any float dtype) with
+    ``RATE_ON_DEVICE``, else the scalar ``lr`` (the interpreter passes a Python float)."""
+    if RATE_ON_DEVICE:
+        rate = tl.load(lr_ptr).to(tl.float64)
+    else:
+        rate = tl.full([], lr, tl.float64)
+    return rate
+
+
+@triton.jit
+def _adam_bias_corrections(step_ptr, beta1, beta2):
+    """``(1 - beta1**step, sqrt(1 - beta2**step))`` in float64, ``step`` read from
     ``step_ptr`` (any float or integer dtype): what the host computes in Python floats for
-    an int step, to a few float64 ulps (see :func:`_pow`). The division and the square root
-    round as IEEE's, as Python's do."""
+    an int step, to a few float64 ulps (see :func:`_pow`). The square root rounds as IEEE's,
+    as Python's does."""
     step = tl.load(step_ptr).to(tl.float64)
-    lr = tl.full([], lr, tl.float64)  # the interpreter passes Python floats: keep float64
     bias1 = 1.0 - _pow(tl.full([], beta1, tl.float64), step)
     bias2 = 1.0 - _pow(tl.full([], beta2, tl.float64), step)
-    return _div_rn(-lr, bias1), _sqrt_rn(bias2)
+    return bias1, _sqrt_rn(bias2)
 
 
 @triton.jit
@@ -85,12 +101,15 @@ def _pow(base, exponent):
 @triton.jit
 def _rowwise_adagrad_kernel(
     w_ptr, grad_ptr, sum_ptr, numel, num_rows,
-    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64, guard_ptr,
+    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64, lr_ptr, guard_ptr,
     Z: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    GUARDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, RATE_ON_DEVICE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
 ):
     """Row-wise Adagrad (see ``reference.apply_optimizer_``) on ``ROWS`` rows of ``Z``
-    elements: ``sum[r] += mean over the row of g*g``, ``w -= lr * g / (sqrt(sum[r]) + eps)``."""
+    elements: ``sum[r] += mean over the row of g*g``, ``w -= lr * g / (sqrt(sum[r]) + eps)``;
+    the rate as in :func:`_optimizer_kernel`."""
+    lr = _rate(lr, lr_ptr, RATE_ON_DEVICE)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None].to(tl.int64)
     j = tl.arange(0, BLOCK_Z)[None, :]
     i = r * Z + j
