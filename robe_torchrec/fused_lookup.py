@@ -86,7 +86,8 @@ def _array_edge(per_sample_weights: Optional[torch.Tensor],
     the node whose run says that the backward pass reaches the array: the array's gradient
     accumulator where it requires grad, else the anchor's. ``None`` in a graph that
     ``torch.compile`` traces, which cannot ask the autograd engine: its backward always
-    steps. (An index, not the node: looking a leaf's accumulator up took 3 us a forward.)"""
+    steps. (An index, not the node: looking a leaf's accumulator up is host time that
+    every training forward would pay.)"""
     if torch.compiler.is_compiling():
         return None
     return 0 if array is None else 1 + (per_sample_weights is not None)
@@ -134,6 +135,7 @@ def _step(args: LookupArgs, grad_output: torch.Tensor, weights: torch.Tensor,
                             optimizer.hparams(), optimizer.advance_step(),
                             block_size=args.layout.block_size)
     else:
+        rate, hparams = optimizer.rate_and_hparams()
         args.counted_backward_fused_(grad_output, weights, state1, state2,
                                      optimizer.param_state.get("step"),
-                                     int(optimizer.kind), optimizer.hparams())
+                                     int(optimizer.kind), hparams, rate)

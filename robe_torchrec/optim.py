@@ -26,6 +26,10 @@ Example::
     >>> apply_optimizer_in_backward(torch.optim.Adagrad, robe_ebc.parameters(), {"lr": 0.05})
     >>> robe_ebc(kjt).values().sum().backward()     # the array is updated here
     >>> robe_ebc.fused_optimizer.param_groups[0]["lr"] = 0.01   # takes effect next backward
+
+The fused ops read the rate from a tensor that the param group keeps in step with ``"lr"``
+(:class:`~robe_torchrec.rate_group.RateGroup`): a scheduler's new rate costs a compiled
+backward no recompile, and a CUDA graph's replays step with it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torchrec.optim.fused import FusedOptimizer
 from robe_torchrec.ops.deferred_checks import raise_ready
 from robe_torchrec.ops.dense_update import apply_dense_update_
 from robe_torchrec.ops.meta import Optimizer, accumulation_dtype, rowwise_state_size
+from robe_torchrec.rate_group import RateGroup
 from robe_torchrec.rowwise_install import init_without_arrays, refuse_array_grads, torchrec_init
 
 
@@ -134,6 +139,13 @@ def resolve_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict
     return kind
 
 
+def _hparams_but_rate(group: Dict[str, Any]) -> List[float]:
+    """``[eps, beta1, beta2, weight_decay]`` of a param group, the defaults where absent."""
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return [float(group.get("eps", 1e-10)), float(beta1), float(beta2),
+            float(group.get("weight_decay", 0.0))]
+
+
 class RobeFusedOptimizer(FusedOptimizer):
     """The optimizer applied to a ROBE array inside backward (SGD, Adagrad, Adam or row-wise
     Adagrad).
@@ -184,8 +196,8 @@ class RobeFusedOptimizer(FusedOptimizer):
         self.capturable = bool(optimizer_kwargs.get("capturable", False))
         # a 2-D stand-in: torchrec's RowWiseAdagrad cannot be built on a 1-D tensor
         defaults = optimizer_class([torch.zeros(1, 1)], **optimizer_kwargs).defaults
-        group: Dict[str, Any] = {"params": [param]}
-        group.update({k: v for k, v in defaults.items() if k in _TUNABLE[self.kind]})
+        group = RateGroup({"params": [param], **{k: v for k, v in defaults.items()
+                                                 if k in _TUNABLE[self.kind]}}, param.device)
         state: Dict[str, torch.Tensor] = {}
         acc = dict(dtype=accumulation_dtype(param.dtype), device=param.device)
         init = float(group.get("initial_accumulator_value", 0.0))
@@ -196,7 +208,7 @@ class RobeFusedOptimizer(FusedOptimizer):
         elif self.kind == Optimizer.ADAM:
             state["exp_avg"] = torch.zeros(param.shape, **acc)
             state["exp_avg_sq"] = torch.zeros(param.shape, **acc)
-        self._param = param
+        self._param, self._hyper, self._param_state = param, group, state
         if self.kind != Optimizer.SGD:
             state["step"] = torch.tensor(0.0, device=self._step_device())
         super().__init__({param_key: param}, {param: state}, [group])
@@ -225,18 +237,34 @@ class RobeFusedOptimizer(FusedOptimizer):
     @property
     def param_state(self) -> Dict[str, torch.Tensor]:
         """The array's state, keyed as ``torch.optim`` keys it (``sum``; ``exp_avg``,
-        ``exp_avg_sq``; ``step``); empty for SGD."""
-        return self.state[self._param]
+        ``exp_avg_sq``; ``step``); empty for SGD. Kept rather than looked up in ``state``,
+        which others add to (TorchRec's ``WarmupOptimizer`` keeps its count there): a
+        compiled graph that read ``state`` would guard on its size and recompile."""
+        return self._param_state
 
     def _group(self) -> Dict[str, Any]:
-        return next(iter(self.param_groups))
+        """The param group the hyper-parameters are read from: the one built here, which
+        schedulers and ``load_state_dict`` write into. Kept rather than looked up in
+        ``param_groups``, which Dynamo rebuilds (as plain dicts) when a compiled graph reads
+        it."""
+        return self._hyper
 
     def hparams(self) -> List[float]:
         """``[lr, eps, beta1, beta2, weight_decay]`` as the op takes them, read at each call."""
         group = self._group()
-        beta1, beta2 = group.get("betas", (0.9, 0.999))
-        return [float(group["lr"]), float(group.get("eps", 1e-10)), float(beta1), float(beta2),
-                float(group.get("weight_decay", 0.0))]
+        return [float(group["lr"])] + _hparams_but_rate(group)
+
+    def rate_and_hparams(self) -> Tuple[Optional[torch.Tensor], List[float]]:
+        """What a fused op takes: the rate as a tensor on the array's device, which follows
+        ``param_groups[0]["lr"]`` (:class:`~robe_torchrec.rate_group.RateGroup`), and the
+        hparams with 0.0 in the rate's place, which the op does not read. A compiled
+        backward then reads no rate on the host, so a scheduler changes it without a
+        recompile, and a CUDA graph replays the current rate. ``(None, hparams())`` where
+        someone replaced the group by a plain dict."""
+        group = self._group()
+        if not isinstance(group, RateGroup):
+            return None, self.hparams()
+        return group.rate(self._param.device), [0.0] + _hparams_but_rate(group)
 
     def state_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(state1, state2)`` as the fused op takes them (unused ones empty), in the array's

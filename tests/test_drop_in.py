@@ -18,12 +18,14 @@ import types
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig,
                       KeyedJaggedTensor, PoolingType)
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.utils import init_parameters
 from torchrec.models.dlrm import DLRM
 from torchrec.optim import apply_optimizer_in_backward
+from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 from robe_torchrec import RobeConfig, RobeEmbeddingBagCollection, RobeEmbeddingCollection
 from robe_torchrec.fused_lookup import autograd_anchor, fused_lookup
@@ -218,16 +220,19 @@ def test_compiled_dlrm_equals_eager():
     torch.testing.assert_close(compiled(dense, kjt), model(dense, kjt))
 
 
-def _train(model, steps, compiled=False, fused=None, lrs=None, eager_first=0):
+def _train(model, steps, compiled=False, fused=None, lrs=None, eager_first=0, schedule=None,
+           backend="aot_eager"):
     """SGD steps of a fixed loss on a DLRM; the optimizer is dense unless ``fused`` is given
     (then it updates the ROBE array in backward, and SGD the rest); with ``compiled``, the
-    first ``eager_first`` steps run eagerly."""
+    first ``eager_first`` steps run eagerly. ``schedule(fused_optimizer)``: a scheduler
+    stepped after each step."""
     ebc = model.sparse_arch.embedding_bag_collection
     if fused is not None:
         apply_optimizer_in_backward(fused[0], [ebc.weight], fused[1])
     params = [p for p in model.parameters() if fused is None or p is not ebc.weight]
     opt = torch.optim.SGD(params, lr=0.05)
-    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    scheduler = schedule(ebc.fused_optimizer) if schedule is not None else None
+    run = torch.compile(model, fullgraph=True, backend=backend) if compiled else model
     for step in range(steps):
         if lrs is not None:
             ebc.fused_optimizer.param_groups[0]["lr"] = lrs[step]
@@ -237,6 +242,8 @@ def _train(model, steps, compiled=False, fused=None, lrs=None, eager_first=0):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     return model
 
 
@@ -289,6 +296,41 @@ def test_compiled_fused_learning_rate_change_takes_effect():
     torch.testing.assert_close(compiled.sparse_arch.embedding_bag_collection.weight,
                                eager.sparse_arch.embedding_bag_collection.weight,
                                rtol=0, atol=1e-6)
+
+
+def _warmup(fused_optimizer):
+    """TorchRec's warmup schedule: a new float rate written into the group every step."""
+    return WarmupOptimizer(fused_optimizer, [WarmupStage(WarmupPolicy.LINEAR, max_iters=8,
+                                                          value=0.2)], lr=0.1)
+
+
+def _tensor_rate_decay(fused_optimizer):
+    """``torch.optim``'s recipe for compiled steps: the rate a tensor, filled in place by
+    the scheduler."""
+    return torch.optim.lr_scheduler.LambdaLR(fused_optimizer, lambda step: 1.0 / (step + 1))
+
+
+@pytest.mark.parametrize("schedule,lr", [(_warmup, 0.1), (_tensor_rate_decay, "tensor")])
+def test_compiled_fused_training_takes_a_new_rate_every_step_without_recompiling(schedule, lr):
+    """The fused step reads its rate from a tensor the group keeps in step with ``"lr"``: a
+    compiled model compiles once, not once per rate (Dynamo's limit is 8: the eager fallback,
+    or with ``fullgraph=True`` an error), and trains as the eager one, each step with its
+    own rate."""
+    torch.manual_seed(0)
+    eager, constant = make_dlrm(), make_dlrm()
+    constant.load_state_dict(eager.state_dict())
+    compiled = copy.deepcopy(eager)
+    fused = lambda: (torch.optim.Adagrad, {"lr": torch.tensor(0.1) if lr == "tensor" else lr})
+    counters = [CompileCounterWithBackend("aot_eager") for _ in range(2)]
+    _train(eager, 10, fused=fused(), schedule=schedule)
+    _train(compiled, 10, compiled=True, fused=fused(), schedule=schedule, backend=counters[0])
+    torch.compiler.reset()
+    _train(constant, 10, compiled=True, fused=fused(), backend=counters[1])
+    # a new number of ids recompiles once (dynamic shapes), whatever the rates
+    assert counters[0].frame_count == counters[1].frame_count <= 3
+    weights = [m.sparse_arch.embedding_bag_collection.weight for m in (eager, compiled, constant)]
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-6)
+    assert (weights[0] - weights[2]).abs().max() > 1e-4  # the schedule did change the steps
 
 
 # --- torch 2.11's AOTAutograd: a write in backward to an input that requires grad ------------

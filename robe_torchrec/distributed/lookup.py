@@ -53,16 +53,16 @@ class _LocalRobeOptimizer(RobeFusedOptimizer):
 
     def __init__(self, param, optimizer_class, kwargs, block_size: int) -> None:
         super().__init__("local", param, optimizer_class, kwargs, block_size=block_size)
-        self._owner: Optional[FusedOptimizer] = None
+        self._owner_group: Optional[Dict[str, Any]] = None
 
     def follow(self, owner: FusedOptimizer) -> None:
         """Read hyper-parameters from ``owner``'s first param group from now on."""
-        self._owner = owner
+        self._owner_group = next(iter(owner.param_groups))
 
     def _group(self) -> Dict[str, Any]:
-        if self._owner is not None:
-            return self._owner.param_groups[0]
-        return self.param_groups[0]
+        if self._owner_group is not None:
+            return self._owner_group
+        return super()._group()
 
 
 class RobeShardedLookup(ArrayOwner):

@@ -41,6 +41,7 @@ from robe_torchrec.ops.deferred_checks import raise_ready
 from robe_torchrec.ops.meta import Optimizer, Pooling, rowwise_state_size
 from robe_torchrec.optim import RowWiseAdagrad, in_backward_kwargs, resolve_optimizer
 from robe_torchrec.torchrec_compat import undo_data_parallel_wrapping
+from robe_torchrec.rate_group import RateGroup
 from robe_torchrec.variable_batch import order_inverse_indices
 
 DP = ShardingType.DATA_PARALLEL.value
@@ -606,7 +607,8 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
     def __init__(self, owner: RobeShardedArrays) -> None:
         self._owner = owner
         first = owner.robe_lookups[0].optimizer
-        group: Dict[str, Any] = {k: v for k, v in first.param_groups[0].items() if k != "params"}
+        group = RateGroup({k: v for k, v in first.param_groups[0].items() if k != "params"},
+                          first.param.device)
         weight = owner.global_view(lambda lk: lk.weight)
         names = list(first.param_state.keys())
         # row-wise Adagrad's sum: one entry per block_size floats (validate_rowwise_state
