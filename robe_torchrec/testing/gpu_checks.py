@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import random
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -124,18 +125,19 @@ def _integer_grad(case: OpCase, seed: int) -> torch.Tensor:
 
 
 def _fused_step(case: OpCase, weights, state, grad, optimizer: Optimizer, hparams,
-                step: Optional[torch.Tensor] = None):
+                step: Optional[torch.Tensor] = None, rate: Optional[torch.Tensor] = None):
     """One fused step: ``robe::backward_fused_`` at step 1, or, given a ``step`` tensor,
     ``robe::counted_backward_fused_`` advancing it (on the device: a capturable
-    optimizer's count; on the CPU: torch.optim's default)."""
+    optimizer's count; on the CPU: torch.optim's default); ``rate``: the rate as the
+    modules pass it, a tensor read in place of ``hparams[0]``."""
     lookup = (case.values, case.offsets, case.per_sample_weights, case.table_meta,
               case.block_size, case.hash_mode, case.hash_params)
     if step is None:
         torch.ops.robe.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams,
-                                       1)
+                                       1, rate)
     else:
         torch.ops.robe.counted_backward_fused_(grad, weights, *state, step, int(optimizer),
-                                               hparams, *lookup)
+                                               hparams, *lookup, rate)
 
 
 def check_no_host_sync() -> None:
@@ -355,6 +357,10 @@ def check_graph_forward() -> None:
     raise_pending_checks()
 
 
+#: the rates a scheduler writes between the replays of the graph checks
+_NEW_RATES = (0.02, 0.0, 0.5)
+
+
 @dataclasses.dataclass
 class _FusedRun:
     """The tensors one run of a graph check writes: its own copy of the case's weights (the
@@ -371,11 +377,12 @@ class _FusedRun:
                    fused_states(case, optimizer),
                    torch.zeros((), device=device) if counted else None)
 
-    def take_step(self, grad: torch.Tensor, optimizer: Optimizer, hparams) -> None:
+    def take_step(self, grad: torch.Tensor, optimizer: Optimizer, hparams,
+                  rate: Optional[torch.Tensor] = None) -> None:
         """Forward (whose input checks the backward reuses), then the fused step."""
         torch.ops.robe.forward(self.case.weights, *self.case.forward_args()[1:])
         _fused_step(self.case, self.case.weights, self.state, grad, optimizer, hparams,
-                    self.step)
+                    self.step, rate)
 
     def written(self) -> List[Tuple[str, torch.Tensor]]:
         named = [("weights", self.case.weights), ("state1", self.state[0]),
@@ -384,19 +391,30 @@ class _FusedRun:
 
 
 def _replays_equal_eager(name: str, case: OpCase, optimizer: Optimizer, hparams,
-                         counted: bool) -> Tuple[torch.cuda.CUDAGraph, _FusedRun]:
+                         counted: bool, rates: Optional[Sequence[float]] = None
+                         ) -> Tuple[torch.cuda.CUDAGraph, _FusedRun]:
     """Capture a forward and fused step on one copy of ``case``, take the same steps
     eagerly on another, and check that three replays on new gradients leave every tensor
-    bitwise equal to eager's. Returns the graph and its run."""
+    bitwise equal to eager's. With ``rates``, the graph reads its rate from a tensor (as
+    the modules pass it), set to ``rates[k]`` before replay ``k``; eager takes each as a
+    float. Returns the graph and its run."""
     static_grad = _integer_grad(case, 0)
     graphed = _FusedRun.of(case, optimizer, counted)
     eager = _FusedRun.of(case, optimizer, counted)
-    graph, _ = _capture(lambda: graphed.take_step(static_grad, optimizer, hparams))
+    rate, graph_hparams = None, hparams
+    if rates is not None:
+        rate = torch.tensor(hparams[0], dtype=torch.float64, device=case.weights.device)
+        graph_hparams = [math.nan] + list(hparams[1:])  # a replay that read it spoils all
+    graph, _ = _capture(lambda: graphed.take_step(static_grad, optimizer, graph_hparams, rate))
     eager.take_step(static_grad, optimizer, hparams)  # as the warm-up inside _capture
-    for seed in (1, 2, 3):
+    for k, seed in enumerate((1, 2, 3)):
         static_grad.copy_(_integer_grad(case, seed))
+        step_hparams = hparams
+        if rate is not None:
+            rate.fill_(rates[k])
+            step_hparams = [rates[k]] + list(hparams[1:])
         graph.replay()
-        eager.take_step(static_grad, optimizer, hparams)
+        eager.take_step(static_grad, optimizer, step_hparams)
         for (what, a), (_, b) in zip(graphed.written(), eager.written()):
             assert torch.equal(a, b), f"{name}: {what} after replay {seed} differs from eager"
     raise_pending_checks()
@@ -406,14 +424,15 @@ def _replays_equal_eager(name: str, case: OpCase, optimizer: Optimizer, hparams,
 def check_graph_fused_backward() -> None:
     """Forward and fused backward (SGD, Adagrad, row-wise Adagrad) captured together replay
     bitwise equal to eager over three steps, with the step an int and counted on the device
-    (as a module's Adagrad counts it: each replay advances it); bad ids copied in before a
-    replay change no weight and raise from :func:`raise_pending_checks`, and from
-    :func:`raise_ready` (no wait) when a clean replay followed the bad one."""
-    for name, counted in itertools.product(("sgd", "adagrad", "rowwise_adagrad"),
-                                           (False, True)):
+    (as a module's Adagrad counts it: each replay advances it), and with the rate a float
+    and a tensor written before each replay (as a scheduler writes the modules'); bad ids
+    copied in before a replay change no weight and raise from :func:`raise_pending_checks`,
+    and from :func:`raise_ready` (no wait) when a clean replay followed the bad one."""
+    for name, counted, rates in itertools.product(("sgd", "adagrad", "rowwise_adagrad"),
+                                                  (False, True), (None, _NEW_RATES)):
         optimizer, hparams = OPTIMIZERS[name]
         case = _graph_case()
-        graph, graphed = _replays_equal_eager(name, case, optimizer, hparams, counted)
+        graph, graphed = _replays_equal_eager(name, case, optimizer, hparams, counted, rates)
         assert not counted or float(graphed.step) == 4, (
             f"{name}: the warm-up and 3 replays counted {float(graphed.step)} steps")
         graphed_w = graphed.case.weights
@@ -450,12 +469,14 @@ def _raised(read: Callable[[], None], text: str) -> bool:
 def check_graph_capturable_adam() -> None:
     """Forward and fused Adam with its step on the device (``capturable=True``) captured
     together: each of three replays takes the next step, bitwise equal to eager calls
-    (weights, both moments and the step count)."""
+    (weights, both moments and the step count), with the rate a float and a tensor written
+    before each replay."""
     optimizer, hparams = OPTIMIZERS["adam"]
-    _, graphed = _replays_equal_eager("capturable adam", _graph_case(), optimizer, hparams,
-                                      counted=True)
-    assert graphed.step is not None and float(graphed.step) == 4, (
-        f"the warm-up and 3 replays counted {float(graphed.step)} steps")
+    for rates in (None, _NEW_RATES):
+        _, graphed = _replays_equal_eager("capturable adam", _graph_case(), optimizer,
+                                          hparams, counted=True, rates=rates)
+        assert graphed.step is not None and float(graphed.step) == 4, (
+            f"the warm-up and 3 replays counted {float(graphed.step)} steps")
 
 
 def check_dense_capturable_adam() -> None:
@@ -653,7 +674,9 @@ def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = 
              ) -> DlrmRun:
     """``steps`` steps of TorchRec's DLRM on ROBE-Z tables with fused Adagrad (SGD for the
     dense part), eager or under ``torch.compile(**compile_kwargs)``; the same model and
-    batches every call."""
+    batches every call. The fused rate warms up, a new float written into its param group
+    before every step, as TorchRec's ``WarmupOptimizer`` writes it: a captured backward
+    must read each (a compiled one, without recompiling)."""
     from robe_torchrec.config import RobeConfig
     from robe_torchrec.data.synthetic import SyntheticCriteo
     from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_dlrm, dense_optimizer
@@ -672,8 +695,11 @@ def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = 
     model = model.to(device)
     dense = dense_optimizer(model, spec.dense_optimizer.cls, spec.dense_optimizer.kwargs())
     step_model = model if compile_kwargs is None else torch.compile(model, **compile_kwargs)
+    fused = next(m for m in model.modules()
+                 if isinstance(m, RobeEmbeddingBagCollection)).fused_optimizer
     losses = []
-    for batch in data.batches(0, steps):
+    for step, batch in enumerate(data.batches(0, steps)):
+        fused.param_groups[0]["lr"] = 0.05 * (step + 1) / steps
         batch = batch.to(torch.device(device))
         dense.zero_grad()
         loss, _ = step_model(batch)
@@ -681,8 +707,6 @@ def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = 
         dense.step()
         losses.append(float(loss.detach()))
     raise_pending_checks()
-    fused = next(m for m in model.modules()
-                 if isinstance(m, RobeEmbeddingBagCollection)).fused_optimizer
     tensors = {"weight": fused.param}
     tensors.update(fused.param_state)
     return DlrmRun(losses, {k: v.detach().cpu().clone() for k, v in tensors.items()})
@@ -709,7 +733,9 @@ def check_compiled_dlrm(steps: int = 20, device: str = "cuda",
       1e-5 of eager's losses: Inductor fuses the dense layers' float arithmetic in another
       order, which changes the last bits however the graphs run;
     * every run counts ``steps`` in the fused optimizer's step (a replay that repeated a
-      captured count would freeze it).
+      captured count would freeze it);
+    * the fused rate changes every step (:func:`dlrm_run`): a replay that kept the
+      captured rate would differ from eager.
 
     ``require_graphs``: a graph that Inductor or the backend would run without a CUDA graph
     fails the check, with the reason (``torch._inductor.config.triton.cudagraph_or_error``);
