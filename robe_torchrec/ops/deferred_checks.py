@@ -193,7 +193,7 @@ _records: WeakIdDict = WeakIdDict()
 
 def _versions(values: torch.Tensor, offsets: torch.Tensor,
               per_sample_weights: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
-    # spelled out: a generator over the three took 1 us a call, 0.3 us this way
+    # spelled out rather than a generator over the three: this runs at every forward
     try:
         return (values._version, offsets._version,
                 -1 if per_sample_weights is None else per_sample_weights._version)
