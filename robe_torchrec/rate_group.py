@@ -60,6 +60,9 @@ class RateGroup(dict):
         self.update(other)
         return self
 
+    def __copy__(self) -> "RateGroup":
+        return RateGroup(self, self._rate.device)  # a rate tensor of its own
+
     def _mirror(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1 or not value.is_floating_point():
@@ -74,6 +77,8 @@ class RateGroup(dict):
         """The learning rate as a float64 tensor on ``device``, the one the fused ops read
         (made there once if the array moved: from the meta device too, which holds no
         value)."""
+        if "lr" not in self:  # deleted: as the float's reader would, not the last rate
+            raise KeyError("lr")
         if self._rate.device != torch.device(device):
             self._rate = torch.full((), self._value, dtype=torch.float64, device=device)
         if self._source is not None:

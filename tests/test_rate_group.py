@@ -97,3 +97,31 @@ def test_a_tensor_rate_that_is_not_one_float_is_refused():
         RateGroup({"lr": torch.tensor([0.1, 0.2])}, "cpu")
     with pytest.raises(ValueError, match="holds one float"):
         _optimizer().param_groups[0]["lr"] = torch.tensor(1)
+
+
+def test_a_shallow_copy_gets_a_rate_of_its_own():
+    group = RateGroup({"lr": 0.1}, "cpu")
+    twin = copy.copy(group)
+    twin["lr"] = 0.9
+    assert float(twin.rate("cpu")) == 0.9 and float(group.rate("cpu")) == 0.1
+
+
+@pytest.mark.parametrize("remove", [lambda g: g.pop("lr"), lambda g: g.__delitem__("lr"),
+                                    lambda g: g.clear()])
+def test_a_deleted_rate_is_missing_not_stale(remove):
+    group = RateGroup({"lr": 0.1}, "cpu")
+    remove(group)
+    with pytest.raises(KeyError, match="lr"):
+        group.rate("cpu")
+
+
+def test_compiled_code_that_reads_the_param_groups_fails_inside_dynamo():
+    """The documented limitation (docs/drop_in.md): Dynamo's handling of optimizers edits
+    each of ``param_groups`` as a plain dict, which a dict subclass is not, and fails
+    (torch 2.13). Eager steps of a scheduler, as every TorchRec train loop takes them, are
+    unaffected. If this starts to compile, torch has fixed it: drop the limitation."""
+    warmup = WarmupOptimizer(_optimizer(), [WarmupStage(WarmupPolicy.LINEAR, max_iters=4,
+                                                        value=0.5)], lr=0.2)
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="UserDefinedDictVariable"):
+        torch.compile(warmup.step, backend="eager")()
