@@ -34,6 +34,7 @@ from robe_torchrec.ops.triton.optimizers import (  # noqa: F401
     _optimizer_kernel, _rowwise_adagrad_kernel)
 from robe_torchrec.ops.long_lived import long_lived
 from robe_torchrec.ops.small_copies import ints_on_device
+from robe_torchrec.ops.tiles import Tiles, bag_lengths, next_pow2
 from robe_torchrec.ops.triton_launch import CachedLaunch
 from robe_torchrec.ops.tuning import TritonTuning, current as current_tuning
 from robe_torchrec.ops.validation import (IdCheck, check_backward_layout, check_data,
@@ -154,72 +155,8 @@ def _cached_launches() -> types.SimpleNamespace:
     return _CACHED_LAUNCHES
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
-
-
 def _acc_dtype(weights: torch.Tensor):
     return tl.float64 if m.accumulation_dtype(weights.dtype) == torch.float64 else tl.float32
-
-
-def _bag_lengths(num_values: int, num_bags: int, tuning: TritonTuning) -> tuple:
-    """What a launch's tiles take from the number of ids a call looks up: whether the mean
-    bag holds at most ``short_bag_mean`` ids (several bags a program), whether it holds at
-    least ``two_pass_mean_bag`` (block starts hashed first), and the power of two at or
-    above it rounded up (the id tile's bound). Calls whose bags hold more or fewer ids in
-    all (multi-hot bags, whose count changes every batch) share a plan while these agree.
-    A plain tuple: it is made on every call."""
-    bags = num_bags if num_bags > 0 else 1
-    mean_bag = num_values / bags
-    short = mean_bag <= tuning.short_bag_mean
-    ceil_mean = -(-num_values // bags)
-    # _next_pow2(max(ceil_mean, 1)), without its calls: this runs before every plan lookup
-    return (short, not short and mean_bag >= tuning.two_pass_mean_bag,
-            1 << (ceil_mean - 1).bit_length() if ceil_mean > 1 else 1)
-
-
-class _Tiles:
-    """Constexpr tile sizes of a launch (powers of two, so few compiled variants), from the
-    current :class:`~robe_torchrec.ops.tuning.TritonTuning`.
-
-    One warp a program for the short-bags kernels unless the tuning says otherwise: their
-    programs are many and short (the best in the H200 sweeps of
-    ``benchmarks/results/history/triton_tiles_h200.md``). Several bags a program for bags of at most
-    ``short_bag_mean`` ids: one bag at Z = 32, four at Z = 128 with dim 128 (the same
-    sweeps). Bags of at least ``two_pass_mean_bag`` ids are pooled from block starts hashed
-    in a pass of their own."""
-
-    def __init__(self, max_dim: int, block_size: int, num_values: int, num_bags: int,
-                 interpreted: bool = False):
-        tuning = current_tuning()
-        # the number of ids counts only through its bag lengths, which a plan's key holds
-        short, two_pass, mean_pow2 = _bag_lengths(num_values, num_bags, tuning)
-        max_dim = max(int(max_dim), 1)
-        num_blocks = -(-max_dim // block_size)
-        self.num_blocks = num_blocks
-        self.block_z = _next_pow2(min(block_size, max_dim))
-        self.block_b = min(_next_pow2(num_blocks), max(1, tuning.col_tile // self.block_z))
-        self.col_tiles = -(-num_blocks // self.block_b)
-        self.short_bags = short
-        self.two_pass = two_pass
-        tile = (tuning.interpreter_tile if interpreted
-                else tuning.two_pass_tile if self.two_pass else tuning.tile)
-        self.block_n = min(mean_pow2, max(1, tile // (self.block_b * self.block_z)))
-        self.block_bags = tuning.bags_per_program or max(
-            1, tuning.blocks_per_program // self.block_b)
-        elements = self.block_n * self.block_b * self.block_z
-        self.num_warps = tuning.num_warps or (
-            tuning.two_pass_warps if self.two_pass
-            else max(1, min(tuning.max_warps, elements // tuning.elements_per_warp)))
-        self.short_bags_warps = tuning.num_warps or 1
-        self.compact_hash = tuning.compact_hash
-        #: block terms a launch may read: every column tile's blocks, and the two-pass
-        #: hash's power-of-two block range
-        self.num_terms = max(self.col_tiles * self.block_b, _next_pow2(num_blocks))
-
-    def kwargs(self):
-        return dict(BLOCK_N=self.block_n, BLOCK_B=self.block_b, BLOCK_Z=self.block_z,
-                    num_warps=self.num_warps)
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -382,7 +319,7 @@ class _BackwardPlan(NamedTuple):
     id_check: IdCheck
     #: the kernels' hash arguments (:func:`_kernel_hash_args`)
     params: list
-    tiles: "_Tiles"
+    tiles: "Tiles"
     #: some feature pools by its mean (the kernels then divide by the bag's size)
     mean: bool
     #: the scatter's launch (its guard added by each call)
@@ -406,7 +343,7 @@ def _backward_plan(grad_output, weights, values, offsets, psw, table_meta, block
                                                    table_meta, block_size, hash_mode,
                                                    hash_params)
         facts = meta_facts(meta_cpu, block_size, grad_output.shape[1])
-        tiles = _Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
+        tiles = Tiles(facts.max_dim, block_size, values.numel(), offsets.numel() - 1,
                        _is_interpreted(_kernels_for(weights.device)))
         launch = _bag_launch(tiles, facts.any_mean, weights, psw is not None, block_size,
                              hash_mode)
@@ -497,7 +434,7 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
         num_bags = offsets.numel() - 1
         facts = meta_facts(meta_cpu, block_size, output_dim)
         counted = _counts_in_kernel(num_bags > 0, output_dim, facts)
-        tiles = _Tiles(facts.max_dim, block_size, values.numel(), num_bags,
+        tiles = Tiles(facts.max_dim, block_size, values.numel(), num_bags,
                        _is_interpreted(kernels))
         if counted:
             check_constants = dict(CHECK=True, **_id_check_constants(id_check))
@@ -515,14 +452,14 @@ def _forward_plan(weights, values, offsets, psw, table_meta, output_dim, block_s
 
 def _tensor_facts(weights, values, offsets, psw, tuning: TritonTuning) -> tuple:
     """What a plan depends on in a call's tensors: their dtypes, devices, the weights'
-    shape, but of the numbers of ids and bags only the bag lengths (:func:`_bag_lengths`)
+    shape, but of the numbers of ids and bags only the bag lengths (:func:`bag_lengths`)
     and whether there is a bag, and whether the per-sample weights match the ids. Bags of
     several ids hold more or fewer in all every batch; a plan made again for each took 16
     of a 40 us forward's host time on a CPU core."""
     num_bags = offsets.numel() - 1
     return (weights.dtype, weights.shape, weights.device, values.dtype, values.dim(),
             values.device, offsets.dtype, offsets.dim(), num_bags > 0, offsets.device,
-            _bag_lengths(values.numel(), num_bags, tuning),
+            bag_lengths(values.numel(), num_bags, tuning),
             None if psw is None else (psw.dtype, psw.shape == values.shape, psw.device))
 
 
@@ -600,12 +537,12 @@ def forward(
 class _BagLaunch(NamedTuple):
     """A bag kernel's launch as far as its plan fixes it (:func:`_bag_launch`): all but the
     grid, which each call's number of bags sets (:func:`_launch_bag_kernel`)."""
-    tiles: "_Tiles"
+    tiles: "Tiles"
     #: every constant of the launch but those a call adds (a backward's guard)
     constants: dict
 
 
-def _bag_launch(tiles: "_Tiles", mean: bool, weights: torch.Tensor, has_psw: bool,
+def _bag_launch(tiles: "Tiles", mean: bool, weights: torch.Tensor, has_psw: bool,
                 block_size: int, hash_mode: int,
                 extra_constants: Optional[dict] = None) -> _BagLaunch:
     """The launch of the bag kernels ``tiles`` picks: the short-bags variant (several short
@@ -657,7 +594,7 @@ def _launch_bag_kernel(variants, launch: _BagLaunch, source: torch.Tensor,
 
 
 def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.Tensor,
-                 batch: int, block_size: int, hash_mode: int, params: list, tiles: _Tiles,
+                 batch: int, block_size: int, hash_mode: int, params: list, tiles: Tiles,
                  weights: torch.Tensor) -> torch.Tensor:
     """Every id's block starts, ``[num_values, tiles.num_blocks]``, hashed once (the first
     pass of a two-pass launch): int32 while every start fits, else int64."""
@@ -667,7 +604,7 @@ def _hash_starts(values: torch.Tensor, offsets: torch.Tensor, table_meta: torch.
     starts = _empty(values.numel(), num_blocks, dtype=torch.int32 if fits else torch.int64,
                     device=values.device)
     num_bags = offsets.numel() - 1
-    block_nb = _next_pow2(num_blocks)
+    block_nb = next_pow2(num_blocks)
     kernels._hash_starts_kernel[(num_bags,)](
         values.contiguous(), offsets.contiguous(), _meta_on(table_meta, values.device), starts,
         batch, table_meta.shape[1], values.numel(), *params, Z=block_size,
@@ -682,7 +619,7 @@ def hash_starts(weights: torch.Tensor, values: torch.Tensor, offsets: torch.Tens
                 hash_params: List[int]) -> torch.Tensor:
     """Every id's block starts (``[num_values, ceil(max_dim / block_size)]``), as the first
     pass of a two-pass forward stores them; no input checks. For benchmarks and tests."""
-    tiles = _Tiles(max_dim, block_size, values.numel(), offsets.numel() - 1,
+    tiles = Tiles(max_dim, block_size, values.numel(), offsets.numel() - 1,
                    _is_interpreted(_kernels_for(values.device)))
     batch = (offsets.numel() - 1) // table_meta.shape[1]
     return _hash_starts(values, offsets, table_meta, batch, block_size, hash_mode,
@@ -700,7 +637,7 @@ def forward_from_starts(weights: torch.Tensor, values: torch.Tensor, offsets: to
     kernels = _kernels_for(weights.device)
     num_bags = offsets.numel() - 1
     batch = num_bags // table_meta.shape[1]
-    tiles = _Tiles(max_dim, block_size, values.numel(), num_bags, _is_interpreted(kernels))
+    tiles = Tiles(max_dim, block_size, values.numel(), num_bags, _is_interpreted(kernels))
     out = torch.zeros(batch, output_dim, dtype=m.accumulation_dtype(weights.dtype),
                       device=weights.device)
     kernels._forward_kernel[(num_bags, tiles.col_tiles)](
@@ -755,7 +692,7 @@ _GATHER_TILE = 128
 def _gather_gradient(grad: torch.Tensor, grad_output: torch.Tensor, values: torch.Tensor,
                      offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                      table_meta: torch.Tensor, block_size: int, hash_mode: int,
-                     params: list, tiles: _Tiles, guard_args: tuple,
+                     params: list, tiles: Tiles, guard_args: tuple,
                      guard_constants: dict) -> None:
     """The weight gradient into ``grad``, the same sums as the atomic kernels but in an
     order fixed by the inputs alone, so that two runs agree bit for bit: every (id, block)
@@ -965,7 +902,7 @@ def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sam
     rate_ptr = grad if lr is None else lr  # a scalar rate reads no pointer: any will do
     if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
         num_rows = state1.numel()
-        block_z = _next_pow2(block_size)
+        block_z = next_pow2(block_size)
         rows = max(1, _OPTIM_BLOCK // block_z)
         kernels._rowwise_adagrad_kernel[(_cdiv(num_rows, rows),)](
             weights, grad, state1, numel, num_rows, rate, eps, weight_decay, rate_ptr,
@@ -997,8 +934,8 @@ def block_starts(keys: torch.Tensor, num_blocks: int, memory_size: int, block_si
     block_k = 64
     kernels._block_starts_kernel[(_cdiv(keys.numel(), block_k),)](
         keys, out, keys.numel(), int(memory_size) - int(block_size) + 1,
-        *_kernel_hash_args(params, _next_pow2(num_blocks), keys.device),
+        *_kernel_hash_args(params, next_pow2(num_blocks), keys.device),
         NUM_BLOCKS=int(num_blocks), HASH_MODE=int(mode), BLOCK_K=block_k,
-        BLOCK_B=_next_pow2(num_blocks),
+        BLOCK_B=next_pow2(num_blocks),
     )
     return out

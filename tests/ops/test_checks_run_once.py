@@ -3,12 +3,13 @@
 ones, and used to run the static ones twice."""
 
 import dataclasses
+import doctest
 
 import pytest
 import torch
 
 from robe_torchrec.ops import meta as m
-from robe_torchrec.ops import reference, validation
+from robe_torchrec.ops import reference, tiles, validation
 from robe_torchrec.testing.op_cases import random_case
 
 
@@ -136,7 +137,7 @@ def test_batches_with_more_or_fewer_ids_share_a_layout_check(layout_calls):
                          for s in (22, 23)]
     assert len({b.values.numel() for b in batches}) == 3
     tuning = triton_kernels.current_tuning()
-    lengths = {triton_kernels._bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
+    lengths = {tiles.bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
                for b in batches}
     assert len(lengths) == 1  # the premise: the three batches tile alike
     grad = first.grad()
@@ -161,8 +162,8 @@ def test_batches_with_more_or_fewer_ids_share_a_layout_check(layout_calls):
 
 
 def test_the_bag_lengths_power_of_two_is_the_tiles_one():
-    """``_bag_lengths`` computes the power of two above the mean bag inline (it runs before
-    every plan lookup); it must stay the ``_next_pow2`` of the rounded-up mean that the
+    """``bag_lengths`` computes the power of two above the mean bag inline (it runs before
+    every plan lookup); it must stay the ``next_pow2`` of the rounded-up mean that the
     tiles were sized by, for empty batches and empty bags too."""
     from robe_torchrec.ops import triton_kernels
 
@@ -170,8 +171,8 @@ def test_the_bag_lengths_power_of_two_is_the_tiles_one():
     for num_bags in range(0, 40):
         for num_values in range(0, 300):
             mean_up = -(-num_values // max(num_bags, 1))
-            assert triton_kernels._bag_lengths(num_values, num_bags, tuning)[2] == \
-                triton_kernels._next_pow2(max(mean_up, 1)), (num_values, num_bags)
+            assert tiles.bag_lengths(num_values, num_bags, tuning)[2] == \
+                tiles.next_pow2(max(mean_up, 1)), (num_values, num_bags)
 
 
 def test_batches_of_other_sizes_share_a_layout_check(layout_calls):
@@ -191,7 +192,7 @@ def test_batches_of_other_sizes_share_a_layout_check(layout_calls):
                                                           max_bag=2, num_rows=rows))
                          for s, b in ((32, 1), (33, 12), (34, 3))]
     tuning = triton_kernels.current_tuning()
-    lengths = {triton_kernels._bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
+    lengths = {tiles.bag_lengths(b.values.numel(), b.offsets.numel() - 1, tuning)
                for b in batches}
     assert len(lengths) == 1  # the premise: the batches tile alike
     with defer_checks(False):
@@ -245,3 +246,8 @@ def test_a_batch_too_large_for_its_output_is_refused_by_a_cached_plan(layout_cal
         with pytest.raises(ValueError, match="too large to allocate"):
             triton_kernels.forward(*args)
         assert layout_calls == ["check_layout"]  # the plan of the first call
+
+
+def test_the_tiles_docstring_example_runs():
+    result = doctest.testmod(tiles)
+    assert result.attempted > 0 and result.failed == 0

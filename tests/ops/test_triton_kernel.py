@@ -21,6 +21,7 @@ from robe_torchrec import hashing  # noqa: E402
 from robe_torchrec.hashing import HashMode, hash_params  # noqa: E402
 from robe_torchrec.ops import cpu_backend, defer_checks, reference  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
+from robe_torchrec.ops.tiles import Tiles  # noqa: E402
 from robe_torchrec.ops.tuning import tuned  # noqa: E402
 from robe_torchrec.ops.meta import (  # noqa: E402
     BoundsCheck, Optimizer, build_table_meta, rowwise_state_size)
@@ -499,14 +500,14 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 def test_tile_sizes():
-    tiles = tk._Tiles(max_dim=13, block_size=3, num_values=100, num_bags=30)
+    tiles = Tiles(max_dim=13, block_size=3, num_values=100, num_bags=30)
     assert (tiles.block_z, tiles.block_b, tiles.col_tiles, tiles.block_n) == (4, 8, 1, 4)
     assert not tiles.two_pass  # 3.3 ids a bag: below the two-pass threshold
-    wide = tk._Tiles(max_dim=1024, block_size=32, num_values=10**6, num_bags=10)
+    wide = Tiles(max_dim=1024, block_size=32, num_values=10**6, num_bags=10)
     assert wide.block_b * wide.block_z == 256 and wide.col_tiles == 4
     assert wide.two_pass and wide.block_n * wide.block_b * wide.block_z == 8192
     with tuned(two_pass_mean_bag=float("inf")):
-        one_pass = tk._Tiles(max_dim=1024, block_size=32, num_values=10**6, num_bags=10)
+        one_pass = Tiles(max_dim=1024, block_size=32, num_values=10**6, num_bags=10)
     assert not one_pass.two_pass and one_pass.block_n * 256 == 2048
     assert math.prod([tiles.block_z, tiles.block_b]) >= 13
 
