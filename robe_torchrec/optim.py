@@ -242,11 +242,11 @@ class RobeFusedOptimizer(FusedOptimizer):
         compiled graph that read ``state`` would guard on its size and recompile."""
         return self._param_state
 
-    def _group(self) -> Dict[str, Any]:
+    def _group(self) -> RateGroup:
         """The param group the hyper-parameters are read from: the one built here, which
         schedulers and ``load_state_dict`` write into. Kept rather than looked up in
-        ``param_groups``, which Dynamo rebuilds (as plain dicts) when a compiled graph reads
-        it."""
+        ``param_groups``: Dynamo's handling of optimizers fails on a compiled read of
+        ``param_groups`` that holds a dict subclass (docs/drop_in.md)."""
         return self._hyper
 
     def hparams(self) -> List[float]:
@@ -254,16 +254,13 @@ class RobeFusedOptimizer(FusedOptimizer):
         group = self._group()
         return [float(group["lr"])] + _hparams_but_rate(group)
 
-    def rate_and_hparams(self) -> Tuple[Optional[torch.Tensor], List[float]]:
+    def rate_and_hparams(self) -> Tuple[torch.Tensor, List[float]]:
         """What a fused op takes: the rate as a tensor on the array's device, which follows
         ``param_groups[0]["lr"]`` (:class:`~robe_torchrec.rate_group.RateGroup`), and the
         hparams with 0.0 in the rate's place, which the op does not read. A compiled
         backward then reads no rate on the host, so a scheduler changes it without a
-        recompile, and a CUDA graph replays the current rate. ``(None, hparams())`` where
-        someone replaced the group by a plain dict."""
+        recompile, and a CUDA graph replays the current rate."""
         group = self._group()
-        if not isinstance(group, RateGroup):
-            return None, self.hparams()
         return group.rate(self._param.device), [0.0] + _hparams_but_rate(group)
 
     def state_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:

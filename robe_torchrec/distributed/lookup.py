@@ -34,6 +34,7 @@ from robe_torchrec.ops.deferred_checks import DeferredCheckError
 from robe_torchrec.ops.feature_names import name_features
 from robe_torchrec.ops.unpooled import gather_unpooled, keys_table_meta, unpooled_args
 from robe_torchrec.optim import RobeFusedOptimizer
+from robe_torchrec.rate_group import RateGroup
 from robe_torchrec.rowwise_install import ArrayOwner
 from robe_torchrec.variable_batch import flatten_variable_strides, pad_variable_strides
 
@@ -53,13 +54,13 @@ class _LocalRobeOptimizer(RobeFusedOptimizer):
 
     def __init__(self, param, optimizer_class, kwargs, block_size: int) -> None:
         super().__init__("local", param, optimizer_class, kwargs, block_size=block_size)
-        self._owner_group: Optional[Dict[str, Any]] = None
+        self._owner_group: Optional[RateGroup] = None
 
     def follow(self, owner: FusedOptimizer) -> None:
         """Read hyper-parameters from ``owner``'s first param group from now on."""
         self._owner_group = next(iter(owner.param_groups))
 
-    def _group(self) -> Dict[str, Any]:
+    def _group(self) -> RateGroup:
         if self._owner_group is not None:
             return self._owner_group
         return super()._group()
