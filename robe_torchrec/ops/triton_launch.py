@@ -8,22 +8,27 @@ calls the variant's launcher. Measured with the launcher stubbed, that is 20-40 
 on a 2-core VM, as much as all of the rest of a forward call's host work; on a GPU machine's
 host it is more (benchmarks/results/host_overhead.md).
 
-:class:`CachedLaunch` keeps what a variant needs: a launch still binds and specialises the
-arguments, with the binder Triton generates for the kernel (so the variant chosen, which
-depends on argument values, alignment included, is Triton's own choice), then looks the
-compiled variant up by that specialisation and calls its launcher the way ``JITFunction.run``
-does. A variant's first launch goes through ``JITFunction.run``, which compiles it, and is
-remembered. Left out: the key string and the global-constant check (the kernels' globals
-are constants of their modules). Triton's launch hooks still run (a profiler's); with a
-pre-run hook on the kernel or a stage-inspection hook, every launch goes through
-``JITFunction.run``. Runtime knobs that change compilation (``TRITON_DEBUG``...) are read
-when a variant is first compiled.
+:class:`CachedLaunch` keeps what a variant needs. A variant's first launch goes through
+``JITFunction.run``, which compiles it, and is remembered under the specialisation that
+Triton's own binder (generated for the kernel) gives the arguments: the variant chosen,
+which depends on argument values, alignment included, stays Triton's choice. A later launch
+computes a cheaper key of its arguments (:func:`argument_key`: per argument the properties
+Triton's specialisation reads, or finer); a key seen before names its variant and the
+launcher's arguments, and only a new key is bound by Triton's binder (the op's call without
+grad took 0.90x the time of binding at every launch on the project's host,
+benchmarks/results/host_overhead.md). The variant's launcher is then called as
+``JITFunction.run`` calls it. Left out: the cache-key string and the global-constant check
+(the kernels' globals are constants of their modules). Triton's launch hooks still run (a
+profiler's); with a pre-run hook on the kernel or a stage-inspection hook, every launch
+goes through ``JITFunction.run``. Runtime knobs that change compilation
+(``TRITON_DEBUG``...) are read when a variant is first compiled.
 
 The launcher's calling convention (every parameter, constants included, in signature
 order) is that of Triton 3.6 to 3.9; other versions, and :func:`~robe_torchrec.ops.tuning.
 tuned` ``(cached_launch=False)``, launch through ``JITFunction.run``.
 ``tests/ops/cached_launches.py`` checks, with a stand-in CUDA driver and kernels compiled
-for sm_90, that every launch of the ops gets the same variant and arguments both ways.
+for sm_90, that every launch of the ops gets the same variant and arguments both ways, and,
+against the Triton it runs under, that arguments of one key always get one specialisation.
 """
 
 from __future__ import annotations
@@ -48,6 +53,46 @@ except (ImportError, ValueError):  # no Triton (its kernels' import says so), or
 
 #: variants kept per kernel before starting over (a module sees a few layouts)
 _MAX_VARIANTS = 256
+#: argument keys kept per kernel before starting over (a few per variant: the int
+#: arguments' ranges, the tensors' alignment)
+_MAX_KEYS = 1024
+
+
+def _int_width(value: int):
+    """The type Triton gives an int outside int32: int64, uint64, or none (refused)."""
+    if -2**63 <= value < 2**63:
+        return 64
+    return 65 if 0 <= value < 2**64 else None
+
+
+def argument_key(args: tuple, constants: dict, _tensor=torch.Tensor) -> Optional[tuple]:
+    """A key from which Triton's specialisation of a launch's arguments follows (equal keys
+    get equal specialisations), cheaper to compute than Triton's binder. Per argument what
+    Triton's specialisation reads, or finer: a tensor's dtype and whether its address is
+    16-byte aligned; an int's being 1 (a constant), its divisibility by 16 and its type
+    (int32, int64, uint64); a float only that it is one (Triton types every float fp32,
+    whatever its value); bools and ``None`` themselves. Then the constants and options, by
+    name and value. ``None`` for an argument of another type (the launch then binds)."""
+    key = []
+    for arg in args:
+        kind = type(arg)
+        if kind is _tensor:
+            key.append((arg.dtype, arg.data_ptr() & 15 == 0))
+        elif kind is int:  # (True == 1 and hashes alike: an int's key is never a bool)
+            key.append("1" if arg == 1 else (
+                arg & 15 == 0, 32 if -2147483648 <= arg <= 2147483647 else _int_width(arg)))
+        elif kind is float:
+            key.append(float)
+        elif kind is bool:
+            key.append((bool, arg))
+        elif arg is None:
+            key.append(None)
+        elif isinstance(arg, _tensor):
+            key.append((arg.dtype, arg.data_ptr() & 15 == 0))
+        else:
+            return None
+    key.append(tuple(constants.items()))
+    return tuple(key)
 
 
 def _hooks_block_caching(fn: "JITFunction") -> bool:
@@ -76,6 +121,9 @@ class CachedLaunch:
         self._binders: Dict[int, Callable] = {}
         #: (device, specialisation, options) -> compiled variant
         self._variants: Dict[Tuple, object] = {}
+        #: (device, argument_key) -> (compiled variant, the launcher's arguments after the
+        #: call's own)
+        self._by_key: Dict[Tuple, Tuple[object, tuple]] = {}
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
         return lambda *args, **constants: self.launch(grid, args, constants)
@@ -98,17 +146,28 @@ class CachedLaunch:
                 _hooks_block_caching(self.fn):
             self._launch_and_remember(device, grid, args, constants)
             return
-        bound, specialization, options = binder(*args, **constants)
+        key = argument_key(args, constants)
         try:
-            kernel = self._variants.get((device, tuple(specialization),
-                                         tuple(options.items())))
-        except TypeError:  # a constant Triton can use but not hash: never cached
-            kernel = None
-        if kernel is None:
-            self._launch_and_remember(device, grid, args, constants)
-            return
+            known = self._by_key.get((device, key)) if key is not None else None
+        except TypeError:  # a constant Triton can use but not hash
+            key = known = None
+        if known is not None:
+            kernel, rest = known
+            values = args + rest
+        else:
+            bound, specialization, options = binder(*args, **constants)
+            try:
+                kernel = self._variants.get((device, tuple(specialization),
+                                             tuple(options.items())))
+            except TypeError:  # a constant Triton can use but not hash: never cached
+                kernel = None
+            if kernel is None:
+                self._launch_and_remember(device, grid, args, constants)
+                return
+            values = tuple(bound.values())
+            if key is not None:
+                self._remember_key(device, key, kernel, args, values)
         stream = active.get_current_stream(device)
-        values = bound.values()
         enter_hook = knobs.runtime.launch_enter_hook
         # the launch metadata (every argument packed again: 0.8 of a launch's 9 us on the
         # project's host) is for an enter hook to read; Triton keeps the hooks in a chain,
@@ -118,6 +177,18 @@ class CachedLaunch:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                    stream, kernel.function, kernel.packed_metadata, metadata,
                    enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+    def _remember_key(self, device: int, key: tuple, kernel, args: tuple,
+                      values: tuple) -> None:
+        """Remember that arguments of ``key`` launch ``kernel`` with ``values``: ``args``
+        followed by what the constants and the kernel's defaults fill in, the same for every
+        call of that key. Not when the binder passed ``args`` on in another order."""
+        count = len(args)
+        if len(values) < count or any(v is not a for v, a in zip(values, args)):
+            return
+        if len(self._by_key) >= _MAX_KEYS:
+            self._by_key.clear()
+        self._by_key[(device, key)] = (kernel, values[count:])
 
     def _launch_on(self, index: int, grid, args: tuple, constants: dict) -> None:
         """The launch on CUDA device ``index``, made current for it: Triton launches on the
@@ -145,6 +216,8 @@ class CachedLaunch:
             return
         if len(self._variants) >= _MAX_VARIANTS:
             self._variants.clear()
+            self._by_key.clear()
+            self._by_key.clear()
         self._variants[key] = kernel
 
     @property

@@ -21,18 +21,23 @@ first difference, naming the scenario and the launch.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable, List
 
 import torch
+import triton
+import triton.language as tl
+from triton.compiler import make_backend
 from triton.runtime import jit
 
 from robe_torchrec.hashing import HashMode
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.meta import Optimizer
+from robe_torchrec.ops.triton_launch import argument_key
 from robe_torchrec.ops.tuning import tuned
 from robe_torchrec.testing.op_cases import OpCase, random_case
-from robe_torchrec.testing.recorded_launches import Launch, recorded_launches
+from robe_torchrec.testing.recorded_launches import SM90, Launch, recorded_launches
 from tests.ops.sm90_launches import run_ops, scenarios
 
 _jit_runs = 0
@@ -160,9 +165,73 @@ def check_nested_recordings(case: OpCase) -> None:
     print("scenario nested recordings", flush=True)
 
 
+@triton.jit(do_not_specialize=["unspecialized"],
+            do_not_specialize_on_alignment=["unaligned"])
+def _one_of_each(plain, unspecialized, unaligned, annotated: tl.int64, const_ptr: tl.const):
+    pass
+
+
+def _probe_values() -> list:
+    """Arguments of every type the ops pass, at the edges of what Triton specialises on:
+    ints around 1, multiples of 16 and the int32/int64/uint64 limits, floats, bools, None,
+    tensors of several dtypes at several byte offsets from a 16-byte boundary."""
+    edges = [0, 2**31, 2**32, 2**63, 2**64]
+    ints = {e + d for e in edges for d in (-17, -16, -15, -2, -1, 0, 1, 2, 15, 16, 17)}
+    ints |= {-i for i in ints} | {1, 3, 26, 48, 10240, 53248}
+    floats = [0.0, -0.0, 1.0, 0.5, 16.0, 1e300, -1e-300, math.inf, math.nan]
+    tensors = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
+                  torch.int64, torch.int8, torch.uint8, torch.bool):
+        size = torch.empty(0, dtype=dtype).element_size()
+        block = torch.zeros(64, dtype=dtype)
+        assert block.data_ptr() % 16 == 0
+        tensors += [block[offset // size:] for offset in (0, 1, 2, 4, 8, 16, 24, 32)
+                    if offset % size == 0]
+    return sorted(ints) + floats + [True, False, None] + tensors
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor at {value.data_ptr() % 16} bytes past 16"
+    return repr(value)
+
+
+def check_argument_keys() -> None:
+    """The promise of the cached launches' key (:func:`argument_key`), against the Triton
+    this runs under: arguments of one key get one specialisation, for each way a kernel
+    parameter is specialised (plainly, not at all, not on alignment, by its annotation, as a
+    constant pointer)."""
+    binder = jit.create_function_from_signature(
+        _one_of_each.signature, _one_of_each.params, make_backend(SM90))
+    values = _probe_values()
+    for position in range(len(_one_of_each.params)):
+        seen = {}
+        for value in values:
+            args = [0] * len(_one_of_each.params)
+            args[position] = value
+            try:
+                specialization = binder(*args)[1][position]
+            except Exception:  # a value Triton refuses is never launched, let alone cached
+                continue
+            key = argument_key((value,), {})
+            if key is None:
+                raise AssertionError(f"no key for a {type(value).__name__} argument")
+            first = seen.setdefault(key, (value, specialization))
+            if first[1] != specialization:
+                raise AssertionError(
+                    f"parameter {_one_of_each.params[position].name}: {_shown(first[0])} and "
+                    f"{_shown(value)} have one key {key} but Triton specialises them as "
+                    f"{first[1]} and {specialization}")
+    keys = {argument_key((v,), {}) for v in values if isinstance(v, torch.Tensor)}
+    assert len(keys) > 2, keys  # the tensors do not all share one key: the check can fail
+    print(f"scenario argument keys: {len(values)} values, one specialisation a key",
+          flush=True)
+
+
 def main() -> int:
     assert not tk.interpreted(), "unset TRITON_INTERPRET: this compiles the kernels"
     jit.JITFunction.run = _counting(jit.JITFunction.run)
+    check_argument_keys()
     shapes = scenarios()
     picked = [shapes[0], shapes[1], shapes[6], shapes[8]]  # 1 and 16 bags, long bags
     for i, shape in enumerate(picked):

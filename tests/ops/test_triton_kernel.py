@@ -538,12 +538,14 @@ def test_every_launch_compiles_for_sm90(tmp_path):
 def test_cached_launches_match_jit_launches(tmp_path):
     """Launches that skip ``JITFunction.run`` once a variant is compiled get, for every op
     and on ids at an address Triton specialises differently, the compiled variant and the
-    arguments ``JITFunction.run`` gives them (``tests/ops/cached_launches.py``: a stand-in
-    driver compiles for sm_90 and records the launches)."""
+    arguments ``JITFunction.run`` gives them, and arguments of one cached-launch key get one
+    specialisation from this Triton (``tests/ops/cached_launches.py``: a stand-in driver
+    compiles for sm_90 and records the launches)."""
     result = run_compiled(["-m", "tests.ops.cached_launches"], tmp_path)
     agreed = [line for line in result.stdout.splitlines() if line.startswith("scenario")]
-    assert len(agreed) == 9 and "not 16-byte aligned" in agreed[4], result.stdout
-    assert agreed[5:7] == ["scenario pre-run hook honoured", "scenario nested recordings"], \
+    assert len(agreed) == 10 and "one specialisation a key" in agreed[0], result.stdout
+    assert "not 16-byte aligned" in agreed[5], result.stdout
+    assert agreed[6:8] == ["scenario pre-run hook honoured", "scenario nested recordings"], \
         result.stdout
     assert "paper scale, 20 id(s) a bag" in agreed[-1], result.stdout
 

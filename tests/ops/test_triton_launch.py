@@ -44,14 +44,22 @@ class _Kernel:
         return launch
 
 
+class _Spec(list):
+    """The stand-in binder's specialisation (``[0]``), and the binder (``binder``, which
+    counts its ``calls``)."""
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     """Triton's driver (device 0, stream 7) and a binder whose specialisation is
     ``spec[0]`` (a test may swap it)."""
-    spec = [[("i32", "D")]]
+    spec = _Spec([("i32", "D")])
 
     def binder(*args, **constants):
+        binder.calls += 1
         return dict(enumerate(args), **constants), spec[0], {}
+    binder.calls = 0
+    spec.binder = binder
 
     driver = types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 7,
@@ -171,3 +179,54 @@ def test_the_tensors_device_is_that_of_the_first_tensor_argument():
 
     assert triton_launch._cuda_index((3, torch.zeros(2), torch.zeros(1))) is None  # CPU
     assert triton_launch._cuda_index((3, 4.0)) is None
+
+
+def test_a_launch_binds_only_arguments_of_a_key_not_seen(stand_ins):
+    """A launch whose arguments have a known key (:func:`argument_key`) finds its variant
+    without Triton's binder; another key (an int no longer divisible by 16) binds again."""
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    launch[(5,)](16, 2.5, BLOCK=4)  # compiled, remembered
+    launch[(5,)](16, 2.5, BLOCK=4)  # bound: its key remembered
+    calls = stand_ins.binder.calls
+    for value in (32, 48, 4096):
+        launch[(5,)](value, 0.25, BLOCK=4)
+    assert stand_ins.binder.calls == calls
+    assert [run[-3:] for run in kernel.compiled.runs] == [
+        (16, 2.5, 4), (32, 0.25, 4), (48, 0.25, 4), (4096, 0.25, 4)]
+    launch[(5,)](17, 0.25, BLOCK=4)
+    launch[(5,)](32, 0.25, BLOCK=8)  # another constant: another key
+    assert stand_ins.binder.calls == calls + 2 and len(kernel.launches) == 1
+
+
+def test_an_argument_of_a_type_the_key_does_not_know_binds_every_launch(stand_ins):
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(3):
+        launch[(5,)]("text", BLOCK=4)
+    assert len(kernel.launches) == 1 and len(kernel.compiled.runs) == 2
+    assert stand_ins.binder.calls == 3
+
+
+def test_a_constant_that_cannot_be_hashed_binds_every_launch(stand_ins):
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(3):
+        launch[(5,)](3, BLOCK=[4])
+    assert len(kernel.launches) == 1 and len(kernel.compiled.runs) == 2
+    assert stand_ins.binder.calls == 3
+
+
+def test_an_argument_key_tells_apart_what_triton_specialises_on():
+    import torch
+
+    key = triton_launch.argument_key
+    block = torch.zeros(8)
+    assert key((block,), {}) == key((torch.ones(4),), {})
+    assert key((block,), {}) != key((block[1:],), {})  # 4 bytes past 16
+    assert key((block,), {}) != key((block.double(),), {})
+    assert key((16,), {}) == key((32,), {}) != key((17,), {})
+    assert key((1,), {}) != key((17,), {}) and key((1,), {}) != key((True,), {})
+    assert key((2**31 - 16,), {}) != key((2**31,), {}) != key((2**63,), {})
+    assert key((0.5,), {}) == key((1e300,), {}) and key((None,), {"A": 1}) != key((None,), {})
+    assert key((object(),), {}) is None
