@@ -202,7 +202,11 @@ def _forward_below_autograd(keyset, *args) -> Tensor:
     """``robe::forward`` past the autograd keys: for plain CPU or CUDA tensors straight to the
     implementation, else (fake, meta or functional tensors, a dispatch mode) through the
     dispatcher again."""
-    below = keyset & torch._C._after_autograd_keyset
+    below = _BELOW_AUTOGRAD.get(keyset.raw_repr())
+    if below is None:
+        below = keyset & torch._C._after_autograd_keyset
+        if len(_BELOW_AUTOGRAD) < 64:  # the few key sets a process calls with
+            _BELOW_AUTOGRAD[keyset.raw_repr()] = below
     implementation = _PLAIN_KEYS.get(below.raw_repr())
     with torch._C._AutoDispatchBelowAutograd():
         if implementation is not None:
@@ -215,6 +219,8 @@ def _forward_below_autograd(keyset, *args) -> Tensor:
 
 
 _FORWARD = torch.ops.robe.forward.default
+#: a call's dispatch key set (raw) -> what is left of it below autograd
+_BELOW_AUTOGRAD: dict = {}
 #: table_meta's place in robe::forward's arguments past the dispatch key set
 _FORWARD_TABLE_META = _table_meta_position("forward")
 #: what is left of a plain CPU or CUDA tensor's dispatch keys below autograd (the backend,
@@ -271,10 +277,11 @@ _define("per_sample_weights_grad(Tensor grad_output, Tensor weights, Tensor valu
 # tensor they wrote (autograd and the input checks' caches see the change), as
 # ``torch.library.custom_op`` does but without its generic layer, which rebuilt the 14-argument
 # list on every call (``torch._library.utils.fill_defaults``, about 55 us a call under
-# cProfile). A fused step (forward and fused backward ops) now takes 90 us of host time
-# against 58 us calling the implementations directly, launches stubbed on a CPU core
-# (benchmarks/results/host_overhead.md); behind custom_op it took 201 us, in a run where the
-# forward's wrapper took 27 us against 19.9 us now (results/history/host_overhead_9bc96fe.md).
+# cProfile). A fused step (forward and fused backward ops) took 90 us of host time against
+# 58 us calling the implementations directly, launches stubbed on a CPU core
+# (benchmarks/results/history/host_overhead_d2ccb7b.md); behind custom_op it took 201 us, in
+# a run where the forward's wrapper took 27 us against 19.9 us in that one
+# (results/history/host_overhead_9bc96fe.md).
 
 def _define_mutating(schema: str, written: Tuple[str, ...],
                      cpu_kernel: Callable[..., None], cuda_kernel: Callable[..., None]) -> None:

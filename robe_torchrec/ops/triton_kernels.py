@@ -407,8 +407,8 @@ class _ForwardPlan(NamedTuple):
     key_limit: int
 
 
-#: table_meta -> {everything else a plan depends on: plan}; weak keys, so a module's plan
-#: lives as long as its table_meta
+#: table_meta -> (its version, {everything else a plan depends on: plan}); weak keys, so a
+#: module's plan lives as long as its table_meta
 _PLANS: WeakIdDict = WeakIdDict()
 
 
@@ -471,13 +471,15 @@ def _cached_plan(table_meta: torch.Tensor, key: tuple, build):
         version = table_meta._version
     except RuntimeError:
         return build()
-    key = (version, *key)
-    plans = _PLANS.get(table_meta)
+    entry = _PLANS.get(table_meta)
+    # a write to table_meta (a new version) outdates every plan made from it
+    plans = entry[1] if entry is not None and entry[0] == version else None
     plan = None if plans is None else plans.get(key)
     if plan is None:
         plan = build()
         if plans is None:
-            plans = _PLANS[table_meta] = {}
+            plans = {}
+            _PLANS[table_meta] = (version, plans)
         if len(plans) >= _MAX_PLANS:
             plans.clear()
         plans[key] = plan
