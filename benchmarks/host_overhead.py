@@ -13,7 +13,9 @@ dispatcher; the host's speed (a same-schema op returning its input, ``torch.add`
 Python additions). Where Triton can compile for NVIDIA GPUs (no GPU needed), the
 ``launched`` rows run four of them with the launches made down to Triton's C launcher, which
 a stand-in driver replaces (:mod:`robe_torchrec.testing.recorded_launches`): the cached
-launch the ops use, and ``JITFunction.run``. Rows interleaved, 1 thread::
+launch the ops use, and ``JITFunction.run``; two of them also with Triton's binder called at
+every launch (the cached launch before its argument keys). The op's path (Triton kernels, deferred checks,
+grad mode) is set once a sample, not at each call. Rows interleaved, 1 thread::
 
     python -m benchmarks.host_overhead --out benchmarks/results
 """
@@ -38,8 +40,19 @@ from robe_torchrec.ops.meta import BoundsCheck, Optimizer, Pooling, build_table_
 from robe_torchrec.ops.tuning import current as current_tuning, tuned
 
 FEATURES, DIM, BLOCK_SIZE, MEMORY = 26, 128, 32, 65536
+#: the rows on the op's path (:func:`on_path`), by whether they record the autograd graph
+ON_PATH = {"wrapper": False, "wrapper, summary kernel": False, "op, no grad": False,
+           "op, no grad, an answer copy each": False, "op, with grad": True,
+           "op + backward": True, "fused step": False, "fused step, wrappers": False,
+           "through the dispatcher twice": False,
+           "op, no grad, multi-hot, one batch again": False,
+           "op, no grad, multi-hot, a new batch each call": False,
+           "op, no grad, a new batch size each call": False,
+           "module forward, fused Adagrad, training": True}
 #: the rows also timed with their launches made (by a stand-in driver)
 LAUNCHED = ("wrapper", "op, no grad", "op + backward", "fused step")
+#: launched rows also timed with Triton's binder called at every launch (no argument keys)
+BOUND = ("op, no grad", "fused step")
 #: rows timed with a tuning of their own (set for each sample, not each call)
 ROW_TUNINGS = {"op, no grad, an answer copy each": {"answers_per_copy": 1}}
 #: kept alive here: a library's registrations last as long as the object
@@ -59,7 +72,8 @@ def identity_op() -> Callable:
 
 
 def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
-    """One call of each row, on the Triton path (checks deferred, as on CUDA)."""
+    """One call of each row; a row on the op's path (named in :data:`ON_PATH`) runs on
+    the Triton path with checks deferred, as on CUDA (:func:`on_path`)."""
     g = torch.Generator().manual_seed(0)
     cards = [100_000] * FEATURES
     ids = torch.randint(0, cards[0], (FEATURES * batch,), generator=g).to(device)
@@ -77,14 +91,6 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
     identity = identity_op()
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA if device.type == "cuda"
                                    else torch._C.DispatchKey.CPU)
-
-    triton = (lambda: cpu_backend("triton")) if device.type == "cpu" else contextlib.nullcontext
-
-    def on_path(fn: Callable[[], object], grad_mode: bool = False) -> Callable[[], object]:
-        def call():
-            with triton(), defer_checks(True), torch.set_grad_enabled(grad_mode):
-                return fn()
-        return call
 
     def summary():
         with tuned(count_in_forward=False):
@@ -104,28 +110,27 @@ def calls(device: torch.device, batch: int) -> Dict[str, Callable[[], object]]:
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.robe.forward.default.redispatch(keys, plain, *flat)
 
-    rows = {"wrapper": on_path(lambda: triton_kernels.forward(plain, *flat)),
-            "wrapper, summary kernel": on_path(summary),
-            "op, no grad": on_path(lambda: torch.ops.robe.forward(weights, *flat)),
-            "op, no grad, an answer copy each": on_path(
-                lambda: torch.ops.robe.forward(weights, *flat)),
-            "op, with grad": on_path(lambda: torch.ops.robe.forward(weights, *flat), True),
-            "op + backward": on_path(backward, True), "fused step": on_path(fused_step),
-            "fused step, wrappers": on_path(lambda: fused_step(triton_kernels)),
-            "through the dispatcher twice": on_path(twice)}
+    rows = {"wrapper": lambda: triton_kernels.forward(plain, *flat),
+            "wrapper, summary kernel": summary,
+            "op, no grad": lambda: torch.ops.robe.forward(weights, *flat),
+            "op, no grad, an answer copy each": lambda: torch.ops.robe.forward(weights, *flat),
+            "op, with grad": lambda: torch.ops.robe.forward(weights, *flat),
+            "op + backward": backward, "fused step": fused_step,
+            "fused step, wrappers": lambda: fused_step(triton_kernels),
+            "through the dispatcher twice": twice}
     multi_hot = varied_batches(device, batch, num_rows=cards[0], multi_hot=True)
     new_batch = itertools.cycle(multi_hot)
     new_size = itertools.cycle(varied_batches(device, batch, num_rows=cards[0],
                                               multi_hot=False))
-    rows["op, no grad, multi-hot, one batch again"] = on_path(
-        lambda: torch.ops.robe.forward(weights, *multi_hot[0], *flat[2:]))
-    rows["op, no grad, multi-hot, a new batch each call"] = on_path(
-        lambda: torch.ops.robe.forward(weights, *next(new_batch), *flat[2:]))
-    rows["op, no grad, a new batch size each call"] = on_path(
-        lambda: torch.ops.robe.forward(weights, *next(new_size), *flat[2:]))
+    rows["op, no grad, multi-hot, one batch again"] = \
+        lambda: torch.ops.robe.forward(weights, *multi_hot[0], *flat[2:])
+    rows["op, no grad, multi-hot, a new batch each call"] = \
+        lambda: torch.ops.robe.forward(weights, *next(new_batch), *flat[2:])
+    rows["op, no grad, a new batch size each call"] = \
+        lambda: torch.ops.robe.forward(weights, *next(new_size), *flat[2:])
     module_forward = fused_module_forward(device, ids, batch)
     if module_forward is not None:
-        rows["module forward, fused Adagrad, training"] = on_path(module_forward, True)
+        rows["module forward, fused Adagrad, training"] = module_forward
     rows.update({"op of the same schema returning its input": lambda: identity(plain, *flat),
                  "torch.add of 4-element tensors": lambda: torch.add(small, small),
                  "pure Python: 1000 additions": lambda: sum(range(1000))})
@@ -262,6 +267,17 @@ def op_floor(med: Dict[str, float]) -> Optional[Dict[str, float]]:
             "the launch path": med["wrapper, launched"] - med["wrapper"]}
 
 
+@contextlib.contextmanager
+def on_path(device: torch.device, grad_mode: bool):
+    """The op's path as a training loop sets it up once, not at each call: the Triton
+    kernels (on CPU tensors, which would take the C++ ones), the checks deferred (as on
+    CUDA), and the grad mode. Entered once a sample: the few us it takes to enter are no
+    part of an op call."""
+    triton = cpu_backend("triton") if device.type == "cpu" else contextlib.nullcontext()
+    with triton, defer_checks(True), torch.set_grad_enabled(grad_mode):
+        yield
+
+
 def can_compile() -> bool:
     """Whether this process's Triton compiles for NVIDIA GPUs (no GPU needed)."""
     if triton_kernels.interpreted():
@@ -280,21 +296,52 @@ def launching(on_cpu: bool, cached: bool):
 
 
 @contextlib.contextmanager
+def bound_at_every_launch(on_cpu: bool):
+    """Cached launches, but with Triton's binder specialising the arguments at every launch
+    (as before the launches found their variant by :func:`~robe_torchrec.ops.triton_launch.
+    argument_key`): what those keys save."""
+    from robe_torchrec.ops import triton_launch
+
+    key = triton_launch.argument_key
+    triton_launch.argument_key = lambda args, constants: None
+    try:
+        with launching(on_cpu, cached=True):
+            yield
+    finally:
+        triton_launch.argument_key = key
+
+
+@contextlib.contextmanager
 def _stubbed(tuning: dict):
     with triton_kernels.stubbed_launches(), tuned(**tuning):
         yield
 
 
-def with_launched(rows: Dict[str, Callable[[], object]], cuda: bool, launched: bool):
+@contextlib.contextmanager
+def _within(path: Optional[Callable[[], ContextManager]], inner: Callable[[], ContextManager]):
+    with (path() if path else contextlib.nullcontext()), inner():
+        yield
+
+
+def with_launched(rows: Dict[str, Callable[[], object]], device: torch.device, launched: bool):
     """``rows``, run with launches stubbed, and (``launched``) the :data:`LAUNCHED` ones
     again with their launches made, cached and through ``JITFunction.run``; with the context
-    of each row."""
-    contexts = {name: functools.partial(_stubbed, ROW_TUNINGS.get(name, {})) for name in rows}
+    of each row (inside :func:`on_path` for the rows of :data:`ON_PATH`)."""
+    cuda = device.type == "cuda"
+    paths = {name: functools.partial(on_path, device, ON_PATH[name])
+             for name in rows if name in ON_PATH}
+    contexts = {name: functools.partial(_within, paths.get(name), functools.partial(
+        _stubbed, ROW_TUNINGS.get(name, {}))) for name in rows}
     rows = dict(rows)
     for name in LAUNCHED if launched else ():
         for cached, suffix in ((True, "launched"), (False, "launched via JITFunction.run")):
             rows[f"{name}, {suffix}"] = rows[name]
-            contexts[f"{name}, {suffix}"] = functools.partial(launching, not cuda, cached)
+            contexts[f"{name}, {suffix}"] = functools.partial(
+                _within, paths[name], functools.partial(launching, not cuda, cached))
+    for name in BOUND if launched else ():
+        rows[f"{name}, launched, bound at every launch"] = rows[name]
+        contexts[f"{name}, launched, bound at every launch"] = functools.partial(
+            _within, paths[name], functools.partial(bound_at_every_launch, not cuda))
     return rows, contexts
 
 
@@ -313,7 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     torch.set_num_threads(1)
     try:
         recorded = not args.cuda and can_compile()
-        rows, contexts = with_launched(calls(device, args.batch), args.cuda,
+        rows, contexts = with_launched(calls(device, args.batch), device,
                                        launched=args.cuda or recorded)
         recording = contextlib.nullcontext()
         if recorded:  # the first launch of a variant compiles it
@@ -334,7 +381,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launch "
               "path and the driver. The `launched` rows add the launch path: on CPU down to "
               "Triton's C launcher (a stand-in driver records each launch there), with "
-              "`--cuda` the real launcher and driver.", ""]
+              "`--cuda` the real launcher and driver. The op's path (the Triton kernels, "
+              "checks deferred, the grad mode) is set once a sample, as a training loop sets "
+              "it, not at each call.", ""]
     lines += table(["row", "median", "lower quartile"],
                    [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples])
     ratios = {n: med[f"{n}, launched"] / med[f"{n}, launched via JITFunction.run"]
@@ -342,6 +391,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     if ratios:
         lines += ["", "Launched cached / through `JITFunction.run` (medians): " + ", ".join(
             f"{n} {r:.2f}x" for n, r in ratios.items())]
+    keyed = {n: med[f"{n}, launched"] / med[f"{n}, launched, bound at every launch"]
+             for n in BOUND if f"{n}, launched" in med}
+    if keyed:
+        lines += ["", "Launched, variants found by argument key / bound by Triton's binder at "
+                  "every launch (medians): " + ", ".join(f"{n} {r:.2f}x"
+                                                         for n, r in keyed.items())]
     one_each = "op, no grad, an answer copy each"
     per_copy = current_tuning().answers_per_copy
     lines += ["", f"`op, no grad` (the answers of {per_copy} forwards a copy) / `{one_each}`: "
@@ -371,6 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     result = {"command": command_line("host_overhead", argv), "device": device.type,
               "batch": args.batch, "reps": args.reps, "calls": args.calls,
               "medians": med, "lower_quartiles": low, "cached_over_jit": ratios,
+              "keyed_over_bound": keyed,
               "primitives_us": primitives, "floor_us": floor,
               "samples_us": samples}
     publish(args.out, "host_overhead", lines, result)

@@ -34,6 +34,10 @@ def test_every_row_is_timed(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "host_overhead.json").read_text())
     rows = host_overhead.calls(torch.device("cpu"), 8)
     assert set(result["medians"]) == set(rows) and "wrapper, summary kernel" in rows
+    # every row but the host's speed and the primitives runs on the op's path
+    off_path = {"op of the same schema returning its input", "torch.add of 4-element tensors",
+                "pure Python: 1000 additions", *(n for n in rows if n.startswith("primitive"))}
+    assert set(rows) - set(host_overhead.ON_PATH) == off_path
     assert all(v > 0 for v in result["medians"].values())
     assert all(len(v) == 2 for v in result["samples_us"].values())
     assert result["device"] == "cpu" and result["machine"]["torch"] == torch.__version__
@@ -58,6 +62,7 @@ def test_launched_rows_compare_cached_with_jit_launches(tmp_path):
     for row in host_overhead.LAUNCHED:
         assert medians[f"{row}, launched"] > 0
         assert medians[f"{row}, launched via JITFunction.run"] > 0
+    assert set(result["keyed_over_bound"]) == set(host_overhead.BOUND)
     # the floor any forward op pays here: the dispatcher, the primitives, the launch path
     floor = result["floor_us"]
     assert floor == host_overhead.op_floor(medians) and len(floor) == 3
