@@ -72,7 +72,9 @@ def argument_key(args: tuple, constants: dict, _tensor=torch.Tensor) -> Optional
     16-byte aligned; an int's being 1 (a constant), its divisibility by 16 and its type
     (int32, int64, uint64); a float only that it is one (Triton types every float fp32,
     whatever its value); bools and ``None`` themselves. Then the constants and options, by
-    name and value. ``None`` for an argument of another type (the launch then binds)."""
+    name and value (Triton's own cache keys a constant by its value too). ``None`` for an
+    argument of another type (the launch then binds). ``args`` must be runtime parameters
+    and ``constants`` constants and options only (:meth:`CachedLaunch._keyed`)."""
     key = []
     for arg in args:
         kind = type(arg)
@@ -124,6 +126,16 @@ class CachedLaunch:
         #: (device, argument_key) -> (compiled variant, the launcher's arguments after the
         #: call's own)
         self._by_key: Dict[Tuple, Tuple[object, tuple]] = {}
+        #: the kind of driver the caches were filled under (a stand-in driver, which reports
+        #: device 0 too, or the real one)
+        self._driver = None
+        # argument_key reads positional arguments as runtime parameters and keywords as
+        # constants or options: a call that passes a constant by position, or a runtime
+        # parameter by keyword, is bound by Triton's binder instead
+        params = getattr(fn, "params", None) or ()
+        self._positional = next((i for i, p in enumerate(params) if p.is_constexpr),
+                                len(params) if params else None)
+        self._runtime = frozenset(p.name for p in params if not p.is_constexpr)
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
         return lambda *args, **constants: self.launch(grid, args, constants)
@@ -137,6 +149,11 @@ class CachedLaunch:
                 self.fn[grid](*args, **constants)
             return
         active = driver.active
+        if type(active) is not self._driver:  # compiled and bound for another driver
+            self._binders.clear()
+            self._variants.clear()
+            self._by_key.clear()
+            self._driver = type(active)
         device = active.get_current_device()
         if tensors_on is not None and tensors_on != device:
             self._launch_on(tensors_on, grid, args, constants)
@@ -146,7 +163,7 @@ class CachedLaunch:
                 _hooks_block_caching(self.fn):
             self._launch_and_remember(device, grid, args, constants)
             return
-        key = argument_key(args, constants)
+        key = argument_key(args, constants) if self._keyed(args, constants) else None
         try:
             known = self._by_key.get((device, key)) if key is not None else None
         except TypeError:  # a constant Triton can use but not hash
@@ -177,6 +194,12 @@ class CachedLaunch:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                    stream, kernel.function, kernel.packed_metadata, metadata,
                    enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+    def _keyed(self, args: tuple, constants: dict) -> bool:
+        """Whether the call passes only runtime parameters by position and only constants
+        and options by keyword, as :func:`argument_key` reads them."""
+        return ((self._positional is None or len(args) <= self._positional)
+                and self._runtime.isdisjoint(constants))
 
     def _remember_key(self, device: int, key: tuple, kernel, args: tuple,
                       values: tuple) -> None:
@@ -216,7 +239,6 @@ class CachedLaunch:
             return
         if len(self._variants) >= _MAX_VARIANTS:
             self._variants.clear()
-            self._by_key.clear()
             self._by_key.clear()
         self._variants[key] = kernel
 

@@ -230,3 +230,53 @@ def test_an_argument_key_tells_apart_what_triton_specialises_on():
     assert key((2**31 - 16,), {}) != key((2**31,), {}) != key((2**63,), {})
     assert key((0.5,), {}) == key((1e300,), {}) and key((None,), {"A": 1}) != key((None,), {})
     assert key((object(),), {}) is None
+
+
+def _with_params(kernel, *params):
+    """``kernel`` given Triton's parameter list: ``(name, is_constexpr)`` pairs."""
+    kernel.params = [types.SimpleNamespace(name=name, is_constexpr=const)
+                     for name, const in params]
+    return kernel
+
+
+@pytest.mark.parametrize("call", [
+    lambda launch: launch[(5,)](16, 32, 128),       # a constant passed by position
+    lambda launch: launch[(5,)](16, n=32, BLOCK=4),  # a runtime parameter by keyword
+])
+def test_a_call_the_key_cannot_read_binds_every_launch(stand_ins, call):
+    """The key reads positions as runtime parameters and keywords as constants: a constant
+    by position (Triton compiles a variant for each value) or a runtime parameter by
+    keyword (16 and 16.0 are equal keys but not one variant) is bound every launch."""
+    kernel = _with_params(_Kernel(), ("x", False), ("n", False), ("BLOCK", True))
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(3):
+        call(launch)
+    assert len(kernel.launches) == 1 and len(kernel.compiled.runs) == 2
+    assert stand_ins.binder.calls == 3
+
+
+def test_a_call_as_the_ops_make_it_is_keyed(stand_ins):
+    kernel = _with_params(_Kernel(), ("x", False), ("n", False), ("BLOCK", True))
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(3):
+        launch[(5,)](16, 32, BLOCK=4)
+    assert len(kernel.compiled.runs) == 2 and stand_ins.binder.calls == 2
+
+
+def test_another_driver_starts_the_caches_over(stand_ins, monkeypatch):
+    """A stand-in driver (``recorded_launches``) reports device 0 as the real one does: what
+    was compiled and bound under one is not launched under the other."""
+    kernel = _Kernel()
+    launch = triton_launch.CachedLaunch(kernel)
+    for _ in range(2):
+        launch[(5,)](1, 2, BLOCK=4)
+    assert len(kernel.launches) == 1 and launch.variants == 1
+
+    class _OtherDriver:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 7)
+        get_current_target = staticmethod(lambda: None)
+
+    monkeypatch.setattr(triton_launch.driver, "active", _OtherDriver())
+    launch[(5,)](1, 2, BLOCK=4)
+    assert len(kernel.launches) == 2 and launch.variants == 1  # compiled again, remembered
