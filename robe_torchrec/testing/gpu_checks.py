@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 import random
+import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -140,10 +141,10 @@ def _fused_step(case: OpCase, weights, state, grad, optimizer: Optimizer, hparam
                                                hparams, *lookup, rate)
 
 
-def check_no_host_sync() -> None:
-    """Forward with autograd, its dense backward, the per-sample-weight gradient and a fused
-    step under ``torch.cuda.set_sync_debug_mode("error")``: nothing waits for the device
-    (after a first call, which checks the static layout once)."""
+def _training_step() -> Callable[[], None]:
+    """A step of the ops as training calls them: a forward with autograd and its backward
+    (dense and per-sample-weight gradients), then a forward and a fused Adagrad step; two
+    forwards, each one deferred answer."""
     case = _graph_case()
     weights = case.weights.clone().requires_grad_(True)
     psw = case.per_sample_weights.clone().requires_grad_(True)
@@ -159,11 +160,60 @@ def check_no_host_sync() -> None:
         torch.ops.robe.forward(fused_weights, *case.forward_args()[1:])
         _fused_step(case, fused_weights, state, grad, optimizer, hparams)
 
+    return step
+
+
+def check_no_host_sync() -> None:
+    """Forward with autograd, its dense backward, the per-sample-weight gradient and a fused
+    step under ``torch.cuda.set_sync_debug_mode("error")``: nothing waits for the device
+    (after a first call, which checks the static layout once)."""
+    step = _training_step()
     step()
     with _no_host_sync():
         for _ in range(3):
             step()
     raise_pending_checks()
+
+
+def check_host_runs_ahead(steps: int = 6, sleep_ms: float = 500.0) -> None:
+    """While the device is held by a sleep kernel queued first (``sleep_ms``), the host
+    issues ``steps`` training steps (:func:`_training_step`) and the device is still asleep
+    when the last returns: no call waited for the device in any way, including those
+    ``set_sync_debug_mode`` does not report (an event's ``synchronize``, a pinned
+    allocation that waits, a copy that does). The host may run up to
+    ``deferred_checks.MAX_PENDING`` forwards ahead before it waits for the oldest answer:
+    ``steps`` keeps below that (two forwards a step)."""
+    from robe_torchrec.ops.deferred_checks import MAX_PENDING
+
+    assert 2 * steps < MAX_PENDING, (steps, MAX_PENDING)
+    step = _training_step()
+    for _ in range(steps):  # warm: plans, count rows, answer copies, the allocator's blocks
+        step()
+    raise_pending_checks()
+    torch.cuda._sleep(1000)  # loads the sleep kernel
+    calibration = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(calibration)
+    end.record()
+    end.synchronize()
+    cycles = int(calibration * sleep_ms / max(start.elapsed_time(end), 1e-3))
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host_ms = (time.perf_counter() - began) * 1e3
+    still_asleep = not end.query()
+    torch.cuda.synchronize()
+    raise_pending_checks()
+    slept_ms = start.elapsed_time(end)
+    assert still_asleep, (
+        f"the device ended a {slept_ms:.0f} ms sleep before the host had issued {steps} "
+        f"training steps ({host_ms:.1f} ms): some call waited for the device"
+        + ("" if host_ms < 0.5 * slept_ms else " (or the host is that slow: inconclusive)"))
 
 
 def check_unpooled_no_host_sync(device: str = "cuda") -> None:
@@ -647,6 +697,7 @@ def sync_and_graph_checks() -> List[Tuple[str, Callable[[], None]]]:
     lift that for their eager calls (``_count_rows_in_eager_calls``), would still see
     rows."""
     return [("no_host_sync", check_no_host_sync),
+               ("host_runs_ahead", check_host_runs_ahead),
                ("unpooled_no_host_sync", check_unpooled_no_host_sync),
                ("count_rows_on_streams", check_count_rows_on_streams),
                ("answers_copied_together", check_answers_copied_together),
