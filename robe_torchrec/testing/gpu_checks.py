@@ -265,9 +265,10 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     bad = values.clone()
     bad[0] = int(keys_meta[NUM_ROWS, 0])
     lookup = (bad.to(on), counts, checked._replace(table_meta=keys_meta.to(on)))
+    on_device = case.weights.to(on)  # (a copy from pageable memory waits: not in the block)
     try:
         with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
-            robe_unpooled_lookup(case.weights.to(on), *lookup)
+            robe_unpooled_lookup(on_device, *lookup)
         raise_pending_checks()
     except ValueError as err:  # DeferredCheckError on CUDA, at the call on CPU
         assert str(err).startswith(f"robe: id {int(bad[0])} at position 0 of feature 0 is "
@@ -721,6 +722,15 @@ class DlrmRun(NamedTuple):
     fused: Dict[str, torch.Tensor]
 
 
+def _shim_fbgemm(device: str) -> None:
+    """On CUDA, CUDA kernels for fbgemm's sparse ops where fbgemm has none (fbgemm-gpu-cpu,
+    what this project's GPU machines have)."""
+    if torch.device(device).type == "cuda":
+        from robe_torchrec.testing import fbgemm_cuda_shim
+
+        fbgemm_cuda_shim.install()
+
+
 def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = None
              ) -> DlrmRun:
     """``steps`` steps of TorchRec's DLRM on ROBE-Z tables with fused Adagrad (SGD for the
@@ -733,10 +743,7 @@ def dlrm_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict] = 
     from robe_torchrec.dlrm import DLRMSpec, OptimizerSpec, build_dlrm, dense_optimizer
     from robe_torchrec.embedding_bag import RobeEmbeddingBagCollection
 
-    if torch.device(device).type == "cuda":
-        from robe_torchrec.testing import fbgemm_cuda_shim
-
-        fbgemm_cuda_shim.install()  # CUDA kernels of fbgemm's sparse ops where there are none
+    _shim_fbgemm(device)
     data = SyntheticCriteo(batch_size=256, num_sparse=8, cardinality_scale=1e-2)
     spec = DLRMSpec(robe=RobeConfig(compression=100, block_size=8), embedding_dim=16,
                     embedding_optimizer=OptimizerSpec("adagrad", lr=0.05),
@@ -839,6 +846,7 @@ def sequence_run(steps: int, device: str = "cuda", compile_kwargs: Optional[dict
     from robe_torchrec.config import RobeConfig
     from robe_torchrec.embedding_collection import RobeEmbeddingCollection
 
+    _shim_fbgemm(device)  # its own: `--only compiled_sequence` runs no DLRM check first
     batch = 8
     tables = [EmbeddingConfig(name=f"t{t}", embedding_dim=16, num_embeddings=rows,
                               feature_names=[f"f{t}"])
@@ -903,17 +911,19 @@ def check_vbe_padding_no_host_sync(device: str = "cuda") -> None:
     values = torch.arange(int(lengths.sum()))
 
     def padded(on: torch.device) -> torch.Tensor:
-        kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=values.to(on),
-                                lengths=lengths.to(on),
-                                stride_per_key_per_rank=[[s] for s in strides])
-        return pad_variable_strides(kjt).lengths()
+        # the inputs copied to the device first: a copy from pageable memory waits for it
+        kjt_values, kjt_lengths = values.to(on), lengths.to(on)
+        with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+            kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=kjt_values,
+                                    lengths=kjt_lengths,
+                                    stride_per_key_per_rank=[[s] for s in strides])
+            return pad_variable_strides(kjt).lengths()
 
     want = torch.tensor([2, 0, 1, 0, 3, 0, 0, 0, 1, 1, 0, 2])
     assert torch.equal(padded(torch.device("cpu")), want)
     on = torch.device(device)
     padded(on)  # a first call may set up what later ones reuse
-    with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
-        got = padded(on)
+    got = padded(on)
     assert torch.equal(got.cpu(), want), got
 
 
