@@ -55,6 +55,8 @@ LAUNCHED = ("wrapper", "op, no grad", "op + backward", "fused step")
 BOUND = ("op, no grad", "fused step")
 #: rows timed with a tuning of their own (set for each sample, not each call)
 ROW_TUNINGS = {"op, no grad, an answer copy each": {"answers_per_copy": 1}}
+#: rows whose first calls raised, and why (left out of the run, named in the report)
+LEFT_OUT: Dict[str, str] = {}
 #: kept alive here: a library's registrations last as long as the object
 _LIBRARIES: List[torch.library.Library] = []
 
@@ -183,9 +185,12 @@ def fused_module_forward(device: torch.device, ids: torch.Tensor, batch: int
                                                            block_size=BLOCK_SIZE),
                                         device=device)
     apply_optimizer_in_backward(torch.optim.Adagrad, [module.weight], {"lr": 0.01})
+    # offsets given with the lengths: the module reads them, and deriving them is an fbgemm
+    # op that fbgemm-gpu-cpu (what a GPU machine of this project has) has no CUDA kernel for
     features = KeyedJaggedTensor(keys=names, values=ids,
                                  lengths=torch.ones(ids.numel(), dtype=torch.int64,
-                                                    device=device))
+                                                    device=device),
+                                 offsets=torch.arange(ids.numel() + 1, device=device))
     return lambda: module(features)
 
 
@@ -228,10 +233,15 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
     """``reps`` samples of each row (microseconds per call), rows interleaved; a row named in
     ``contexts`` runs each sample inside that context (its cost spread over the calls)."""
     contexts = contexts or {}
-    for name, fn in rows.items():  # warm-up: caches of checked metadata, first-call work
-        with contexts.get(name, contextlib.nullcontext)():
-            for _ in range(3):
-                fn()
+    for name, fn in list(rows.items()):  # warm-up: caches of checked metadata, first calls
+        try:
+            with contexts.get(name, contextlib.nullcontext)():
+                for _ in range(3):
+                    fn()
+        except Exception as exc:  # noqa: BLE001  the row is left out, the report says why
+            LEFT_OUT[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            del rows[name]
+            print(f"row {name!r} left out: {LEFT_OUT[name]}", flush=True)
 
     def sample(name: str, fn: Callable[[], object]) -> Callable[[int], object]:
         def run(it: int) -> None:
@@ -265,6 +275,11 @@ def op_floor(med: Dict[str, float]) -> Optional[Dict[str, float]]:
             "the device primitives": sum(v for n, v in med.items()
                                          if n.startswith("primitive: ")),
             "the launch path": med["wrapper, launched"] - med["wrapper"]}
+
+
+def _have(med: Dict[str, float], *names: str) -> bool:
+    """Whether every row named was timed (a row whose first calls raised is left out)."""
+    return all(name in med for name in names)
 
 
 @contextlib.contextmanager
@@ -366,6 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         if recorded:  # the first launch of a variant compiles it
             from robe_torchrec.testing.recorded_launches import recorded_launches
             recording = recorded_launches(keep=False)
+        LEFT_OUT.clear()
         with recording:
             samples = measure(rows, args.reps, args.calls, sync, contexts)
     finally:
@@ -387,47 +403,57 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     lines += table(["row", "median", "lower quartile"],
                    [[n, f"{med[n]:.1f}", f"{low[n]:.1f}"] for n in samples])
     ratios = {n: med[f"{n}, launched"] / med[f"{n}, launched via JITFunction.run"]
-              for n in LAUNCHED if f"{n}, launched" in med}
+              for n in LAUNCHED
+              if _have(med, f"{n}, launched", f"{n}, launched via JITFunction.run")}
     if ratios:
         lines += ["", "Launched cached / through `JITFunction.run` (medians): " + ", ".join(
             f"{n} {r:.2f}x" for n, r in ratios.items())]
     keyed = {n: med[f"{n}, launched"] / med[f"{n}, launched, bound at every launch"]
-             for n in BOUND if f"{n}, launched" in med}
+             for n in BOUND
+             if _have(med, f"{n}, launched", f"{n}, launched, bound at every launch")}
     if keyed:
         lines += ["", "Launched, variants found by argument key / bound by Triton's binder at "
                   "every launch (medians): " + ", ".join(f"{n} {r:.2f}x"
                                                          for n, r in keyed.items())]
     one_each = "op, no grad, an answer copy each"
     per_copy = current_tuning().answers_per_copy
-    lines += ["", f"`op, no grad` (the answers of {per_copy} forwards a copy) / `{one_each}`: "
-              f"{med['op, no grad'] / med[one_each]:.2f}x (medians)."]
+    if _have(med, "op, no grad", one_each):
+        lines += ["", f"`op, no grad` (the answers of {per_copy} forwards a copy) / "
+                  f"`{one_each}`: {med['op, no grad'] / med[one_each]:.2f}x (medians)."]
     again, new = ("op, no grad, multi-hot, one batch again",
                   "op, no grad, multi-hot, a new batch each call")
-    lines += ["", f"Multi-hot bags, `{new}` / `{again}`: {med[new] / med[again]:.2f}x (medians): "
-              "what a batch holding another number of ids than the last costs the host."]
+    if _have(med, again, new):
+        lines += ["", f"Multi-hot bags, `{new}` / `{again}`: {med[new] / med[again]:.2f}x "
+                  "(medians): what a batch holding another number of ids than the last costs "
+                  "the host."]
     sized = "op, no grad, a new batch size each call"
-    lines += ["", f"One id a bag, `{sized}` / `op, no grad`: "
-              f"{med[sized] / med['op, no grad']:.2f}x (medians): what a batch of another size "
-              "than the last (an unpooled lookup's, a variable batch's) costs the host."]
+    if _have(med, sized, "op, no grad"):
+        lines += ["", f"One id a bag, `{sized}` / `op, no grad`: "
+                  f"{med[sized] / med['op, no grad']:.2f}x (medians): what a batch of another "
+                  "size than the last (an unpooled lookup's, a variable batch's) costs the host."]
     primitives = sum(v for n, v in med.items() if n.startswith("primitive: "))
     op = "op, no grad, launched" if "op, no grad, launched" in med else "op, no grad"
-    lines += ["", f"The forward's torch calls on the device besides its launch (the "
-              f"`primitive` rows, each its share of one forward; the event query is a later "
-              f"call's) add "
-              f"up to {primitives:.1f} us, {primitives / med[op]:.0%} of `{op}` "
-              f"({med[op]:.1f} us)."]
-    floor = op_floor(med)
+    if op in med:
+        lines += ["", f"The forward's torch calls on the device besides its launch (the "
+                  f"`primitive` rows, each its share of one forward; the event query is a "
+                  f"later call's) add up to {primitives:.1f} us, {primitives / med[op]:.0%} of "
+                  f"`{op}` ({med[op]:.1f} us)."]
+    floor = op_floor(med) if _have(med, op, "op of the same schema returning its input",
+                                   "wrapper") else None
     if floor:
         total = sum(floor.values())
         lines += ["", "A floor for a forward op on this host, whatever its wrapper does: "
                   + ", ".join(f"{part} {us:.1f} us" for part, us in floor.items())
                   + f", {total:.1f} us in all. `{op}` takes {med[op] / total:.2f}x that; the "
                   "rest is the Python of the wrapper and of the op's layers."]
+    if LEFT_OUT:
+        lines += ["", "Rows left out, their first calls having raised: " + "; ".join(
+            f"`{name}` ({error})" for name, error in LEFT_OUT.items()) + "."]
     result = {"command": command_line("host_overhead", argv), "device": device.type,
               "batch": args.batch, "reps": args.reps, "calls": args.calls,
               "medians": med, "lower_quartiles": low, "cached_over_jit": ratios,
               "keyed_over_bound": keyed,
-              "primitives_us": primitives, "floor_us": floor,
+              "primitives_us": primitives, "floor_us": floor, "left_out": dict(LEFT_OUT),
               "samples_us": samples}
     publish(args.out, "host_overhead", lines, result)
     return result

@@ -91,3 +91,21 @@ def test_varied_batches_change_what_they_say_they_change():
     for values, offsets in sized:
         assert torch.equal(offsets, torch.arange(values.numel() + 1))
         assert (offsets.numel() - 1) % host_overhead.FEATURES == 0
+
+
+def test_a_row_whose_first_calls_raise_is_left_out_and_named(tmp_path, monkeypatch):
+    """One row that cannot run (an op a GPU machine's fbgemm lacks, say) costs the run only
+    that row: the others are timed and the report names it."""
+    every_row = host_overhead.calls
+
+    def with_a_broken_row(device, batch):
+        rows = every_row(device, batch)
+        rows["a row that raises"] = lambda: 1 / 0
+        return rows
+
+    monkeypatch.setattr(host_overhead, "calls", with_a_broken_row)
+    result = host_overhead.main(["--reps", "2", "--calls", "1", "--batch", "8", "--out",
+                                 str(tmp_path)])
+    assert result["left_out"] == {"a row that raises": "ZeroDivisionError: division by zero"}
+    assert "a row that raises" not in result["medians"] and "op, no grad" in result["medians"]
+    assert "Rows left out" in (tmp_path / "host_overhead.md").read_text()
