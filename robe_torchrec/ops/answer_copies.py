@@ -87,21 +87,22 @@ class AnswerCopy:
         return self._counts[row - self.first]
 
     def _send(self) -> None:
-        """Queue the copy (once; the caller holds ``_lock``)."""
+        """Queue the copy (once; the caller holds ``_lock``). ``sent`` is set last: a
+        thread asking :meth:`ready` without the lock must not see it before the event."""
         if self.sent:
             return
-        self.sent = True
         answers = self._answers
         if answers.open is self:
             answers.open = None
         rows = slice(self.first, self.last + 1)
         if self._stream is None:
             answers.host[rows].copy_(answers.block[rows])
-            return
-        with torch.cuda.stream(self._stream):
-            answers.host[rows].copy_(answers.block[rows], non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(self._stream)
+        else:
+            with torch.cuda.stream(self._stream):
+                answers.host[rows].copy_(answers.block[rows], non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+        self.sent = True
 
 
 #: id of a block of count rows -> its answers (the entry holds the block, so no other

@@ -107,8 +107,12 @@ def defer_checks(enabled: bool) -> Iterator[None]:
 
 
 def deferred_for(device: torch.device) -> bool:
-    """Whether checks on ``device`` are deferred now."""
-    return device.type == "cuda" if _setting is None else _setting
+    """Whether checks on ``device`` are deferred now: always inside a CUDA graph capture,
+    which a read of the answer at the call would invalidate (what the capture records is
+    read after its replays, :func:`raise_pending_checks`)."""
+    if _setting is None:
+        return device.type == "cuda"
+    return _setting or (device.type == "cuda" and is_capturing())
 
 
 @dataclasses.dataclass(slots=True)
@@ -289,10 +293,15 @@ def raise_pending_checks() -> None:
     """Wait for every queued answer and raise the first problem found; after it returns,
     every input a Triton op has taken so far passed its checks. It also reads the checks
     recorded in CUDA graphs, those of every replay since the last read: call it after a
-    replay."""
+    replay. Not inside a CUDA graph capture, where nothing may wait for the device."""
+    if is_capturing():
+        raise RuntimeError(
+            "robe: raise_pending_checks waits for the device, which a CUDA graph capture "
+            "does not allow: call it after the capture (and after a replay, to read what the "
+            "replay's checks found)")
     while _pending:
         _pending.popleft().resolve()
-    if _captured and not is_capturing():  # reading a graph's counts waits for the device
+    if _captured:  # reading a graph's counts waits for the device
         _read_replays(wait=True)
 
 

@@ -232,6 +232,12 @@ def _meta_on(table_meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     hit = _DEVICE_META.get(table_meta)
     if hit is not None and hit[0] == version and hit[1].device == device:
         return hit[1]
+    if deferred_checks.is_capturing():
+        raise RuntimeError(
+            f"robe: table_meta is on {table_meta.device} and its copy on {device} is made "
+            "inside a CUDA graph capture, which cannot copy it; keep it on the weights' "
+            "device, or run one call with it outside the capture first (a warm-up, as CUDA "
+            "graphs need anyway)")
     copy = long_lived(lambda: table_meta.to(device).contiguous(), device)  # kept: see there
     _DEVICE_META[table_meta] = (version, copy)
     return copy

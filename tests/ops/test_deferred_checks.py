@@ -556,3 +556,24 @@ def test_the_sharded_fused_optimizer_step_reads_the_replays_too(monkeypatch):
     optimizer = object.__new__(sharder.ShardedRobeFusedOptimizer)  # its state is not read
     optimizer.step()
     assert reads == [1]
+
+
+def test_inside_a_capture_checks_are_deferred_and_nothing_waits(monkeypatch):
+    """A CUDA graph capture refuses every wait for the device: checks read at the call
+    (``defer_checks(False)``) are deferred there all the same, and ``raise_pending_checks``
+    says to call it after the capture instead of breaking it."""
+    monkeypatch.setattr(dc, "is_capturing", lambda: True)
+    with defer_checks(False):
+        assert dc.deferred_for(torch.device("cuda", 0))
+        assert not dc.deferred_for(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="call it after the capture"):
+        raise_pending_checks()
+    monkeypatch.setattr(dc, "is_capturing", lambda: False)
+    with defer_checks(False):
+        assert not dc.deferred_for(torch.device("cuda", 0))
+
+
+def test_a_table_meta_first_copied_inside_a_capture_is_refused(monkeypatch):
+    monkeypatch.setattr(dc, "is_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        tk._meta_on(torch.zeros(8, 2, dtype=torch.int64), torch.device("cuda", 0))
