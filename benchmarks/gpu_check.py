@@ -71,10 +71,11 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
         from robe_torchrec.testing.gpu_checks import (matrix_checks, sync_and_graph_checks,
                                                       torchrec_gpu_checks)
 
-        # the sync and graph checks first: before the torch_compile check (see
-        # sync_and_graph_checks), and first to report if the session's time runs out
-        checks = (sync_and_graph_checks() + checks + matrix_checks(matrix)
-                  + torchrec_gpu_checks())
+        # the sync and graph checks first: before the torch.compile checks (see
+        # sync_and_graph_checks), and first to report if the session's time runs out; then
+        # TorchRec's (its DLRM compiled with CUDA graphs), then the ops', the matrix last
+        checks = (sync_and_graph_checks() + torchrec_gpu_checks() + checks
+                  + matrix_checks(matrix))
     results = []
     began = time.perf_counter()
     for name, check in [(n, c) for n, c in checks if not only or only in n]:
@@ -198,7 +199,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ids-per-bag", type=int, default=IDS_PER_BAG,
                    help="ids a bag of the multi-hot rows")
     p.add_argument("--profile-launches", action="store_true", help="only the launches ncu profiles")
-    p.add_argument("--single-table", nargs="*", default=["4e6", "32e6", "256e6"], type=float,
+    p.add_argument("--single-table", nargs="*", default=[4e6, 32e6, 256e6], type=float,
                    help="rows of the one-table rows (the paper's 4M to 256M)")
     return p.parse_args(argv)
 

@@ -14,6 +14,9 @@ set -euo pipefail
 DEST="${1:-.whl}"
 PY="${PYTHON:-python3}"
 mkdir -p "$DEST"
+# only the versions listed below: a wheel left from an older list would be a second version
+# of a package, which makes the GPU machine's one pip install fail
+rm -f "$DEST"/*.whl
 
 # Requires-Dist of each, checked by hand: torchrec -> fbgemm-gpu, tensordict, torchmetrics,
 # tqdm, pyre-extensions, iopath; tensordict -> cloudpickle, importlib_metadata, orjson, pyvers
