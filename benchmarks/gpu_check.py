@@ -68,14 +68,16 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
 
     checks = triton_checks(device, quick=quick)
     if device == "cuda":
-        from robe_torchrec.testing.gpu_checks import (matrix_checks, sync_and_graph_checks,
+        from robe_torchrec.testing.gpu_checks import (compiled_checks, matrix_checks,
+                                                      sync_and_graph_checks,
                                                       torchrec_gpu_checks)
 
-        # the sync and graph checks first: before the torch.compile checks (see
+        # the sync and graph checks first: before anything compiles (see
         # sync_and_graph_checks), and first to report if the session's time runs out; then
-        # TorchRec's (its DLRM compiled with CUDA graphs), then the ops', the matrix last
-        checks = (sync_and_graph_checks() + torchrec_gpu_checks() + checks
-                  + matrix_checks(matrix))
+        # the ops' (whose deferred-check messages name their problem, before their
+        # torch_compile check), TorchRec's (its DLRM compiled with CUDA graphs), the matrix
+        checks = (sync_and_graph_checks() + checks + compiled_checks()
+                  + torchrec_gpu_checks() + matrix_checks(matrix))
     results = []
     began = time.perf_counter()
     for name, check in [(n, c) for n, c in checks if not only or only in n]:

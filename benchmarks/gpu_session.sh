@@ -40,8 +40,8 @@ export PYTHONPATH=/tmp/site:.
 python3 -c "import torchrec" 2>>"$logs/wheels.txt" \
   || echo "torchrec does not import: its checks are left out (see wheels.txt)" | tee -a "$logs/wheels.txt"
 failed=0
-# the speed first, in a process of its own: the torch.compile checks load Inductor's CUDA
-# graph trees, after which a forward takes no count rows (a slower host path)
+# the speed first, in a process of its own, as a training loop without torch.compile runs
+# (the checks compile and load Inductor's CUDA graph trees)
 timeout 90 python3 -m benchmarks.gpu_check --skip-checks --reps 10 --inner 3 \
   --out "$logs/gpu_speed_$card.md" >"$logs/gpu_speed.log" 2>&1 || failed=$((failed + 1))
 pack "gpu_speed_$card.md"

@@ -121,12 +121,14 @@ def test_on_a_gpu_the_sync_and_graph_checks_run_before_anything_compiles(monkeyp
     monkeypatch.setattr(gpu_checks, "sync_and_graph_checks",
                         lambda: recorded("count_rows_on_streams", "answers_copied_together"))
     monkeypatch.setattr(gpu_checks, "matrix_checks", lambda n: recorded("matrix[0]"))
+    monkeypatch.setattr(gpu_checks, "compiled_checks",
+                        lambda: recorded("compiled_op_reduce_overhead"))
     monkeypatch.setattr(gpu_checks, "torchrec_gpu_checks",
                         lambda: recorded("compiled_dlrm_reduce_overhead"))
     gpu_check.run_checks("cuda", quick=False, only=None, matrix=1)
-    assert ran == ["count_rows_on_streams", "answers_copied_together",
-                   "compiled_dlrm_reduce_overhead", "forward[case0]", "torch_compile",
-                   "matrix[0]"]
+    assert ran == ["count_rows_on_streams", "answers_copied_together", "forward[case0]",
+                   "torch_compile", "compiled_op_reduce_overhead",
+                   "compiled_dlrm_reduce_overhead", "matrix[0]"]
 
 
 class _Killed(BaseException):

@@ -12,15 +12,13 @@ A block serves only the stream it was zeroed on (one block at a time for each de
 stream), so that every kernel adding to a row runs after the fill, as stream order
 guarantees for ``torch.zeros`` too.
 
-Two places take ``torch.zeros(4)`` instead (:func:`usable` says where): a CUDA graph
-capture, whose replays must zero their counts again, and CUDA once Inductor's CUDA graph
-trees are loaded (``torch.compile(mode="reduce-overhead")``): their warm-up runs allocate
-from the graphs' private memory pool, and a later recording may take back a block that only
-a long-lived tensor still holds (torch's ``_use_cuda_memory_pool_manager`` warns of it); a
-block of rows lives for 256 forwards, a ``torch.zeros(4)`` no longer than its answer.
-Whether the trees are loaded is told by their module being imported, which
-``torch._dynamo.reset()`` does too where CUDA is present: from then on the process takes
-``torch.zeros(4)``, as correct, at a fill launch a forward.
+A CUDA graph capture takes ``torch.zeros(4)`` instead (:func:`usable`): its replays must
+zero their counts again. A block is made where no CUDA graph memory pool can claim it
+(:func:`~robe_torchrec.ops.long_lived.long_lived`), so rows serve the warm-ups of
+``torch.compile(mode="reduce-overhead")`` too: Inductor's CUDA graph trees route a warm-up's
+allocations to their private pool and hand that memory back later as their bookkeeping says
+it is free, and they refuse (``slow_path_cudagraph_asserts``) a pool tensor kept past a
+warm-up, which a deferred check keeps its counts for.
 
 Example::
 
@@ -32,10 +30,11 @@ Example::
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from robe_torchrec.ops.long_lived import long_lived
 
 #: counts of a row (the kernels' four problem kinds, see ``deferred_checks._PROBLEMS``)
 COUNTS = 4
@@ -48,11 +47,10 @@ class _Block:
     share between threads (the counter is atomic under the GIL)."""
 
     def __init__(self, device: torch.device):
-        # kept across calls: a normal tensor even when made under inference_mode (an
-        # evaluation), as the training calls after it write and copy it
-        with torch.inference_mode(False):
-            self._rows = torch.zeros(ROWS_PER_BLOCK, COUNTS, dtype=torch.int64,
-                                     device=device).unbind(0)
+        # kept across calls, outside any CUDA graph pool; a normal tensor even when made
+        # under inference_mode (an evaluation), as the training calls after it write it
+        self._rows = long_lived(lambda: torch.zeros(ROWS_PER_BLOCK, COUNTS, dtype=torch.int64,
+                                                    device=device), device).unbind(0)
         self._taken = itertools.count()
 
     def take(self) -> Optional[torch.Tensor]:
@@ -78,17 +76,8 @@ def _stream_of(device: torch.device) -> int:
 
 def usable(device: torch.device) -> bool:
     """Whether a launch on ``device`` may take its counts from a block (see the module's
-    docstring): not under a CUDA graph capture, and on CUDA not once Inductor's CUDA graph
-    trees are loaded (the check is whether their module was imported: cheap, and on the
-    safe side)."""
-    if device.type != "cuda":
-        return True
-    return (_CUDA_GRAPH_TREES not in sys.modules
-            and not torch.cuda.is_current_stream_capturing())
-
-
-#: the module whose CUDA graph trees warm up in a private memory pool
-_CUDA_GRAPH_TREES = "torch._inductor.cudagraph_trees"
+    docstring): not under a CUDA graph capture."""
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
 def zeroed_counts(device: torch.device) -> torch.Tensor:

@@ -63,7 +63,7 @@ import torch
 
 from robe_torchrec.ops import answer_copies
 from robe_torchrec.ops.feature_names import with_names
-from robe_torchrec.ops.long_lived import long_lived
+from robe_torchrec.ops.long_lived import long_lived, pools_may_claim
 from robe_torchrec.ops.tuning import current as current_tuning
 from robe_torchrec.ops.validation import IdCheck, check_data
 from robe_torchrec.ops.weak_ids import WeakIdDict
@@ -215,7 +215,10 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         _submit_captured(problems, values, offsets, per_sample_weights, table_meta, meta_cpu,
                          id_check, versions)
         return
-    inputs = (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check)
+    # the inputs, to name a problem, unless they may be a CUDA graph pool's (then the
+    # problem is told by its counts)
+    inputs = (None if pools_may_claim(problems.device) else
+              (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check))
     if problems.is_cuda:
         # the device's first deferred check, outside any capture: make its replay tally too
         _prepare_tally(problems)
@@ -433,13 +436,21 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
                      per_sample_weights: Optional[torch.Tensor], table_meta: torch.Tensor,
                      meta_cpu: torch.Tensor, id_check: IdCheck,
                      versions: Optional[Tuple[int, ...]]) -> None:
-    check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
-                                     id_check))
-    _captured.append(check)
+    """Record the check in the graph being captured: its counts added to the replay tally
+    by the graph. Unless a CUDA graph pool may claim them (Inductor's CUDA graph trees,
+    which refuse a pool tensor kept past a recording and reuse memory no output holds),
+    also keep the counts and inputs to name the last replay's problem, and let the backward
+    of the same replay guard its writes with these counts; else the tally alone tells a
+    problem, and a backward checks its inputs in its own graph."""
     tally = _tallies.get(problems.device)
     if tally is not None and tally.device.shape == problems.shape:
         tally.device.add_(problems)
         tally.host.copy_(tally.device, non_blocking=True)
+    if pools_may_claim(problems.device):
+        return
+    check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
+                                     id_check))
+    _captured.append(check)
     # the backward of the same replay guards its writes with these very counts
     pending = _Pending(problems, None, None, versions or (), device_counts=problems,
                        captured=True)
@@ -496,7 +507,13 @@ _NOTE = ("(found by a deferred input check, after the call that took this input 
          f"set {_ENV}=0 to raise at the call)")
 
 
-def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]) -> str:
+def _problem_message(counts: List[int], inputs: Optional[Tuple],
+                     versions: Tuple[int, ...]) -> str:
+    found = ", ".join(f"{n} {what}" for n, what in zip(counts, _PROBLEMS) if n)
+    if inputs is None:  # not kept: they may have been a CUDA graph pool's
+        return (f"robe: an earlier call's input had {found}; under torch.compile's CUDA "
+                "graphs the ops keep no input to name it by: run that batch without them "
+                f"(or with {_ENV}=0) to name it {_NOTE}")
     values, offsets, per_sample_weights, table_meta, meta_cpu, id_check = inputs
     namer = _NAMERS.get(values)
     if namer is not None:  # (it says itself whether what it reads has changed)
@@ -510,6 +527,5 @@ def _problem_message(counts: List[int], inputs: Tuple, versions: Tuple[int, ...]
         except ValueError as exc:
             return f"{with_names(str(exc), table_meta)} {_NOTE}"
     # the inputs changed in place since (or hold no version): say what the counts say
-    found = ", ".join(f"{n} {what}" for n, what in zip(counts, _PROBLEMS) if n)
     return (f"robe: an earlier call's input had {found}; it changed before the problem "
             f"could be named {_NOTE}")

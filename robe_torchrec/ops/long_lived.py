@@ -23,12 +23,25 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, List, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+#: the module of Inductor's CUDA graph trees (``torch.compile(mode="reduce-overhead")``)
+_CUDA_GRAPH_TREES = "torch._inductor.cudagraph_trees"
+
+
+def pools_may_claim(device: torch.device) -> bool:
+    """Whether a device tensor an op keeps past its call may be memory of a CUDA graph
+    pool it did not make: on CUDA once Inductor's CUDA graph trees are loaded, whose
+    warm-ups and recordings allocate an op's inputs from their pool and refuse a kept one
+    (told by their module being imported, which ``torch._dynamo.reset()`` does too where
+    CUDA is present: cheap, and on the safe side)."""
+    return device.type == "cuda" and _CUDA_GRAPH_TREES in sys.modules
 
 
 def long_lived(make: Callable[[], T], device: torch.device) -> T:

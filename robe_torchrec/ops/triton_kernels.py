@@ -376,7 +376,9 @@ def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: t
         deferred_checks.raise_ready()
         earlier = deferred_checks.earlier_check(values, offsets, per_sample_weights, meta_cpu,
                                                 id_check)
-        if earlier is not None:
+        # inside a capture only a check captured with it guards the replays (an eager
+        # call's counts are no replay's)
+        if earlier is not None and (earlier.captured or not deferred_checks.is_capturing()):
             guards.append(earlier.guard())
             return True
         problems = _launch_summary(values, offsets, per_sample_weights, table_meta, id_check)

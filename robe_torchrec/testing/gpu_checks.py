@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from robe_torchrec.hashing import HashMode
-from robe_torchrec.ops import count_rows, raise_pending_checks
+from robe_torchrec.ops import count_rows, deferred_checks, raise_pending_checks
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.deferred_checks import DeferredCheckError, raise_ready
 from robe_torchrec.ops.meta import NUM_ROWS, ROW_OFFSET, W_OFFSET, W_SIZE, BoundsCheck, Optimizer
@@ -267,9 +267,10 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
     lookup = (bad.to(on), counts, checked._replace(table_meta=keys_meta.to(on)))
     on_device = case.weights.to(on)  # (a copy from pageable memory waits: not in the block)
     try:
-        with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
-            robe_unpooled_lookup(on_device, *lookup)
-        raise_pending_checks()
+        with _eager_calls_as_without_graph_trees():  # the message names the id
+            with _no_host_sync() if on.type == "cuda" else contextlib.nullcontext():
+                robe_unpooled_lookup(on_device, *lookup)
+            raise_pending_checks()
     except ValueError as err:  # DeferredCheckError on CUDA, at the call on CPU
         assert str(err).startswith(f"robe: id {int(bad[0])} at position 0 of feature 0 is "
                                    "out of range"), err
@@ -278,20 +279,18 @@ def check_unpooled_no_host_sync(device: str = "cuda") -> None:
 
 
 @contextlib.contextmanager
-def _count_rows_in_eager_calls():
-    """Inside the block, launches take count rows even where this process has loaded
-    Inductor's CUDA graph trees (a ``torch.compile`` check or test that ran earlier), which
-    :func:`robe_torchrec.ops.count_rows.usable` otherwise reads as "no rows". The trees
-    matter only for the warm-ups of compiled graphs; the checks in the block make eager calls
-    only, where rows are what the ops take in a process without the trees. Captures still
-    take counts of their own."""
-    original = count_rows.usable
-    count_rows.usable = lambda device: (device.type != "cuda"
-                                        or not torch.cuda.is_current_stream_capturing())
+def _eager_calls_as_without_graph_trees():
+    """Inside the block, the ops keep their inputs to name a problem even where this
+    process has loaded Inductor's CUDA graph trees (a ``torch.compile`` check or test that
+    ran earlier), whose pools may claim them
+    (:func:`robe_torchrec.ops.long_lived.pools_may_claim`): the checks in the block make
+    eager calls only, and assert the names."""
+    original = deferred_checks.pools_may_claim
+    deferred_checks.pools_may_claim = lambda device: False
     try:
         yield
     finally:
-        count_rows.usable = original
+        deferred_checks.pools_may_claim = original
 
 
 def check_count_rows_on_streams() -> None:
@@ -309,7 +308,7 @@ def check_count_rows_on_streams() -> None:
     side.wait_stream(torch.cuda.current_stream())
 
     def forwards(count: int) -> None:
-        with torch.no_grad(), _count_rows_in_eager_calls():
+        with torch.no_grad(), _eager_calls_as_without_graph_trees():
             for _ in range(count):
                 torch.ops.robe.forward(*args)
                 with torch.cuda.stream(side):
@@ -318,7 +317,7 @@ def check_count_rows_on_streams() -> None:
 
     forwards(count_rows.ROWS_PER_BLOCK + 8)
     raise_pending_checks()
-    with torch.no_grad(), torch.cuda.stream(side), _count_rows_in_eager_calls():
+    with torch.no_grad(), torch.cuda.stream(side), _eager_calls_as_without_graph_trees():
         torch.ops.robe.forward(args[0], bad_values, *args[2:])
     torch.cuda.current_stream().wait_stream(side)
     assert _raised(raise_pending_checks, "id 1000000000 at position"), \
@@ -340,7 +339,7 @@ def check_answers_copied_together(device: str = "cuda") -> None:
     bad_values[-1] = 10**9
     sync = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
     forward = torch.ops.robe.forward
-    with torch.no_grad(), tuned(answers_per_copy=4), _count_rows_in_eager_calls():
+    with torch.no_grad(), tuned(answers_per_copy=4), _eager_calls_as_without_graph_trees():
         raise_pending_checks()
         # start a block of rows: its last row would send a copy before it is full
         block_end = count_rows.ROWS_PER_BLOCK - 1
@@ -689,14 +688,48 @@ def matrix_checks(matrix: int) -> List[Tuple[str, Callable[[], None]]]:
             for seed in range(matrix)]
 
 
+def check_compiled_op_reduce_overhead(steps: int = 4) -> None:
+    """``robe::forward`` and its backward under ``torch.compile(mode="reduce-overhead")``
+    (Inductor's CUDA graph trees: a warm-up, a recording, then replays) give eager's output
+    and gradient bitwise at every step, and the trees' own check that nothing keeps their
+    pool's memory past a warm-up or a recording (``slow_path_cudagraph_asserts``, on by
+    default) passes. Needs no torchrec."""
+    case = _graph_case()
+    args = case.forward_args()[1:]
+
+    def lookup(weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.robe.forward(weights, *args)
+
+    compiled = torch.compile(lookup, mode="reduce-overhead")
+    eager_weights = case.weights.clone().requires_grad_(True)
+    compiled_weights = case.weights.clone().requires_grad_(True)
+    for k in range(steps):
+        grad = _integer_grad(case, k)
+        want = lookup(eager_weights)
+        want.backward(grad)
+        got = compiled(compiled_weights)
+        assert torch.equal(got, want), f"step {k}: the compiled forward differs from eager"
+        got.backward(grad)
+        assert torch.equal(compiled_weights.grad, eager_weights.grad), (
+            f"step {k}: the compiled gradient differs from eager")
+        eager_weights.grad = compiled_weights.grad = None
+    raise_pending_checks()
+
+
+def compiled_checks() -> List[Tuple[str, Callable[[], None]]]:
+    """The checks of the ops under ``torch.compile`` with CUDA graphs that need no
+    torchrec (after :func:`sync_and_graph_checks`: they load Inductor's CUDA graph trees)."""
+    return [("compiled_op_reduce_overhead", check_compiled_op_reduce_overhead)]
+
+
 def sync_and_graph_checks() -> List[Tuple[str, Callable[[], None]]]:
     """``(name, check)`` of the checks of host synchronisation, count rows, answer copies,
     CUDA graphs and launches. Best run before anything compiles with ``torch.compile``:
     ``torch._dynamo.reset()`` imports Inductor's CUDA graph trees where CUDA is present,
-    after which the ops take no count rows for the rest of the process
-    (:func:`robe_torchrec.ops.count_rows.usable`), and only the count-row checks, which
-    lift that for their eager calls (``_count_rows_in_eager_calls``), would still see
-    rows."""
+    after which the ops keep no input of a deferred check for the rest of the process
+    (:func:`robe_torchrec.ops.long_lived.pools_may_claim`): the checks that assert a
+    problem's name lift that for their eager calls
+    (``_eager_calls_as_without_graph_trees``), the others do not need it."""
     return [("no_host_sync", check_no_host_sync),
                ("host_runs_ahead", check_host_runs_ahead),
                ("unpooled_no_host_sync", check_unpooled_no_host_sync),

@@ -91,20 +91,29 @@ def test_a_new_block_emptied_by_another_thread_first_is_replaced(monkeypatch):
     assert row is not None and row.tolist() == [0] * 4 and len(made) == 2
 
 
-def test_cuda_takes_rows_outside_captures_and_graph_trees_only(monkeypatch):
-    """A capture's replays must zero their counts again, and Inductor's CUDA graph trees warm
-    up in a pool whose blocks a later recording may take back: ``torch.zeros`` there. (No
-    CUDA call is made: ``usable`` reads the device type, the capture state and the modules.)"""
+def test_cuda_takes_rows_outside_captures_with_or_without_graph_trees(monkeypatch):
+    """A capture's replays must zero their counts again: ``torch.zeros`` there. Elsewhere
+    rows, Inductor's CUDA graph trees loaded or not: a block is made outside any CUDA graph
+    pool (``long_lived``), so a warm-up that keeps a row keeps no pool memory. (No CUDA call
+    is made: ``usable`` reads the device type and the capture state.)"""
     cuda = torch.device("cuda", 0)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.delitem(sys.modules, count_rows._CUDA_GRAPH_TREES, raising=False)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees", raising=False)
     assert count_rows.usable(cuda) and count_rows.usable(CPU)
     capturing[0] = True
-    assert not count_rows.usable(cuda)
-    capturing[0] = False
-    monkeypatch.setitem(sys.modules, count_rows._CUDA_GRAPH_TREES, types.ModuleType("trees"))
     assert not count_rows.usable(cuda) and count_rows.usable(CPU)
+    capturing[0] = False
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", types.ModuleType("t"))
+    assert count_rows.usable(cuda) and count_rows.usable(CPU)
+
+
+def test_a_block_is_made_outside_any_cuda_graph_pool(monkeypatch):
+    made = []
+    monkeypatch.setattr(count_rows, "long_lived",
+                        lambda make, device: made.append(device) or make())
+    monkeypatch.setattr(count_rows, "_blocks", {})
+    assert zeroed_counts(CPU).tolist() == [0] * 4 and made == [CPU]
 
 
 def test_a_launch_takes_torch_zeros_where_rows_will_not_do(monkeypatch):
@@ -142,20 +151,17 @@ def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
     assert [d.index for d in asked] == [1, 1]
 
 
-def test_the_gpu_count_row_checks_see_rows_after_graph_trees_were_loaded(monkeypatch):
+def test_the_gpu_checks_that_name_problems_keep_inputs_where_trees_are_loaded(monkeypatch):
     """In a whole GPU test run, an earlier torch.compile test loads Inductor's CUDA graph
-    trees, which turns rows off (``usable``): the count-row checks lift that for their eager
-    calls, captures excepted, and put it back after."""
+    trees, after which the ops keep no input of a deferred check on CUDA (its pool may
+    claim it): the checks that assert a problem's name lift that for their eager calls, and
+    put it back after."""
+    from robe_torchrec.ops import deferred_checks
     from robe_torchrec.testing import gpu_checks
 
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setitem(sys.modules, count_rows._CUDA_GRAPH_TREES, types.ModuleType("trees"))
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", types.ModuleType("t"))
     cuda = torch.device("cuda", 0)
-    assert not count_rows.usable(cuda)
-    with gpu_checks._count_rows_in_eager_calls():
-        assert count_rows.usable(cuda) and count_rows.usable(CPU)
-        capturing[0] = True
-        assert not count_rows.usable(cuda)
-        capturing[0] = False
-    assert not count_rows.usable(cuda)
+    assert deferred_checks.pools_may_claim(cuda) and not deferred_checks.pools_may_claim(CPU)
+    with gpu_checks._eager_calls_as_without_graph_trees():
+        assert not deferred_checks.pools_may_claim(cuda)
+    assert deferred_checks.pools_may_claim(cuda)

@@ -577,3 +577,24 @@ def test_a_table_meta_first_copied_inside_a_capture_is_refused(monkeypatch):
     monkeypatch.setattr(dc, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
         tk._meta_on(torch.zeros(8, 2, dtype=torch.int64), torch.device("cuda", 0))
+
+
+def test_where_a_graph_pool_may_claim_them_no_input_is_kept(monkeypatch):
+    """Under Inductor's CUDA graph trees an op's inputs may be memory of their pool, which
+    they refuse to see kept past a warm-up and hand to a later graph: a deferred check then
+    keeps no input (the caller's drop frees them) and tells a problem by its counts, with
+    how to have it named. Its counts are a row made outside any pool."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(dc, "pools_may_claim", lambda device: True)
+    case = bad_ids(weighted_case())
+    values = case.values.clone()
+    kept = weakref.ref(values)
+    tk.forward(case.weights, values, *case.forward_args()[2:])
+    del values
+    gc.collect()
+    assert kept() is None, "a deferred check kept its input"
+    with pytest.raises(DeferredCheckError, match="1 ids that fail their check; under "
+                       "torch.compile's CUDA graphs the ops keep no input to name it by"):
+        raise_pending_checks()

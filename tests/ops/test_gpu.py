@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from robe_torchrec.testing.op_checks import triton_checks
-from robe_torchrec.testing.gpu_checks import (matrix_checks, sync_and_graph_checks,
-                                              torchrec_gpu_checks)
+from robe_torchrec.testing.gpu_checks import (compiled_checks, matrix_checks,
+                                              sync_and_graph_checks, torchrec_gpu_checks)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,7 +28,7 @@ def test_triton_matches_reference_on_cuda(check):
     check()
 
 
-GPU_CHECKS = matrix_checks(40) + torchrec_gpu_checks()
+GPU_CHECKS = compiled_checks() + torchrec_gpu_checks() + matrix_checks(40)
 
 
 @pytest.mark.parametrize("check", [c for _, c in GPU_CHECKS], ids=[n for n, _ in GPU_CHECKS])
