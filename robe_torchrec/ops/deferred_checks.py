@@ -422,7 +422,11 @@ def _read_replays(wait: bool) -> None:
         return
     totals = [sum(c) for c in zip(*(t.take() for t in _tallies.values()))]
     for check in list(_captured):
-        check.read()
+        # a graph's counts name the last replay's problem; read only when a replay since
+        # the last read had one (a graph not replayed yet holds no counts, and an old one's
+        # last problem was raised already), or when no tally counted its replays
+        if any(totals) or check.counts.device not in _tallies:
+            check.read()
     if any(totals):
         found = ", ".join(f"{n} {what}" for n, what in zip(totals, _PROBLEMS) if n)
         raise DeferredCheckError(

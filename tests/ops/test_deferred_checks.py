@@ -598,3 +598,27 @@ def test_where_a_graph_pool_may_claim_them_no_input_is_kept(monkeypatch):
     with pytest.raises(DeferredCheckError, match="1 ids that fail their check; under "
                        "torch.compile's CUDA graphs the ops keep no input to name it by"):
         raise_pending_checks()
+
+
+def test_a_graph_check_is_read_only_when_a_replay_since_found_a_problem(monkeypatch):
+    """A check recorded in a CUDA graph names the last replay's problem. Its counts are read
+    only when the replay tally says a replay since the last read had one: a graph not
+    replayed yet holds whatever its memory held, and an old graph's last problem, raised
+    once, must not raise at every later read. (CPU tensors stand in for the device's.)"""
+    import collections
+
+    case = bad_ids(weighted_case())
+    plan = tk._forward_plan(*case.forward_args())
+    inputs = (case.values, case.offsets, case.per_sample_weights, case.table_meta,
+              plan.meta_cpu, plan.id_check)
+    tally = dc._ReplayTally(torch.zeros(4, dtype=torch.int64),
+                            torch.zeros(4, dtype=torch.int64))
+    monkeypatch.setattr(dc, "_tallies", {torch.device("cpu"): tally})
+    not_replayed = dc.CapturedCheck(torch.tensor([0, 1, 0, 0]), inputs)
+    monkeypatch.setattr(dc, "_captured", collections.deque([not_replayed], maxlen=16))
+    raise_pending_checks()  # no replay counted a problem: nothing read
+    tally.device += torch.tensor([0, 1, 0, 0])
+    tally.host.copy_(tally.device)
+    with pytest.raises(DeferredCheckError, match="id 1000000000 at position"):
+        raise_pending_checks()
+    raise_pending_checks()  # raised once: the tally starts again from 0
