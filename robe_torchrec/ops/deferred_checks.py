@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import weakref
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -158,22 +159,25 @@ class _Pending:
 
     def resolve(self) -> None:
         """Wait for the counts if needed; raise the first problem's message if any (again
-        on every later call: a backward must not take inputs already found bad)."""
-        if self.clean is None:
-            if self.copy is not None:
-                counts, self.copy = self.copy.read(self.row), None
-            else:
-                if self.event is not None:
-                    self.event.synchronize()
-                counts = self.counts.tolist()
-            inputs, self.inputs = self.inputs, None
-            self.device_counts = None
-            if self.slot_key is not None:  # read: the next deferred check may reuse them
-                _spare_slots[self.slot_key].append((self.counts, self.event))
-                self.counts, self.event = None, None
-            self.clean = not any(counts)
-            if not self.clean:
-                self.error = _problem_message(counts, inputs, self.versions)
+        on every later call: a backward must not take inputs already found bad). One
+        thread at a time: a backward on autograd's device thread may resolve the answer a
+        forward on another thread resolves too."""
+        with _resolving:
+            if self.clean is None:
+                if self.copy is not None:
+                    counts, self.copy = self.copy.read(self.row), None
+                else:
+                    if self.event is not None:
+                        self.event.synchronize()
+                    counts = self.counts.tolist()
+                inputs, self.inputs = self.inputs, None
+                self.device_counts = None
+                if self.slot_key is not None:  # read: the next deferred check may reuse them
+                    _spare_slots[self.slot_key].append((self.counts, self.event))
+                    self.counts, self.event = None, None
+                self.clean = not any(counts)
+                if not self.clean:
+                    self.error = _problem_message(counts, inputs, self.versions)
         if not self.clean:
             raise DeferredCheckError(self.error)
 
@@ -191,6 +195,8 @@ class _Record:
 
 
 _pending: Deque[_Pending] = collections.deque()
+#: held to take an answer off the queue and to resolve one (threads share them)
+_resolving = threading.RLock()
 #: values tensor -> the last check of it (weak keys: a record never keeps its inputs alive)
 _records: WeakIdDict = WeakIdDict()
 
@@ -239,7 +245,7 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
     _pending.append(pending)
     _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
     while len(_pending) > MAX_PENDING:
-        _pending.popleft().resolve()
+        _resolve_oldest()
 
 
 #: pinned host buffers for counts of their own and their events, back from answers already
@@ -286,10 +292,22 @@ def raise_ready() -> None:
     would end the capture)."""
     if is_capturing():
         return
-    while _pending and _pending[0].done():
-        _pending.popleft().resolve()
+    while _pending and _resolve_oldest(ready_only=True):
+        pass
     if _captured:
         _read_replays(wait=False)
+
+
+def _resolve_oldest(ready_only: bool = False) -> bool:
+    """Take the oldest queued answer (``ready_only``: if the device has finished it) and
+    resolve it; whether there was one to take. Taken under a lock: threads share the
+    queue."""
+    with _resolving:
+        if not _pending or (ready_only and not _pending[0].done()):
+            return False
+        oldest = _pending.popleft()
+    oldest.resolve()
+    return True
 
 
 def raise_pending_checks() -> None:
@@ -302,8 +320,8 @@ def raise_pending_checks() -> None:
             "robe: raise_pending_checks waits for the device, which a CUDA graph capture "
             "does not allow: call it after the capture (and after a replay, to read what the "
             "replay's checks found)")
-    while _pending:
-        _pending.popleft().resolve()
+    while _resolve_oldest():
+        pass
     if _captured:  # reading a graph's counts waits for the device
         _read_replays(wait=True)
 

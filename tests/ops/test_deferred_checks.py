@@ -622,3 +622,4 @@ def test_a_graph_check_is_read_only_when_a_replay_since_found_a_problem(monkeypa
     with pytest.raises(DeferredCheckError, match="id 1000000000 at position"):
         raise_pending_checks()
     raise_pending_checks()  # raised once: the tally starts again from 0
+
