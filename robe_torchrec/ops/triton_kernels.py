@@ -255,7 +255,7 @@ def _id_check_constants(id_check: IdCheck) -> dict:
 def _check_counts(device: torch.device) -> torch.Tensor:
     """Four zeroed counts for a kernel's input checks: a row never handed out before
     (:mod:`~robe_torchrec.ops.count_rows`, no device call), or ``torch.zeros`` where a row
-    will not do (a CUDA graph capture, CUDA graph trees)."""
+    will not do (a CUDA graph capture, whose replays must zero their counts again)."""
     if count_rows.usable(device):
         return count_rows.zeroed_counts(device)
     return torch.zeros(count_rows.COUNTS, dtype=torch.int64, device=device)
