@@ -227,7 +227,7 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
               (values, offsets, per_sample_weights, table_meta, meta_cpu, id_check))
     if problems.is_cuda:
         # the device's first deferred check, outside any capture: make its replay tally too
-        _prepare_tally(problems)
+        prepare_tally(problems)
     per_copy = current_tuning().answers_per_copy
     joined = answer_copies.join(problems, per_copy) if per_copy > 1 else None
     if joined is not None:
@@ -294,7 +294,7 @@ def raise_ready() -> None:
         return
     while _pending and _resolve_oldest(ready_only=True):
         pass
-    if _captured:
+    if _graphs_checked:
         _read_replays(wait=False)
 
 
@@ -322,7 +322,7 @@ def raise_pending_checks() -> None:
             "replay's checks found)")
     while _resolve_oldest():
         pass
-    if _captured:  # reading a graph's counts waits for the device
+    if _graphs_checked:  # reading a graph's counts waits for the device
         _read_replays(wait=True)
 
 
@@ -342,7 +342,7 @@ def _report_unread_at_exit() -> None:
                 _pending.popleft().resolve()
             except DeferredCheckError as exc:
                 found.append(str(exc))
-        if _captured and not is_capturing():
+        if _graphs_checked and not is_capturing():
             try:
                 _read_replays(wait=True)
             except DeferredCheckError as exc:
@@ -386,6 +386,9 @@ class CapturedCheck:
 #: the checks recorded in CUDA graphs, newest last (bounded: a graph that is gone leaves
 #: its entry until newer captures push it out)
 _captured: Deque[CapturedCheck] = collections.deque(maxlen=MAX_PENDING)
+#: some check was recorded in a CUDA graph: its replays' counts are to be read (kept in
+#: :data:`_captured`, or, where a graph pool may claim them, in the replay tally alone)
+_graphs_checked = False
 
 
 def captured_checks() -> List[CapturedCheck]:
@@ -417,8 +420,9 @@ class _ReplayTally:
 _tallies: Dict[torch.device, _ReplayTally] = {}
 
 
-def _prepare_tally(like: torch.Tensor) -> None:
-    """Make the replay tally of ``like``'s device (counts of its shape and dtype), if none."""
+def prepare_tally(like: torch.Tensor) -> None:
+    """Make the replay tally of ``like``'s device (counts of its shape and dtype), if none:
+    at a check outside any capture, deferred or not, so that a later capture finds it."""
     if like.device not in _tallies:
         # kept for every later call to add to: made outside any CUDA graph pool
         _tallies[like.device] = long_lived(lambda: _ReplayTally(
@@ -464,11 +468,18 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
     also keep the counts and inputs to name the last replay's problem, and let the backward
     of the same replay guard its writes with these counts; else the tally alone tells a
     problem, and a backward checks its inputs in its own graph."""
+    global _graphs_checked
+    _graphs_checked = True
     tally = _tallies.get(problems.device)
     if tally is not None and tally.device.shape == problems.shape:
         tally.device.add_(problems)
         tally.host.copy_(tally.device, non_blocking=True)
     if pools_may_claim(problems.device):
+        if tally is None:  # nothing else would carry a replay's problem to the host
+            raise RuntimeError(
+                "robe: an input check is being recorded in a CUDA graph under "
+                "torch.compile's CUDA graph trees before any call on this device outside "
+                "a graph made its replay tally; run one eager call on the device first")
         return
     check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
                                      id_check))

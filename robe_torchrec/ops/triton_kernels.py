@@ -293,6 +293,8 @@ def _answer(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         deferred_checks.submit(problems, values, offsets, per_sample_weights, table_meta,
                                meta_cpu, id_check)
         return True
+    if problems.is_cuda:  # a later capture's checks add their replays' counts to it
+        deferred_checks.prepare_tally(problems)
     clean = not any(problems.tolist())
     if clean:
         deferred_checks.remember_clean(values, offsets, per_sample_weights, meta_cpu,

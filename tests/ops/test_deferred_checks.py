@@ -489,8 +489,9 @@ def captured(monkeypatch):
     import collections
 
     monkeypatch.setattr(dc, "_captured", collections.deque(maxlen=dc.MAX_PENDING))
+    monkeypatch.setattr(dc, "_graphs_checked", False)
     monkeypatch.setattr(dc, "_tallies", {})
-    dc._prepare_tally(torch.zeros(4, dtype=torch.int64))
+    dc.prepare_tally(torch.zeros(4, dtype=torch.int64))
     tk.forward(*weighted_case().forward_args())
     raise_pending_checks()
 
@@ -526,6 +527,32 @@ def test_the_last_replay_bad_is_named_from_its_inputs(captured):
     assert dc._tallies[torch.device("cpu")].host.tolist() == [0, 0, 0, 0]
     dc.captured_checks()[0].counts.zero_()  # a clean replay
     raise_pending_checks()
+
+
+def test_under_graph_trees_a_recorded_check_keeps_nothing_yet_replays_raise(captured,
+                                                                             monkeypatch):
+    """Where a CUDA graph pool may claim them (Inductor's CUDA graph trees), a check
+    recorded in a graph keeps neither its counts nor its inputs; the replay tally alone
+    carries a replay's problem to the host, told by its counts."""
+    monkeypatch.setattr(dc, "pools_may_claim", lambda device: True)
+    case = weighted_case()
+    captured(lambda: tk.forward(*bad_ids(case).forward_args()))
+    assert dc.captured_checks() == [] and dc.earlier_check(
+        case.values, case.offsets, None, tk._forward_plan(*case.forward_args()).meta_cpu,
+        tk._forward_plan(*case.forward_args()).id_check) is None
+    with pytest.raises(DeferredCheckError, match="CUDA graph replays since the last read took "
+                                                 "input with 1 ids that fail their check"):
+        raise_pending_checks()
+    raise_pending_checks()
+
+
+def test_under_graph_trees_a_check_recorded_before_any_tally_refuses(captured, monkeypatch):
+    """Nothing would carry that graph's replays' problems to the host: the capture says so
+    rather than drop them."""
+    monkeypatch.setattr(dc, "pools_may_claim", lambda device: True)
+    monkeypatch.setattr(dc, "_tallies", {})
+    with pytest.raises(RuntimeError, match="before any call on this device outside a graph"):
+        captured(lambda: tk.forward(*bad_ids(weighted_case()).forward_args()))
 
 
 def test_clean_replays_raise_nothing(captured):
@@ -616,6 +643,7 @@ def test_a_graph_check_is_read_only_when_a_replay_since_found_a_problem(monkeypa
     monkeypatch.setattr(dc, "_tallies", {torch.device("cpu"): tally})
     not_replayed = dc.CapturedCheck(torch.tensor([0, 1, 0, 0]), inputs)
     monkeypatch.setattr(dc, "_captured", collections.deque([not_replayed], maxlen=16))
+    monkeypatch.setattr(dc, "_graphs_checked", True)
     raise_pending_checks()  # no replay counted a problem: nothing read
     tally.device += torch.tensor([0, 1, 0, 0])
     tally.host.copy_(tally.device)
