@@ -150,10 +150,11 @@ class _Pending:
     def guard(self) -> Optional[torch.Tensor]:
         """The answer for a backward that must not wait: ``None`` when the inputs are known
         to pass (a problem raises), else the counts on the device (answer not read yet)."""
-        if self.clean is None and not is_capturing() and self.done():
-            self.resolve()
-        if self.clean is None:
-            return self.device_counts
+        with _resolving:  # not half resolved by another thread
+            if self.clean is None and not is_capturing() and self.done():
+                self.resolve()
+            if self.clean is None:
+                return self.device_counts
         self.resolve()  # raises if the inputs were found bad
         return None
 
@@ -302,11 +303,10 @@ def _resolve_oldest(ready_only: bool = False) -> bool:
     """Take the oldest queued answer (``ready_only``: if the device has finished it) and
     resolve it; whether there was one to take. Taken under a lock: threads share the
     queue."""
-    with _resolving:
+    with _resolving:  # (held while resolving: another thread's read waits for this one)
         if not _pending or (ready_only and not _pending[0].done()):
             return False
-        oldest = _pending.popleft()
-    oldest.resolve()
+        _pending.popleft().resolve()
     return True
 
 
@@ -474,12 +474,7 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
     if tally is not None and tally.device.shape == problems.shape:
         tally.device.add_(problems)
         tally.host.copy_(tally.device, non_blocking=True)
-    if pools_may_claim(problems.device):
-        if tally is None:  # nothing else would carry a replay's problem to the host
-            raise RuntimeError(
-                "robe: an input check is being recorded in a CUDA graph under "
-                "torch.compile's CUDA graph trees before any call on this device outside "
-                "a graph made its replay tally; run one eager call on the device first")
+    if recorded_guard(problems.device) is not None:  # (raises without a tally)
         return
     check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
                                      id_check))
@@ -488,6 +483,23 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
     pending = _Pending(problems, None, None, versions or (), device_counts=problems,
                        captured=True)
     _remember(values, offsets, per_sample_weights, versions, meta_cpu, id_check, pending)
+
+
+def recorded_guard(device: torch.device) -> Optional[torch.Tensor]:
+    """Inside a capture where a CUDA graph pool may claim the counts (Inductor's CUDA graph
+    trees), the guard of a recorded backward: the replay tally's counts on the device, to
+    which the forward's replay has added its own by the time the backward's replay reads
+    them (a problem in any replay since the last read then stops every write, until the
+    host reads it and raises). ``None`` elsewhere."""
+    if not pools_may_claim(device):
+        return None
+    tally = _tallies.get(device)
+    if tally is None:
+        raise RuntimeError(
+            "robe: an input check is being recorded in a CUDA graph under torch.compile's "
+            "CUDA graph trees before any call on this device outside a graph made its "
+            "replay tally; run one eager call on the device first")
+    return tally.device
 
 
 def earlier_check(values: torch.Tensor, offsets: torch.Tensor,

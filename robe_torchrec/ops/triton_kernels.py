@@ -376,6 +376,11 @@ def _backward_checks(grad_output: torch.Tensor, weights: torch.Tensor, values: t
 
     def summarize(values, offsets, per_sample_weights, table_meta, meta_cpu, id_check):
         deferred_checks.raise_ready()
+        if deferred_checks.is_capturing():
+            recorded = deferred_checks.recorded_guard(values.device)
+            if recorded is not None:  # (under the graph trees: what the replays tallied)
+                guards.append(recorded)
+                return True
         earlier = deferred_checks.earlier_check(values, offsets, per_sample_weights, meta_cpu,
                                                 id_check)
         # inside a capture only a check captured with it guards the replays (an eager

@@ -293,6 +293,16 @@ def _eager_calls_as_without_graph_trees():
         deferred_checks.pools_may_claim = original
 
 
+def _without_graph_trees(check: Callable[[], None]) -> Callable[[], None]:
+    """``check`` run as in a process that has not loaded Inductor's CUDA graph trees (see
+    :func:`_eager_calls_as_without_graph_trees`): for the checks of ``torch.cuda.graph``
+    captures, which assert what a capture keeps to name a replay's problem."""
+    def run() -> None:
+        with _eager_calls_as_without_graph_trees():
+            check()
+    return run
+
+
 def check_count_rows_on_streams() -> None:
     """The check counts' zeroed rows (``robe_torchrec/ops/count_rows.py``) on CUDA: forwards
     on the current stream and on a side stream, more of them than a block of rows holds,
@@ -729,16 +739,17 @@ def sync_and_graph_checks() -> List[Tuple[str, Callable[[], None]]]:
     after which the ops keep no input of a deferred check for the rest of the process
     (:func:`robe_torchrec.ops.long_lived.pools_may_claim`): the checks that assert a
     problem's name lift that for their eager calls
-    (``_eager_calls_as_without_graph_trees``), the others do not need it."""
+    (``_eager_calls_as_without_graph_trees``), and the checks of ``torch.cuda.graph``
+    captures run as in a process without the trees (:func:`_without_graph_trees`)."""
     return [("no_host_sync", check_no_host_sync),
                ("host_runs_ahead", check_host_runs_ahead),
                ("unpooled_no_host_sync", check_unpooled_no_host_sync),
                ("count_rows_on_streams", check_count_rows_on_streams),
                ("answers_copied_together", check_answers_copied_together),
-               ("graph_forward", check_graph_forward),
-               ("graph_fused_backward", check_graph_fused_backward),
-               ("graph_capturable_adam", check_graph_capturable_adam),
-               ("graph_refuses_adam", check_graph_refuses_adam),
+               ("graph_forward", _without_graph_trees(check_graph_forward)),
+               ("graph_fused_backward", _without_graph_trees(check_graph_fused_backward)),
+               ("graph_capturable_adam", _without_graph_trees(check_graph_capturable_adam)),
+               ("graph_refuses_adam", _without_graph_trees(check_graph_refuses_adam)),
                ("deterministic_backward", check_deterministic_backward),
                ("cached_launches", check_cached_launches),
                ("long_lived_outside_pools", check_long_lived_outside_pools)]

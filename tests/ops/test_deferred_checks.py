@@ -535,15 +535,38 @@ def test_under_graph_trees_a_recorded_check_keeps_nothing_yet_replays_raise(capt
     recorded in a graph keeps neither its counts nor its inputs; the replay tally alone
     carries a replay's problem to the host, told by its counts."""
     monkeypatch.setattr(dc, "pools_may_claim", lambda device: True)
-    case = weighted_case()
-    captured(lambda: tk.forward(*bad_ids(case).forward_args()))
-    assert dc.captured_checks() == [] and dc.earlier_check(
-        case.values, case.offsets, None, tk._forward_plan(*case.forward_args()).meta_cpu,
-        tk._forward_plan(*case.forward_args()).id_check) is None
+    bad = bad_ids(weighted_case())
+    captured(lambda: tk.forward(*bad.forward_args()))
+    plan = tk._forward_plan(*bad.forward_args())
+    assert dc.captured_checks() == []
+    assert dc.earlier_check(bad.values, bad.offsets, None, plan.meta_cpu, plan.id_check) is None
     with pytest.raises(DeferredCheckError, match="CUDA graph replays since the last read took "
                                                  "input with 1 ids that fail their check"):
         raise_pending_checks()
     raise_pending_checks()
+
+
+def test_under_graph_trees_a_recorded_backward_is_guarded_by_the_replay_tally(captured,
+                                                                              monkeypatch):
+    """A recorded backward cannot read its forward's counts under the graph trees (another
+    graph, memory they count as free): it guards its writes with the replay tally, which
+    the forward's replay fills first. A bad id (a key of no table's rows: only the
+    forward's bounds check sees it) changes no weight, and is counted once."""
+    monkeypatch.setattr(dc, "pools_may_claim", lambda device: True)
+    bad = bad_ids(weighted_case())
+    optimizer, hparams = OPTIMIZERS["adagrad"]
+    weights, state = bad.weights.clone(), fused_states(bad, optimizer)
+    before = weights.clone()
+    grad, _, *lookup = bad.backward_args(bad.grad())
+
+    def step():
+        tk.forward(*bad.forward_args())
+        tk.backward_fused_(grad, weights, *state, *lookup, int(optimizer), hparams, 1)
+
+    captured(step)
+    assert torch.equal(weights, before), "a recorded backward wrote on bad input"
+    with pytest.raises(DeferredCheckError, match="input with 1 ids that fail their check;"):
+        raise_pending_checks()
 
 
 def test_under_graph_trees_a_check_recorded_before_any_tally_refuses(captured, monkeypatch):
