@@ -214,7 +214,7 @@ class RobeFusedOptimizer(FusedOptimizer):
         super().__init__({param_key: param}, {param: state}, [group])
 
     def step(self, closure: Any = None) -> None:
-        raise_ready()
+        raise_ready(send_idle=True)
         grad = self._param.grad
         if grad is not None:
             # a gradient that reached the array outside the fused lookup (a penalty on the

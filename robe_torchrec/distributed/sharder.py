@@ -629,7 +629,8 @@ class ShardedRobeFusedOptimizer(FusedOptimizer):
         self.kind = first.kind
 
     def step(self, closure: Any = None) -> None:
-        raise_ready()  # as RobeFusedOptimizer.step: the finished input checks, no wait
+        # as RobeFusedOptimizer.step: the finished input checks, no wait
+        raise_ready(send_idle=True)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass

@@ -115,6 +115,19 @@ _MAX_BLOCKS = 8
 _lock = threading.Lock()
 
 
+def send_idle() -> None:
+    """Send, without waiting, every open copy whose rows' stream is not the current one on
+    its device: no forward on the current stream joins it, and one on its own stream may
+    never come (a warm-up's stream under Inductor's CUDA graph trees, whose replays run
+    nothing of ours on the host), so its answers would wait for a full read."""
+    with _lock:
+        for answers in list(_blocks.values()):
+            copy = answers.open
+            if copy is not None and copy._stream is not None and \
+                    copy._stream != torch.cuda.current_stream(copy._stream.device):
+                copy._send()
+
+
 def join(counts: torch.Tensor, answers_per_copy: int) -> Optional[Tuple[AnswerCopy, int]]:
     """``(copy, row)``: the copy that will carry the answer ``counts`` will hold once its
     kernel has run (queued after that kernel), and the row to read; ``None`` for counts that

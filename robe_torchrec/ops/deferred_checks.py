@@ -287,12 +287,17 @@ def _remember(values: torch.Tensor, offsets: torch.Tensor,
                                    pending)
 
 
-def raise_ready() -> None:
+def raise_ready(send_idle: bool = False) -> None:
     """Read every queued answer the device has finished, oldest first (no wait); raise the
-    first problem found. Does nothing while a CUDA graph is being captured (an event query
-    would end the capture)."""
+    first problem found. ``send_idle`` (an optimizer's step, once a training step): first
+    send the answer copies of streams no forward runs on now
+    (:func:`~robe_torchrec.ops.answer_copies.send_idle`), so that a later read finds them.
+    Does nothing while a CUDA graph is being captured (an event query would end the
+    capture)."""
     if is_capturing():
         return
+    if send_idle:
+        answer_copies.send_idle()
     while _pending and _resolve_oldest(ready_only=True):
         pass
     if _graphs_checked:

@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -602,10 +603,10 @@ def test_the_sharded_fused_optimizer_step_reads_the_replays_too(monkeypatch):
     from robe_torchrec.distributed import sharder
 
     reads = []
-    monkeypatch.setattr(sharder, "raise_ready", lambda: reads.append(1))
+    monkeypatch.setattr(sharder, "raise_ready", lambda **how: reads.append(how))
     optimizer = object.__new__(sharder.ShardedRobeFusedOptimizer)  # its state is not read
     optimizer.step()
-    assert reads == [1]
+    assert reads == [{"send_idle": True}]
 
 
 def test_inside_a_capture_checks_are_deferred_and_nothing_waits(monkeypatch):
@@ -674,3 +675,27 @@ def test_a_graph_check_is_read_only_when_a_replay_since_found_a_problem(monkeypa
         raise_pending_checks()
     raise_pending_checks()  # raised once: the tally starts again from 0
 
+
+
+def test_an_optimizer_step_sends_the_copies_of_streams_no_forward_runs_on(monkeypatch):
+    """A warm-up under Inductor's CUDA graph trees runs on their stream, which no later
+    forward of ours runs on (replays run nothing on the host): the step sends that copy so
+    that the next read finds its answers; a copy of the current stream waits to fill up.
+    (Streams and the send stand in for CUDA's.)"""
+    here, elsewhere = (types.SimpleNamespace(device=0, name=n) for n in ("here", "elsewhere"))
+    sent = []
+
+    def open_copy(stream):
+        copy = answer_copies.AnswerCopy.__new__(answer_copies.AnswerCopy)
+        copy._stream = stream
+        copy.sent = False
+        return types.SimpleNamespace(open=copy)
+
+    blocks = {1: open_copy(here), 2: open_copy(elsewhere), 3: types.SimpleNamespace(open=None)}
+    monkeypatch.setattr(answer_copies, "_blocks", blocks)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: here)
+    monkeypatch.setattr(answer_copies.AnswerCopy, "_send", lambda self: sent.append(self))
+    dc.raise_ready()
+    assert sent == []
+    dc.raise_ready(send_idle=True)
+    assert sent == [blocks[2].open]
