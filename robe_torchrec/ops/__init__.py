@@ -345,15 +345,14 @@ _define_mutating(
 def _counted_on_host(implementation, grad_output, weights, state1, state2, step, optimizer,
                      hparams, values, offsets, per_sample_weights, table_meta, block_size,
                      hash_mode, hash_params, lr=None) -> None:
-    """Advance ``step`` (if any), read it on the host and run ``implementation``'s
-    ``backward_fused_`` with it."""
-    count = 1
-    if step is not None:
-        step += 1
-        count = int(step)
+    """Run ``implementation``'s ``backward_fused_`` with the next count of ``step`` (if
+    any, read on the host), then advance it: a call that raises leaves it as it was."""
+    count = 1 if step is None else int(step) + 1
     implementation.backward_fused_(grad_output, weights, state1, state2, values, offsets,
                                    per_sample_weights, table_meta, block_size, hash_mode,
                                    hash_params, optimizer, hparams, count, lr)
+    if step is not None:
+        step += 1
 
 
 def _counted_backward_fused_cpu(*args) -> None:

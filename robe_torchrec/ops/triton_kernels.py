@@ -859,14 +859,14 @@ def counted_backward_fused_(
     The count is advanced by a tensor op and read by the optimizer kernel, never by the
     host: nothing waits for the device, and a CUDA graph that captured this call takes
     the next step at each replay (Adam included, which :func:`backward_fused_` refuses
-    to capture)."""
+    to capture). The count advances only when the update is made: not when a check raises,
+    nor when a guard (a deferred check not read yet) stops the kernels' writes."""
     if step is None:
         backward_fused_(grad_output, weights, state1, state2, values, offsets,
                         per_sample_weights, table_meta, block_size, hash_mode, hash_params,
                         optimizer, hparams, 1, lr)
         return
     _check_device_step(step, weights)
-    step += 1
     _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
                   table_meta, block_size, hash_mode, hash_params, int(optimizer), hparams, step,
                   lr)
@@ -880,26 +880,25 @@ def _check_device_step(step: torch.Tensor, weights: torch.Tensor) -> None:
                          f"{tuple(step.shape)}")
 
 
-def _adam_step_args(optimizer: int, beta1: float, beta2: float, step, unused: torch.Tensor):
-    """The optimizer kernel's ``(bias1, bias2_sqrt, beta1, step_ptr)`` and its
-    ``STEP_ON_DEVICE``: Adam's bias corrections computed here from an int ``step``, or left
-    to the kernel, which reads a step tensor (``unused`` stands in for a pointer it does
-    not read)."""
+def _adam_step_args(optimizer: int, beta1: float, beta2: float, step):
+    """The optimizer kernel's ``(bias1, bias2_sqrt, beta1)`` and its ``STEP_ON_DEVICE``:
+    Adam's bias corrections computed here from an int ``step``, or left to the kernel,
+    which reads a step tensor."""
     on_device = optimizer == m.Optimizer.ADAM and isinstance(step, torch.Tensor)
     bias1, bias2_sqrt = 1.0, 1.0
     if optimizer == m.Optimizer.ADAM and not on_device:
         bias1 = 1.0 - beta1 ** step
         bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    return ((bias1, bias2_sqrt, beta1, step if on_device else unused),
-            dict(STEP_ON_DEVICE=on_device))
+    return (bias1, bias2_sqrt, beta1), dict(STEP_ON_DEVICE=on_device)
 
 
 def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sample_weights,
                   table_meta, block_size, hash_mode, hash_params, optimizer: int,
                   hparams: List[float], step, lr: Optional[torch.Tensor]) -> None:
     """The fused backward's checks, scatter and optimizer launch; ``step`` is the int
-    count of this update, or a tensor on the weights' device that already holds it; ``lr``
-    the rate tensor the kernel reads, or None (``hparams[0]``)."""
+    count of this update, or a tensor on the weights' device that holds the previous one
+    (advanced here once every check has passed, and taken back by the kernel when a guard
+    stops its writes); ``lr`` the rate tensor the kernel reads, or None (``hparams[0]``)."""
     # the gradient goes to a buffer of its own: bad optimizer arguments raise below, before
     # weights or state change; the layout (block_size included) is checked first, as the
     # reference does
@@ -912,30 +911,37 @@ def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sam
     check_rate(lr, weights)
     kernels = _kernels_for(weights.device)
     rate, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
+    counted = isinstance(step, torch.Tensor)
+    if counted:
+        step += 1
     numel = weights.numel()
     if numel == 0:
         return
     guard_args, guard_constants = _guard_args(guard, grad)
-    rate_ptr = grad if lr is None else lr  # a scalar rate reads no pointer: any will do
+    # a scalar rate or an int step reads no pointer: any will do
+    rate_ptr = grad if lr is None else lr
+    step_ptr = step if counted else grad
+    undo_step = counted and guard is not None
     if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
         num_rows = state1.numel()
         block_z = next_pow2(block_size)
         rows = max(1, _OPTIM_BLOCK // block_z)
         kernels._rowwise_adagrad_kernel[(_cdiv(num_rows, rows),)](
-            weights, grad, state1, numel, num_rows, rate, eps, weight_decay, rate_ptr,
-            *guard_args, Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-            COMPUTE=_acc_dtype(weights), RATE_ON_DEVICE=lr is not None, ROWS=rows,
-            BLOCK_Z=block_z, **guard_constants,
+            weights, grad, state1, numel, num_rows, rate, eps, weight_decay, step_ptr,
+            rate_ptr, *guard_args, Z=block_size, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+            COMPUTE=_acc_dtype(weights), RATE_ON_DEVICE=lr is not None, UNDO_STEP=undo_step,
+            ROWS=rows, BLOCK_Z=block_z, **guard_constants,
         )
         return
     uses = {m.Optimizer.SGD: 0, m.Optimizer.ADAGRAD: 1, m.Optimizer.ADAM: 2}[optimizer]
-    step_args, step_constants = _adam_step_args(optimizer, beta1, beta2, step, grad)
+    step_args, step_constants = _adam_step_args(optimizer, beta1, beta2, step)
     kernels._optimizer_kernel[(_cdiv(numel, _OPTIM_BLOCK),)](
         weights, grad, state1 if uses >= 1 else weights, state2 if uses >= 2 else weights, numel,
-        rate, eps, beta2, weight_decay, 1.0 - beta1, *step_args, rate_ptr, *guard_args,
-        OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+        rate, eps, beta2, weight_decay, 1.0 - beta1, *step_args, step_ptr, rate_ptr,
+        *guard_args, OPTIMIZER=optimizer, HAS_WEIGHT_DECAY=weight_decay != 0.0,
         COMPUTE=_acc_dtype(weights), GUARDED=guard_constants["GUARDED"],
-        RATE_ON_DEVICE=lr is not None, BLOCK=_OPTIM_BLOCK, **step_constants,
+        RATE_ON_DEVICE=lr is not None, UNDO_STEP=undo_step, BLOCK=_OPTIM_BLOCK,
+        **step_constants,
     )
 
 

@@ -13,7 +13,7 @@ def _optimizer_kernel(
     beta1: tl.float64, step_ptr, lr_ptr, guard_ptr,
     OPTIMIZER: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
     GUARDED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, RATE_ON_DEVICE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    UNDO_STEP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One dense SGD / Adagrad / Adam step, elementwise, with torch.optim's formulas
     (see ``reference.apply_optimizer_``). Scalars arrive as float64 and are rounded to
@@ -27,10 +27,12 @@ def _optimizer_kernel(
     capturable optimizer's, counted on the device, so that a CUDA graph's replays each take
     the next step): ``bias1`` and ``bias2_sqrt`` are computed here, in float64, from it and
     ``beta1``, ``beta2`` (see :func:`_adam_bias_corrections`); otherwise the host computed
-    them and ``beta1`` and ``step_ptr`` are unused."""
+    them and ``beta1`` is unused. ``UNDO_STEP``: see :func:`_undo_step`."""
     lr = _rate(lr, lr_ptr, RATE_ON_DEVICE)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < tl.where(_inputs_clean(guard_ptr, GUARDED), numel, 0)
+    clean = _inputs_clean(guard_ptr, GUARDED)
+    _undo_step(step_ptr, clean, UNDO_STEP)
+    mask = i < tl.where(clean, numel, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     g = tl.load(grad_ptr + i, mask=mask, other=0.0).to(COMPUTE)
     if HAS_WEIGHT_DECAY:
@@ -63,6 +65,17 @@ def _optimizer_kernel(
         denom = denom + tl.full([], eps, COMPUTE)
         w = w + tl.full([], step_size, COMPUTE) * _div_rn(exp_avg, denom)
     tl.store(w_ptr + i, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _undo_step(step_ptr, clean, UNDO_STEP: tl.constexpr):
+    """With ``UNDO_STEP`` (a step count on the device, advanced by the host's launch just
+    before this kernel, and a guard): when the guard stops every write, the first program
+    takes the step back, so that input found bad leaves the optimizer's state as it was,
+    its count included. The other programs may read either count: they write nothing."""
+    if UNDO_STEP:
+        first = tl.program_id(0) == 0
+        tl.store(step_ptr, tl.load(step_ptr) - 1, mask=first & (clean == 0))
 
 
 @triton.jit
@@ -101,19 +114,20 @@ def _pow(base, exponent):
 @triton.jit
 def _rowwise_adagrad_kernel(
     w_ptr, grad_ptr, sum_ptr, numel, num_rows,
-    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64, lr_ptr, guard_ptr,
+    lr: tl.float64, eps: tl.float64, weight_decay: tl.float64, step_ptr, lr_ptr, guard_ptr,
     Z: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, COMPUTE: tl.constexpr,
-    GUARDED: tl.constexpr, RATE_ON_DEVICE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_Z: tl.constexpr,
+    GUARDED: tl.constexpr, RATE_ON_DEVICE: tl.constexpr, UNDO_STEP: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     """Row-wise Adagrad (see ``reference.apply_optimizer_``) on ``ROWS`` rows of ``Z``
     elements: ``sum[r] += mean over the row of g*g``, ``w -= lr * g / (sqrt(sum[r]) + eps)``;
-    the rate as in :func:`_optimizer_kernel`."""
+    the rate and ``UNDO_STEP`` as in :func:`_optimizer_kernel`."""
     lr = _rate(lr, lr_ptr, RATE_ON_DEVICE)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None].to(tl.int64)
     j = tl.arange(0, BLOCK_Z)[None, :]
     i = r * Z + j
     clean = _inputs_clean(guard_ptr, GUARDED)
+    _undo_step(step_ptr, clean, UNDO_STEP)
     mask = (j < Z) & (i < tl.where(clean, numel, 0))
     row_mask = r < tl.where(clean, num_rows, 0)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(COMPUTE)
