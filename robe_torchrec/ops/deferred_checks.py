@@ -380,12 +380,26 @@ class CapturedCheck:
     inputs: Tuple
 
     def read(self) -> None:
-        """Raise the first problem the last replay's inputs had (waits for the device)."""
+        """Raise the first problem the last replay's inputs had (waits for the device),
+        once: the counts are zeroed when read, until the next replay writes them."""
+        message = self.take_problem()
+        if message is not None:
+            raise DeferredCheckError(message)
+
+    def take_problem(self, at_most: Optional[List[int]] = None) -> Optional[str]:
+        """The message of the last replay's first problem, or ``None``; with ``at_most`` (the
+        replay tally since the last read), ``None`` also for counts above it, which no
+        replay since wrote (a graph not replayed yet holds whatever its memory held).
+        Counts that name a problem are zeroed: an old graph's problem, named once, is not
+        named again for a newer graph's."""
         counts = self.counts.tolist()
-        if any(counts):
-            values, offsets, per_sample_weights = self.inputs[:3]
-            versions = _versions(values, offsets, per_sample_weights) or ()
-            raise DeferredCheckError(_problem_message(counts, self.inputs, versions))
+        if not any(counts) or (at_most is not None and
+                               not all(0 <= n <= bound for n, bound in zip(counts, at_most))):
+            return None
+        self.counts.zero_()
+        values, offsets, per_sample_weights = self.inputs[:3]
+        versions = _versions(values, offsets, per_sample_weights) or ()
+        return _problem_message(counts, self.inputs, versions)
 
 
 #: the checks recorded in CUDA graphs, newest last (bounded: a graph that is gone leaves
@@ -444,16 +458,24 @@ def _read_replays(wait: bool) -> None:
     """Raise what the checks recorded in CUDA graphs found. Without ``wait``, only when a
     replay's problem already reached the host (a glance at the pinned sums, no wait for the
     device); with it, in any case. The last replay's problem is named from its inputs
-    (:meth:`CapturedCheck.read`); an earlier replay's by its counts."""
+    (:meth:`CapturedCheck.take_problem`), the newest graph's first; an earlier replay's by
+    its counts."""
     if not wait and not any(any(t.host.tolist()) for t in _tallies.values()):
         return
     totals = [sum(c) for c in zip(*(t.take() for t in _tallies.values()))]
-    for check in list(_captured):
+    named = []
+    for check in reversed(_captured):
         # a graph's counts name the last replay's problem; read only when a replay since
-        # the last read had one (a graph not replayed yet holds no counts, and an old one's
-        # last problem was raised already), or when no tally counted its replays
-        if any(totals) or check.counts.device not in _tallies:
-            check.read()
+        # the last read had one, or when no tally counted its replays
+        tallied = check.counts.device in _tallies
+        if any(totals) or not tallied:
+            message = check.take_problem(totals if tallied else None)
+            if message is not None:
+                named.append(message)
+    if named:
+        others = (f" (and the inputs of {len(named) - 1} more CUDA graph(s) had problems "
+                  "too)" if len(named) > 1 else "")
+        raise DeferredCheckError(named[0] + others)
     if any(totals):
         found = ", ".join(f"{n} {what}" for n, what in zip(totals, _PROBLEMS) if n)
         raise DeferredCheckError(

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from robe_torchrec.ops import answer_copies, count_rows  # noqa: E402
 from robe_torchrec.ops import deferred_checks as dc  # noqa: E402
-from robe_torchrec.ops import defer_checks, raise_pending_checks  # noqa: E402
+from robe_torchrec.ops import cpu_backend, defer_checks, raise_pending_checks  # noqa: E402
 from robe_torchrec.ops import meta as m  # noqa: E402
 from robe_torchrec.ops import triton_kernels as tk  # noqa: E402
 from robe_torchrec.ops.deferred_checks import DeferredCheckError  # noqa: E402
@@ -89,6 +89,12 @@ def bad_ids(case: OpCase) -> OpCase:
     return OpCase(**{**case.__dict__, "values": values})
 
 
+def decreasing_offsets(case: OpCase) -> OpCase:
+    offsets = case.offsets.clone()
+    offsets[1] = offsets[2] + 1
+    return OpCase(**{**case.__dict__, "offsets": offsets})
+
+
 def test_clean_input_gives_the_immediate_results_bitwise():
     case = weighted_case()
     g = case.grad()
@@ -148,6 +154,50 @@ def _writes_nothing_on_bad_input(summaries):
     # found once, the same inputs are refused again at the call
     with pytest.raises(DeferredCheckError, match="id 1000000000"):
         tk.backward_dense(*case.backward_args(case.grad()))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("step_dtype", [torch.int64, torch.float32])
+def test_a_guarded_update_leaves_a_device_step_count_as_it_was(lagging_device, name,
+                                                               step_dtype):
+    """A capturable optimizer counts its steps on the device: the host advances the count
+    before the launch, and when the guard stops the kernels' writes the kernel takes it
+    back, as a raise at the call leaves it; a clean update advances it by one."""
+    optimizer, hparams = OPTIMIZERS[name]
+    for case, advanced in ((bad_ids(weighted_case()), 0), (weighted_case(), 1)):
+        weights, state = case.weights.clone(), fused_states(case, optimizer)
+        kept = [weights.clone()] + [s.clone() for s in state]
+        step = torch.tensor(4, dtype=step_dtype)
+        tk.forward(*case.forward_args())
+        grad, _, *lookup = case.backward_args(case.grad())
+        tk.counted_backward_fused_(grad, weights, *state, step, int(optimizer), hparams,
+                                   *lookup)
+        assert step.item() == 4 + advanced
+        assert all(torch.equal(a, b) for a, b in zip(kept, [weights] + state)) != advanced
+        if not advanced:
+            with pytest.raises(DeferredCheckError, match="id 1000000000"):
+                raise_pending_checks()
+    raise_pending_checks()
+
+
+@pytest.mark.parametrize("counted", ["device", "host"])
+def test_an_update_that_raises_at_the_call_leaves_the_step_count(counted):
+    """Checks read at the call: bad input raises before the step count moves, whether the
+    Triton op keeps the count on the device or the op reads it on the host."""
+    case = decreasing_offsets(weighted_case())
+    optimizer, hparams = OPTIMIZERS["adam"]
+    weights, state = case.weights.clone(), fused_states(case, optimizer)
+    grad, _, *lookup = case.backward_args(case.grad())
+    step = torch.tensor(4.0)
+    with defer_checks(False), pytest.raises(ValueError, match="offsets decrease"):
+        if counted == "device":
+            tk.counted_backward_fused_(grad, weights, *state, step, int(optimizer), hparams,
+                                       *lookup)
+        else:
+            with cpu_backend("triton"):
+                torch.ops.robe.counted_backward_fused_(grad, weights, *state, step,
+                                                       int(optimizer), hparams, *lookup)
+    assert step.item() == 4.0
 
 
 def test_backward_raises_a_finished_bad_answer_before_writing(summaries):
@@ -230,10 +280,7 @@ def test_the_forward_kernel_counts_its_own_checks_unless_it_skips_ids(summaries,
 def test_backward_without_a_forward_guards_its_writes(lagging_device, deterministic):
     """No forward checked these inputs: the backward runs the summary kernel, does not
     wait for it, writes nothing on bad input, and the problem raises at the next read."""
-    case = weighted_case()
-    offsets = case.offsets.clone()
-    offsets[1] = offsets[2] + 1
-    case = OpCase(**{**case.__dict__, "offsets": offsets})
+    case = decreasing_offsets(weighted_case())
     with tuned(deterministic_backward=deterministic):
         assert not tk.backward_dense(*case.backward_args(case.grad())).any()
     with pytest.raises(DeferredCheckError, match="offsets decrease at bag"):
@@ -241,10 +288,7 @@ def test_backward_without_a_forward_guards_its_writes(lagging_device, determinis
 
 
 def test_backward_without_a_forward_checks_at_once_when_not_deferred():
-    case = weighted_case()
-    offsets = case.offsets.clone()
-    offsets[1] = offsets[2] + 1
-    case = OpCase(**{**case.__dict__, "offsets": offsets})
+    case = decreasing_offsets(weighted_case())
     with defer_checks(False), pytest.raises(ValueError, match="offsets decrease") as raised:
         tk.backward_dense(*case.backward_args(case.grad()))
     assert not isinstance(raised.value, DeferredCheckError)  # raised at its own call
@@ -528,6 +572,35 @@ def test_the_last_replay_bad_is_named_from_its_inputs(captured):
     assert dc._tallies[torch.device("cpu")].host.tolist() == [0, 0, 0, 0]
     dc.captured_checks()[0].counts.zero_()  # a clean replay
     raise_pending_checks()
+
+
+def test_a_newer_graph_s_problem_is_named_not_an_older_one_s(captured):
+    """Two graphs: the older one's bad replay is named and raised once; when the newer
+    graph's replay has a problem, that one is named, not the older graph's, whose counts
+    still held its last replay's problem."""
+    older = bad_ids(weighted_case())
+    captured(lambda: tk.forward(*older.forward_args()))
+    with pytest.raises(DeferredCheckError, match=r"id 1000000000 at position"):
+        raise_pending_checks()
+    newer = decreasing_offsets(weighted_case())
+    captured(lambda: tk.forward(*newer.forward_args()))
+    with pytest.raises(DeferredCheckError, match=r"offsets decrease") as raised:
+        raise_pending_checks()
+    assert "1000000000" not in str(raised.value)
+    raise_pending_checks()
+
+
+def test_counts_no_replay_since_the_last_read_wrote_are_not_named(captured):
+    """A graph not replayed yet holds whatever its memory held: counts above what the
+    replays since the last read tallied name nothing, and the replay's own problem is
+    named (both graphs stand in: the older one's counts are set by hand)."""
+    captured(lambda: tk.forward(*weighted_case().forward_args()))
+    dc.captured_checks()[0].counts.copy_(torch.tensor([0, 7, 0, 0]))
+    raise_pending_checks()  # nothing tallied: the stale counts are not read
+    captured(lambda: tk.forward(*bad_ids(weighted_case()).forward_args()))
+    with pytest.raises(DeferredCheckError, match=r"id 1000000000 at position") as raised:
+        raise_pending_checks()
+    assert "more CUDA graph" not in str(raised.value)
 
 
 def test_under_graph_trees_a_recorded_check_keeps_nothing_yet_replays_raise(captured,
