@@ -24,6 +24,7 @@ naming the shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -35,6 +36,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime import jit
 
 from robe_torchrec.hashing import HashMode
+from robe_torchrec.ops import defer_checks, raise_pending_checks
 from robe_torchrec.ops import meta as m
 from robe_torchrec.ops import triton_kernels as tk
 from robe_torchrec.ops.tuning import tuned
@@ -44,6 +46,8 @@ from robe_torchrec.testing.recorded_launches import MAX_SHARED, SM90, load_refus
 #: what the kernels are compiled for (``main`` sets it from ``--arch``)
 _target = SM90
 _compiled: Dict[str, object] = {}
+#: flags printed with the specialised arguments, for the test to see they were compiled
+_NAMED_FLAGS = ("GUARDED", "UNDO_STEP")
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -62,7 +66,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         if refusal:
             raise RuntimeError(refusal)
         constants = {self.arg_names[path[0]]: value for path, value in constexprs.items()
-                     if self.arg_names[path[0]].islower()}
+                     if self.arg_names[path[0]].islower()
+                     or self.arg_names[path[0]] in _NAMED_FLAGS}
         print("compiled", self.fn.__name__, constants, flush=True)
     return _compiled[key]
 
@@ -120,9 +125,38 @@ def run_ops(case) -> None:
                                    case.values, case.offsets, case.per_sample_weights,
                                    case.table_meta, case.block_size, case.hash_mode,
                                    case.hash_params, rate)
+    run_deferred_ops(case, grad)
     tk.block_starts(case.values, -(-max(case.table_meta[m.DIM].tolist()) // case.block_size),
                     int(case.table_meta[m.W_SIZE, 0]), case.block_size, case.hash_mode,
                     case.hash_params)
+
+
+def run_deferred_ops(case, grad: torch.Tensor) -> None:
+    """The launches of a GPU's default: checks deferred, so the backward kernels guard
+    their writes with the forward's counts (``GUARDED``), and an optimizer's step counted
+    on the device is taken back when the guard stops them (``UNDO_STEP``)."""
+    # inputs of their own: those the immediate checks passed need no guard
+    case = dataclasses.replace(case, values=case.values.clone(), offsets=case.offsets.clone())
+    weights, acc = case.weights, m.accumulation_dtype(case.weights.dtype)
+    hparams = [0.1, 1e-8, 0.9, 0.999, 0.0]
+    with defer_checks(True):
+        tk.forward(*case.forward_args())
+        tk.backward_dense(grad, *case.backward_args(grad)[1:])
+        with tuned(deterministic_backward=True):
+            tk.backward_dense(grad, *case.backward_args(grad)[1:])
+        if case.per_sample_weights is not None:
+            tk.per_sample_weights_grad(grad, *case.psw_grad_args(grad)[1:])
+        lookup = case.backward_args(grad)[2:]
+        for optimizer in m.Optimizer:
+            rows = m.rowwise_state_size(weights.numel(), case.block_size)
+            shape = (rows,) if optimizer == m.Optimizer.ROWWISE_ADAGRAD else weights.shape
+            state1, state2 = torch.zeros(shape, dtype=acc), torch.zeros(weights.shape, dtype=acc)
+            tk.backward_fused_(grad, weights, state1, state2, *lookup, int(optimizer), hparams,
+                               1)
+            tk.counted_backward_fused_(grad, weights, state1, state2, torch.zeros(()),
+                                       int(optimizer), hparams, *lookup,
+                                       torch.tensor(0.1, dtype=torch.float64))
+    raise_pending_checks()  # (nothing ran: every count stays 0)
 
 
 def gpu_check_rows() -> None:

@@ -532,6 +532,15 @@ def test_every_launch_compiles_for_sm90(tmp_path):
                    "_backward_short_bags_kernel", "_psw_grad_kernel", "_optimizer_kernel",
                    "_rowwise_adagrad_kernel", "_block_starts_kernel", "_input_summary_kernel"):
         assert any(line.startswith(f"compiled {kernel} ") for line in compiled), kernel
+    # a GPU defers the checks: its backward kernels guard their writes (and take back a
+    # step counted on the device), variants the immediate checks on a CPU never launch
+    for kernel in ("_backward_kernel", "_backward_short_bags_kernel", "_gather_gradient_kernel",
+                   "_psw_grad_kernel", "_optimizer_kernel", "_rowwise_adagrad_kernel"):
+        assert any(line.startswith(f"compiled {kernel} ") and "'GUARDED': True" in line
+                   for line in compiled), kernel
+    for kernel in ("_optimizer_kernel", "_rowwise_adagrad_kernel"):
+        assert any(line.startswith(f"compiled {kernel} ") and "'UNDO_STEP': True" in line
+                   for line in compiled), kernel
 
 
 @pytest.mark.slow
