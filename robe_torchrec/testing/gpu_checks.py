@@ -175,6 +175,18 @@ def check_no_host_sync() -> None:
     raise_pending_checks()
 
 
+def _sleep_cycles(ms: float) -> int:
+    """The cycles ``torch.cuda._sleep`` takes to hold the current stream about ``ms``."""
+    torch.cuda._sleep(1000)  # loads the sleep kernel
+    calibration = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(calibration)
+    end.record()
+    end.synchronize()
+    return int(calibration * ms / max(start.elapsed_time(end), 1e-3))
+
+
 def check_host_runs_ahead(steps: int = 6, sleep_ms: float = 500.0) -> None:
     """While the device is held by a sleep kernel queued first (``sleep_ms``), the host
     issues ``steps`` training steps (:func:`_training_step`) and the device is still asleep
@@ -190,14 +202,8 @@ def check_host_runs_ahead(steps: int = 6, sleep_ms: float = 500.0) -> None:
     for _ in range(steps):  # warm: plans, count rows, answer copies, the allocator's blocks
         step()
     raise_pending_checks()
-    torch.cuda._sleep(1000)  # loads the sleep kernel
-    calibration = 10_000_000
+    cycles = _sleep_cycles(sleep_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(calibration)
-    end.record()
-    end.synchronize()
-    cycles = int(calibration * sleep_ms / max(start.elapsed_time(end), 1e-3))
     torch.cuda.synchronize()
     start.record()
     torch.cuda._sleep(cycles)
@@ -309,7 +315,10 @@ def check_count_rows_on_streams() -> None:
     each take a fresh row of their own stream's block. Clean batches are never reported, a
     bad one on the side stream is reported and named, and the clean batches after it are
     clean again: a row handed out twice, not zero, or zeroed after its kernel would show as
-    a false report or a missed one."""
+    a false report or a missed one. The bad batch's kernel runs late (a sleep before it on
+    the side stream) and nothing but the answer's own copy and event orders the host's read
+    after it: a copy queued on another stream would read its counts before they are
+    written, and miss the problem."""
     case = _graph_case()
     args = case.forward_args()
     bad_values = case.values.clone()
@@ -327,11 +336,13 @@ def check_count_rows_on_streams() -> None:
 
     forwards(count_rows.ROWS_PER_BLOCK + 8)
     raise_pending_checks()
+    cycles = _sleep_cycles(50.0)
     with torch.no_grad(), torch.cuda.stream(side), _eager_calls_as_without_graph_trees():
+        torch.cuda._sleep(cycles)
         torch.ops.robe.forward(args[0], bad_values, *args[2:])
-    torch.cuda.current_stream().wait_stream(side)
     assert _raised(raise_pending_checks, "id 1000000000 at position"), \
         "a bad batch on a side stream was not reported"
+    torch.cuda.current_stream().wait_stream(side)
     forwards(count_rows.ROWS_PER_BLOCK)
     raise_pending_checks()
 
