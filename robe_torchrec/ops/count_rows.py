@@ -64,8 +64,9 @@ _blocks: Dict[Tuple[torch.device, int], _Block] = {}
 _MAX_BLOCKS = 64
 
 
-def _stream_of(device: torch.device) -> int:
-    """The device's current stream, as an int (0 for a CPU)."""
+def stream_of(device: torch.device) -> int:
+    """The device's current stream, as an int (0 for a CPU; ``device`` has an index on
+    CUDA)."""
     if device.type != "cuda":
         return 0
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -87,7 +88,7 @@ def zeroed_counts(device: torch.device) -> torch.Tensor:
         # torch.device("cuda") is the current one: one block key with "cuda:N", and an index
         # for the raw stream query, which refuses None
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, _stream_of(device))
+    key = (device, stream_of(device))
     while True:
         block = _blocks.get(key)
         row = None if block is None else block.take()

@@ -62,7 +62,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from robe_torchrec.ops import answer_copies
+from robe_torchrec.ops import answer_copies, count_rows
 from robe_torchrec.ops.feature_names import with_names
 from robe_torchrec.ops.long_lived import long_lived, pools_may_claim
 from robe_torchrec.ops.tuning import current as current_tuning
@@ -137,6 +137,8 @@ class _Pending:
     captured: bool = False
     copy: Optional[answer_copies.AnswerCopy] = None
     row: int = 0
+    #: the stream the counts were written on (:func:`~robe_torchrec.ops.count_rows.stream_of`)
+    stream: int = 0
 
     def done(self) -> bool:
         if self.captured:
@@ -154,6 +156,7 @@ class _Pending:
             if self.clean is None and not is_capturing() and self.done():
                 self.resolve()
             if self.clean is None:
+                _read_on_current_stream(self.device_counts, self.stream)
                 return self.device_counts
         self.resolve()  # raises if the inputs were found bad
         return None
@@ -181,6 +184,17 @@ class _Pending:
                     self.error = _problem_message(counts, inputs, self.versions)
         if not self.clean:
             raise DeferredCheckError(self.error)
+
+
+def _read_on_current_stream(counts: Optional[torch.Tensor], stream: int) -> None:
+    """Counts written on ``stream`` that a kernel on the current stream will read (a
+    backward run on another stream than its forward): the allocator must not hand their
+    memory out again before that read, as it would once the answer is read and the counts
+    dropped (``record_stream``). Not inside a capture, which orders its own streams."""
+    if counts is None or not counts.is_cuda or is_capturing():
+        return
+    if count_rows.stream_of(counts.device) != stream:
+        counts.record_stream(torch.cuda.current_stream(counts.device))
 
 
 @dataclasses.dataclass(slots=True)
@@ -231,16 +245,17 @@ def submit(problems: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         prepare_tally(problems)
     per_copy = current_tuning().answers_per_copy
     joined = answer_copies.join(problems, per_copy) if per_copy > 1 else None
+    stream = count_rows.stream_of(problems.device) if problems.is_cuda else 0
     if joined is not None:
         pending = _Pending(None, None, inputs, versions or (), device_counts=problems,
-                           copy=joined[0], row=joined[1])
+                           copy=joined[0], row=joined[1], stream=stream)
     elif problems.is_cuda:
         slot_key = (problems.device, problems.shape, problems.dtype)
         counts, event = _slot(slot_key)
         counts.copy_(problems, non_blocking=True)
         event.record(torch.cuda.current_stream(problems.device))
         pending = _Pending(counts, event, inputs, versions or (), slot_key=slot_key,
-                           device_counts=problems)
+                           device_counts=problems, stream=stream)
     else:
         pending = _Pending(problems, None, inputs, versions or (), device_counts=problems)
     _pending.append(pending)

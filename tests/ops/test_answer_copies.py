@@ -65,7 +65,7 @@ def test_a_block_that_handed_out_its_last_row_sends_its_copy():
 
 def test_rows_of_two_streams_join_copies_of_their_own(monkeypatch):
     stream = [1]
-    monkeypatch.setattr(count_rows, "_stream_of", lambda device: stream[0])
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: stream[0])
     joined = []
     for i in range(6):  # forwards alternating between two streams
         stream[0] = 1 + i % 2
@@ -81,7 +81,7 @@ def test_counts_of_their_own_join_no_copy():
 
 def test_blocks_followed_are_bounded_and_their_copies_go_out(monkeypatch):
     stream = [0]
-    monkeypatch.setattr(count_rows, "_stream_of", lambda device: stream[0])
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: stream[0])
     joined = []
     for stream[0] in range(3 * answer_copies._MAX_BLOCKS):
         joined.append(join(counted(stream[0]), answers_per_copy=8))

@@ -33,7 +33,7 @@ def test_rows_keep_the_pointer_alignment_a_launch_specialises_on():
 
 def test_each_stream_takes_rows_from_its_own_block(monkeypatch):
     stream = [1]
-    monkeypatch.setattr(count_rows, "_stream_of", lambda device: stream[0])
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: stream[0])
     first = zeroed_counts(CPU)
     stream[0] = 2
     second = zeroed_counts(CPU)
@@ -46,7 +46,7 @@ def test_blocks_of_streams_gone_are_let_go(monkeypatch):
     """A process that makes stream after stream (external ones) keeps a bounded number of
     blocks; a row handed out keeps its own block alive, so it stays valid."""
     stream = [0]
-    monkeypatch.setattr(count_rows, "_stream_of", lambda device: stream[0])
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: stream[0])
     monkeypatch.setattr(count_rows, "_blocks", {})
     first = zeroed_counts(CPU)
     for stream[0] in range(1, 3 * count_rows._MAX_BLOCKS):
@@ -144,7 +144,7 @@ def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
     monkeypatch.setattr(count_rows, "_Block", Block)
     monkeypatch.setattr(count_rows, "_blocks", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(count_rows, "_stream_of", lambda device: asked.append(device) or 5)
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: asked.append(device) or 5)
     plain = zeroed_counts(torch.device("cuda"))
     assert zeroed_counts(torch.device("cuda:1")) is plain
     assert plain.device == torch.device("cuda", 1)

@@ -200,6 +200,38 @@ def test_an_update_that_raises_at_the_call_leaves_the_step_count(counted):
     assert step.item() == 4.0
 
 
+def test_counts_read_on_another_stream_are_kept_for_that_stream(monkeypatch):
+    """A backward on another stream than its forward reads the forward's counts there:
+    they are recorded for that stream (``record_stream``), so that their memory is not
+    handed out again before the read; on their own stream, or in a capture, they are not
+    (CUDA's streams and tensors stand in)."""
+    recorded = []
+    counts = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0),
+                                   record_stream=recorded.append)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream 7 of {device}")
+    monkeypatch.setattr(count_rows, "stream_of", lambda device: 7)
+    dc._read_on_current_stream(counts, stream=7)
+    assert recorded == []
+    dc._read_on_current_stream(counts, stream=3)
+    assert recorded == ["stream 7 of cuda:0"]
+    monkeypatch.setattr(dc, "is_capturing", lambda: True)
+    dc._read_on_current_stream(counts, stream=3)
+    assert len(recorded) == 1
+
+
+def test_a_backward_that_uses_the_forward_s_counts_keeps_them_for_its_stream(
+        lagging_device, monkeypatch):
+    reads = []
+    monkeypatch.setattr(dc, "_read_on_current_stream",
+                        lambda counts, stream: reads.append(counts))
+    case = weighted_case()
+    tk.forward(*case.forward_args())
+    [pending] = dc._pending
+    tk.backward_dense(*case.backward_args(case.grad()))
+    assert len(reads) == 1 and reads[0] is pending.device_counts
+    raise_pending_checks()
+
+
 def test_backward_raises_a_finished_bad_answer_before_writing(summaries):
     """The forward's answer is ready (the device kept up): the backward reads it and
     raises before anything is written."""
