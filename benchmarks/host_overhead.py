@@ -22,6 +22,7 @@ grad mode) is set once a sample, not at each call. Rows interleaved, 1 thread::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import gc
@@ -226,12 +227,19 @@ def forward_primitives(device: torch.device, out_shape: tuple) -> Dict[str, Call
     return rows
 
 
+#: samples a row between two writes of the partial report
+ROUND_REPS = 10
+
+
 def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
             sync: Callable[[], None],
             contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
-            ) -> Dict[str, List[float]]:
+            after_round: Optional[Callable[[Dict[str, List[float]]], None]] = None,
+            round_reps: int = 0) -> Dict[str, List[float]]:
     """``reps`` samples of each row (microseconds per call), rows interleaved; a row named in
-    ``contexts`` runs each sample inside that context (its cost spread over the calls)."""
+    ``contexts`` runs each sample inside that context (its cost spread over the calls).
+    ``after_round`` gets the samples so far after every ``round_reps`` of them (and at the
+    end), so that a run stopped early leaves what it had measured."""
     contexts = contexts or {}
     for name, fn in list(rows.items()):  # warm-up: caches of checked metadata, first calls
         try:
@@ -250,16 +258,26 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
                     fn()
         return run
 
-    gc.collect()
-    gc.disable()  # as timeit: a collection would land on whichever call triggers it
-    try:
-        samples = interleaved({name: sample(name, fn) for name, fn in rows.items()}, reps,
-                              before=lambda name: sync())
-    finally:
-        gc.enable()
+    fns = {name: sample(name, fn) for name, fn in rows.items()}
+    us: Dict[str, List[float]] = {name: [] for name in rows}
+    # rounds of an even size: each keeps interleaved's alternating order
+    step = reps if round_reps <= 0 else max(2, round_reps + round_reps % 2)
+    done = 0
+    while done < reps:
+        gc.collect()
+        gc.disable()  # as timeit: a collection would land on whichever call triggers it
+        try:
+            samples = interleaved(fns, min(step, reps - done), before=lambda name: sync())
+        finally:
+            gc.enable()
+        done += min(step, reps - done)
+        for name, v in samples.items():
+            us[name] += [s / per_sample * 1e6 for s in v["wall"]]
+        if after_round is not None and done < reps:
+            after_round(us)
     sync()
     raise_pending_checks()
-    return {name: [s / per_sample * 1e6 for s in v["wall"]] for name, v in samples.items()}
+    return us
 
 
 def op_floor(med: Dict[str, float]) -> Optional[Dict[str, float]]:
@@ -382,10 +400,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             from robe_torchrec.testing.recorded_launches import recorded_launches
             recording = recorded_launches(keep=False)
         LEFT_OUT.clear()
+
+        def partial(samples: Dict[str, List[float]]) -> None:
+            report(samples, args, argv, device, partial=True)
+
         with recording:
-            samples = measure(rows, args.reps, args.calls, sync, contexts)
+            samples = measure(rows, args.reps, args.calls, sync, contexts,
+                              after_round=partial if args.out else None,
+                              round_reps=ROUND_REPS)
     finally:
         torch.set_num_threads(threads)
+    return report(samples, args, argv, device, partial=False)
+
+
+def report(samples: Dict[str, List[float]], args: argparse.Namespace,
+           argv: Optional[Sequence[str]], device: torch.device,
+           partial: bool) -> Dict[str, object]:
+    """Write the report of ``samples`` to ``args.out`` (if any) and return its numbers;
+    ``partial``: a round's, rewritten by the next (a run stopped early keeps it)."""
     med = {name: statistics.median(v) for name, v in samples.items()}
     low = {name: statistics.quantiles(v, n=4)[0] if len(v) > 1 else v[0]
            for name, v in samples.items()}
@@ -394,6 +426,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
                    f"setting: {device.type} tensors, batch {args.batch}, {FEATURES} features of "
                    f"dim {DIM}, one id a bag, Z = {BLOCK_SIZE}, array {MEMORY:,} floats; checks "
                    f"deferred; 1 thread; {args.reps} samples of {args.calls} calls, interleaved")
+    if partial:
+        taken = min(len(v) for v in samples.values())
+        lines += [f"**Partial**: {taken} of {args.reps} samples a row so far (the run was "
+                  "stopped, or is still running).", ""]
     lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launch "
               "path and the driver. The `launched` rows add the launch path: on CPU down to "
               "Triton's C launcher (a stand-in driver records each launch there), with "
@@ -454,8 +490,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
               "medians": med, "lower_quartiles": low, "cached_over_jit": ratios,
               "keyed_over_bound": keyed,
               "primitives_us": primitives, "floor_us": floor, "left_out": dict(LEFT_OUT),
-              "samples_us": samples}
-    publish(args.out, "host_overhead", lines, result)
+              "samples_us": samples, "partial": partial}
+    publish(args.out, "host_overhead", lines, result, echo=not partial)
     return result
 
 

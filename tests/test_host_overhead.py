@@ -109,3 +109,25 @@ def test_a_row_whose_first_calls_raise_is_left_out_and_named(tmp_path, monkeypat
     assert result["left_out"] == {"a row that raises": "ZeroDivisionError: division by zero"}
     assert "a row that raises" not in result["medians"] and "op, no grad" in result["medians"]
     assert "Rows left out" in (tmp_path / "host_overhead.md").read_text()
+
+
+def test_a_run_stopped_early_leaves_the_samples_of_its_last_round(tmp_path, monkeypatch):
+    """The GPU session stops a benchmark at its time limit: the report is written after
+    every round of samples, marked partial, so the rounds measured are kept."""
+    rounds = []
+    interleaved = host_overhead.interleaved
+
+    def stopped_in_the_second_round(*args, **kwargs):
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise KeyboardInterrupt  # as a time limit's signal would stop it
+        return interleaved(*args, **kwargs)
+
+    monkeypatch.setattr(host_overhead, "interleaved", stopped_in_the_second_round)
+    monkeypatch.setattr(host_overhead, "ROUND_REPS", 2)
+    with pytest.raises(KeyboardInterrupt):
+        host_overhead.main(["--reps", "4", "--calls", "1", "--batch", "8", "--out",
+                            str(tmp_path)])
+    result = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert result["partial"] and all(len(v) == 2 for v in result["samples_us"].values())
+    assert "**Partial**: 2 of 4 samples" in (tmp_path / "host_overhead.md").read_text()
