@@ -54,6 +54,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import threading
@@ -390,28 +391,26 @@ def is_capturing() -> bool:
 class CapturedCheck:
     """An input check recorded in a CUDA graph: its counts live on the device, rewritten by
     every replay, and are read by :meth:`read` (or :func:`raise_pending_checks`) after a
-    replay. Before the graph's first replay they hold nothing meaningful."""
+    replay. Before the graph's first replay they hold nothing meaningful. ``slot``: the
+    entry of its device's replay tally that each of its replays adds one to (``None``: the
+    device had no tally when it was recorded)."""
     counts: torch.Tensor
     inputs: Tuple
+    slot: Optional[int] = None
 
     def read(self) -> None:
-        """Raise the first problem the last replay's inputs had (waits for the device),
-        once: the counts are zeroed when read, until the next replay writes them."""
-        message = self.take_problem()
+        """Raise the first problem the last replay's inputs had (waits for the device)."""
+        message = self.problem()
         if message is not None:
             raise DeferredCheckError(message)
 
-    def take_problem(self, at_most: Optional[List[int]] = None) -> Optional[str]:
-        """The message of the last replay's first problem, or ``None``; with ``at_most`` (the
-        replay tally since the last read), ``None`` also for counts above it, which no
-        replay since wrote (a graph not replayed yet holds whatever its memory held).
-        Counts that name a problem are zeroed: an old graph's problem, named once, is not
-        named again for a newer graph's."""
+    def problem(self) -> Optional[str]:
+        """The message of the last replay's first problem, or ``None`` (waits for the
+        device). Nothing is written: the counts are also the guard of that replay's
+        backward, which may not have run yet."""
         counts = self.counts.tolist()
-        if not any(counts) or (at_most is not None and
-                               not all(0 <= n <= bound for n, bound in zip(counts, at_most))):
+        if not any(counts):
             return None
-        self.counts.zero_()
         values, offsets, per_sample_weights = self.inputs[:3]
         versions = _versions(values, offsets, per_sample_weights) or ()
         return _problem_message(counts, self.inputs, versions)
@@ -430,25 +429,40 @@ def captured_checks() -> List[CapturedCheck]:
     return list(_captured)
 
 
+#: replay counters a device's tally keeps, one a recorded check (reused after that many)
+REPLAY_SLOTS = 1024
+_next_slot = itertools.count()
+
+
 @dataclasses.dataclass
 class _ReplayTally:
     """Every captured check's counts on one device, summed over every replay since the last
     read. A replay rewrites its own counts, so a read after two replays would miss a problem
     of the first: each captured forward also adds its counts to ``device`` (an add recorded
     in the graph) and copies the sum to ``host`` (pinned, a copy recorded too), which the
-    host polls without waiting. Made by the first deferred check on the device, outside any
-    capture (a capture cannot allocate it: the graph would zero it at every replay); a
-    warm-up call, which capture needs anyway, makes it."""
+    host polls without waiting. Each recorded check also adds one to its own entry of
+    ``replays`` at every replay, so that a read names only checks replayed since the last
+    one (an old graph's counts still hold the problem it was named for, and a graph not
+    replayed yet holds whatever its memory held). Made by the first deferred check on the
+    device, outside any capture (a capture cannot allocate it: the graph would zero it at
+    every replay); a warm-up call, which capture needs anyway, makes it."""
     device: torch.Tensor
     host: torch.Tensor
+    replays: torch.Tensor
+    #: ``replays`` as the last read found them
+    seen: List[int] = dataclasses.field(default_factory=lambda: [0] * REPLAY_SLOTS)
 
-    def take(self) -> List[int]:
-        """The sum so far, waiting for the replays in flight; then start again from 0."""
+    def take(self) -> Tuple[List[int], set]:
+        """The sum so far and the slots replayed since the last read, waiting for the
+        replays in flight; then start again from 0."""
         _wait_for(self.device.device)
         counts = self.host.tolist()
+        now = self.replays.tolist()
+        replayed = {slot for slot, (a, b) in enumerate(zip(now, self.seen)) if a != b}
+        self.seen = now
         self.device.zero_()
         self.host.zero_()
-        return counts
+        return counts, replayed
 
 
 _tallies: Dict[torch.device, _ReplayTally] = {}
@@ -461,7 +475,8 @@ def prepare_tally(like: torch.Tensor) -> None:
         # kept for every later call to add to: made outside any CUDA graph pool
         _tallies[like.device] = long_lived(lambda: _ReplayTally(
             torch.zeros_like(like),
-            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)), like.device)
+            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda),
+            torch.zeros(REPLAY_SLOTS, dtype=torch.int64, device=like.device)), like.device)
 
 
 def _wait_for(device: torch.device) -> None:
@@ -473,18 +488,25 @@ def _read_replays(wait: bool) -> None:
     """Raise what the checks recorded in CUDA graphs found. Without ``wait``, only when a
     replay's problem already reached the host (a glance at the pinned sums, no wait for the
     device); with it, in any case. The last replay's problem is named from its inputs
-    (:meth:`CapturedCheck.take_problem`), the newest graph's first; an earlier replay's by
-    its counts."""
-    if not wait and not any(any(t.host.tolist()) for t in _tallies.values()):
-        return
-    totals = [sum(c) for c in zip(*(t.take() for t in _tallies.values()))]
-    named = []
-    for check in reversed(_captured):
-        # a graph's counts name the last replay's problem; read only when a replay since
-        # the last read had one, or when no tally counted its replays
-        tallied = check.counts.device in _tallies
-        if any(totals) or not tallied:
-            message = check.take_problem(totals if tallied else None)
+    (:meth:`CapturedCheck.problem`), the newest graph's first, of the graphs replayed since
+    the last read; an earlier replay's by its counts. One thread at a time: a read takes
+    the tallies."""
+    with _resolving:
+        if not wait and not any(any(t.host.tolist()) for t in _tallies.values()):
+            return
+        taken = {device: tally.take() for device, tally in list(_tallies.items())}
+        totals = [sum(c) for c in zip(*(counts for counts, _ in taken.values()))]
+        named = []
+        for check in reversed(list(_captured)):
+            tallied = taken.get(check.counts.device)
+            if check.slot is not None and tallied is not None:
+                counts, replayed = tallied
+                # read if a replay on its device had a problem, and it was replayed since
+                if not any(counts) or check.slot not in replayed:
+                    continue
+            elif tallied is not None and not any(totals):
+                continue  # no tally counts its replays: read it when any problem shows
+            message = check.problem()
             if message is not None:
                 named.append(message)
     if named:
@@ -513,13 +535,19 @@ def _submit_captured(problems: torch.Tensor, values: torch.Tensor, offsets: torc
     global _graphs_checked
     _graphs_checked = True
     tally = _tallies.get(problems.device)
-    if tally is not None and tally.device.shape == problems.shape:
+    if tally is not None and tally.device.shape != problems.shape:
+        tally = None
+    if tally is not None:
         tally.device.add_(problems)
         tally.host.copy_(tally.device, non_blocking=True)
     if recorded_guard(problems.device) is not None:  # (raises without a tally)
         return
+    slot = None
+    if tally is not None:
+        slot = next(_next_slot) % REPLAY_SLOTS
+        tally.replays[slot].add_(1)  # recorded in the graph, as the sum's add
     check = CapturedCheck(problems, (values, offsets, per_sample_weights, table_meta, meta_cpu,
-                                     id_check))
+                                     id_check), slot)
     _captured.append(check)
     # the backward of the same replay guards its writes with these very counts
     pending = _Pending(problems, None, None, versions or (), device_counts=problems,

@@ -164,7 +164,9 @@ def test_a_guarded_update_leaves_a_device_step_count_as_it_was(lagging_device, n
     before the launch, and when the guard stops the kernels' writes the kernel takes it
     back, as a raise at the call leaves it; a clean update advances it by one."""
     optimizer, hparams = OPTIMIZERS[name]
-    for case, advanced in ((bad_ids(weighted_case()), 0), (weighted_case(), 1)):
+    # an array of several optimizer programs: only one of them takes the step back
+    size = dict(memory_size=3001)
+    for case, advanced in ((bad_ids(weighted_case(**size)), 0), (weighted_case(**size), 1)):
         weights, state = case.weights.clone(), fused_states(case, optimizer)
         kept = [weights.clone()] + [s.clone() for s in state]
         step = torch.tensor(4, dtype=step_dtype)
@@ -756,30 +758,57 @@ def test_where_a_graph_pool_may_claim_them_no_input_is_kept(monkeypatch):
         raise_pending_checks()
 
 
-def test_a_graph_check_is_read_only_when_a_replay_since_found_a_problem(monkeypatch):
+def test_a_graph_check_is_read_only_when_replayed_since_a_problem_showed(monkeypatch):
     """A check recorded in a CUDA graph names the last replay's problem. Its counts are read
-    only when the replay tally says a replay since the last read had one: a graph not
-    replayed yet holds whatever its memory held, and an old graph's last problem, raised
-    once, must not raise at every later read. (CPU tensors stand in for the device's.)"""
+    only when the replay tally says a replay since the last read had a problem, and its
+    own replay counter says it was replayed since: a graph not replayed yet holds whatever
+    its memory held, and an old graph's last problem, raised once, must not raise at every
+    later read. Nothing is written to the graph's counts. (CPU tensors stand in.)"""
     import collections
 
     case = bad_ids(weighted_case())
     plan = tk._forward_plan(*case.forward_args())
     inputs = (case.values, case.offsets, case.per_sample_weights, case.table_meta,
               plan.meta_cpu, plan.id_check)
-    tally = dc._ReplayTally(torch.zeros(4, dtype=torch.int64),
-                            torch.zeros(4, dtype=torch.int64))
+    tally = dc._ReplayTally(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+                            torch.zeros(dc.REPLAY_SLOTS, dtype=torch.int64))
     monkeypatch.setattr(dc, "_tallies", {torch.device("cpu"): tally})
-    not_replayed = dc.CapturedCheck(torch.tensor([0, 1, 0, 0]), inputs)
-    monkeypatch.setattr(dc, "_captured", collections.deque([not_replayed], maxlen=16))
+    check = dc.CapturedCheck(torch.tensor([0, 1, 0, 0]), inputs, slot=3)
+    monkeypatch.setattr(dc, "_captured", collections.deque([check], maxlen=16))
     monkeypatch.setattr(dc, "_graphs_checked", True)
+
+    def replay(problems, graph_replayed):
+        tally.device += torch.tensor(problems)
+        tally.host.copy_(tally.device)
+        tally.replays[3] += int(graph_replayed)
+
     raise_pending_checks()  # no replay counted a problem: nothing read
-    tally.device += torch.tensor([0, 1, 0, 0])
-    tally.host.copy_(tally.device)
+    replay([0, 1, 0, 0], graph_replayed=False)  # another graph's, not recorded here
+    with pytest.raises(DeferredCheckError, match="input with 1 ids that fail their check"):
+        raise_pending_checks()  # told by its counts: this graph was not replayed
+    replay([0, 1, 0, 0], graph_replayed=True)
     with pytest.raises(DeferredCheckError, match="id 1000000000 at position"):
         raise_pending_checks()
     raise_pending_checks()  # raised once: the tally starts again from 0
+    replay([0, 1, 0, 0], graph_replayed=False)
+    with pytest.raises(DeferredCheckError, match="input with 1 ids") as raised:
+        raise_pending_checks()  # the old graph's problem is not named again
+    assert "1000000000" not in str(raised.value)
+    assert check.counts.tolist() == [0, 1, 0, 0]
 
+
+def test_a_graph_captured_under_inference_mode_is_read(captured, monkeypatch):
+    """Serving captures its graphs under ``torch.inference_mode()``: the counts (made in the
+    capture, as a capture takes no count row) are inference tensors, which a read outside
+    that mode must not write. The inputs carry no version either, so the problem is told
+    by its counts."""
+    monkeypatch.setattr(count_rows, "usable", lambda device: False)
+    with torch.inference_mode():
+        captured(lambda: tk.forward(*bad_ids(weighted_case()).forward_args()))
+    assert dc.captured_checks()[-1].counts.is_inference()
+    with pytest.raises(DeferredCheckError, match=r"1 ids that fail their check; it changed"):
+        raise_pending_checks()
+    raise_pending_checks()
 
 
 def test_an_optimizer_step_sends_the_copies_of_streams_no_forward_runs_on(monkeypatch):
