@@ -5,7 +5,7 @@
 ``torch.ops.robe.backward_dense``      gradient of the flat ROBE weights (size M)
 ``torch.ops.robe.per_sample_weights_grad``  gradient of the per-sample weights
 ``torch.ops.robe.backward_fused_``     scatter the gradient and apply SGD/Adagrad/Adam in place
-``torch.ops.robe.counted_backward_fused_``  the same, counting the step in a tensor first
+``torch.ops.robe.counted_backward_fused_``  the same, counting the step in a tensor
 ``torch.ops.robe.unpooled_keys``       an unpooled lookup's ids as keys, for a traced graph
 =====================================  ======================================================
 
@@ -369,12 +369,13 @@ def _counted_backward_fused_cuda(grad_output, weights, state1, state2, step, *re
                          *rest)
 
 
-#: ``robe::backward_fused_`` that first counts the update in ``step``, the optimizer's scalar
-#: step tensor (``None``: an optimizer without one; the count is then 1). The count stays a
-#: tensor up to here, so a compiled backward carries it as data instead of reading it on the
-#: host. A step on the CPU (``torch.optim``'s default) is read inside this op and passed on
-#: as an int (:func:`_counted_on_host`). A step on the CUDA weights' device (a capturable
-#: optimizer's) is advanced and read there by the Triton kernels
+#: ``robe::backward_fused_`` that counts the update in ``step``, the optimizer's scalar step
+#: tensor (``None``: an optimizer without one; the count is then 1), unless it raises. The
+#: count stays a tensor up to here, so a compiled backward carries it as data instead of
+#: reading it on the host. A step on the CPU (``torch.optim``'s default) is read inside this
+#: op and passed on as an int (:func:`_counted_on_host`). A step on the CUDA weights' device
+#: (a capturable optimizer's) is advanced and read there by the Triton kernels, and taken
+#: back when a deferred check's guard stops the update
 #: (:func:`robe_torchrec.ops.triton_kernels.counted_backward_fused_`): nothing waits for the
 #: device, and a CUDA graph replays the count too, which fused Adam needs.
 _define_mutating(

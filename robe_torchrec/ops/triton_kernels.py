@@ -912,16 +912,18 @@ def _fused_update(grad_output, weights, state1, state2, values, offsets, per_sam
     kernels = _kernels_for(weights.device)
     rate, eps, beta1, beta2, weight_decay = (float(h) for h in hparams)
     counted = isinstance(step, torch.Tensor)
-    if counted:
-        step += 1
     numel = weights.numel()
     if numel == 0:
+        if counted:  # nothing to update, nothing to guard
+            step += 1
         return
     guard_args, guard_constants = _guard_args(guard, grad)
     # a scalar rate or an int step reads no pointer: any will do
     rate_ptr = grad if lr is None else lr
     step_ptr = step if counted else grad
     undo_step = counted and guard is not None
+    if counted:  # every check passed: counted just before the launch that may take it back
+        step += 1
     if optimizer == m.Optimizer.ROWWISE_ADAGRAD:
         num_rows = state1.numel()
         block_z = next_pow2(block_size)

@@ -72,7 +72,9 @@ def _undo_step(step_ptr, clean, UNDO_STEP: tl.constexpr):
     """With ``UNDO_STEP`` (a step count on the device, advanced by the host's launch just
     before this kernel, and a guard): when the guard stops every write, the first program
     takes the step back, so that input found bad leaves the optimizer's state as it was,
-    its count included. The other programs may read either count: they write nothing."""
+    its count included (exactly while the count is exact in its dtype: below 2**24 for
+    float32, where ``torch.optim``'s own float32 count stops too). The other programs may
+    read either count: they write nothing."""
     if UNDO_STEP:
         first = tl.program_id(0) == 0
         tl.store(step_ptr, tl.load(step_ptr) - 1, mask=first & (clean == 0))
