@@ -541,6 +541,10 @@ def test_every_launch_compiles_for_sm90(tmp_path):
     for kernel in ("_optimizer_kernel", "_rowwise_adagrad_kernel"):
         assert any(line.startswith(f"compiled {kernel} ") and "'UNDO_STEP': True" in line
                    for line in compiled), kernel
+    # Adam with its step on the device (it reads the count the first program takes back)
+    assert any(line.startswith("compiled _optimizer_kernel ") and "'OPTIMIZER': 2" in line
+               and "'STEP_ON_DEVICE': True" in line and "'UNDO_STEP': True" in line
+               for line in compiled)
 
 
 @pytest.mark.slow
