@@ -182,9 +182,18 @@ def publish(out: Optional[str], stem: str, lines: Sequence[str],
     folder, stem = (os.path.split(out[:-3])) if out.endswith(".md") else (out, stem)
     path = os.path.join(folder or ".", stem)
     os.makedirs(folder or ".", exist_ok=True)
-    with open(f"{path}.md", "w") as f:
-        f.write(text)
+    # each file whole or not at all: a run stopped at its time limit while rewriting a
+    # partial report keeps the last one written
+    _write_whole(f"{path}.md", text)
     if result is not None:
-        with open(f"{path}.json", "w") as f:
-            json.dump({"machine": machine(), **result}, f, indent=1, default=str)
+        _write_whole(f"{path}.json",
+                     json.dumps({"machine": machine(), **result}, indent=1, default=str))
     return f"{path}.md"
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a file beside it, renamed into place."""
+    partial = f"{path}.writing"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)

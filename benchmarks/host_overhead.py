@@ -238,8 +238,9 @@ def measure(rows: Dict[str, Callable[[], object]], reps: int, per_sample: int,
             round_reps: int = 0) -> Dict[str, List[float]]:
     """``reps`` samples of each row (microseconds per call), rows interleaved; a row named in
     ``contexts`` runs each sample inside that context (its cost spread over the calls).
-    ``after_round`` gets the samples so far after every ``round_reps`` of them (and at the
-    end), so that a run stopped early leaves what it had measured."""
+    ``after_round`` gets the samples so far after every ``round_reps`` of them but the last
+    round (the caller reports the whole), so that a run stopped early leaves what it had
+    measured."""
     contexts = contexts or {}
     for name, fn in list(rows.items()):  # warm-up: caches of checked metadata, first calls
         try:
@@ -427,7 +428,7 @@ def report(samples: Dict[str, List[float]], args: argparse.Namespace,
                    f"dim {DIM}, one id a bag, Z = {BLOCK_SIZE}, array {MEMORY:,} floats; checks "
                    f"deferred; 1 thread; {args.reps} samples of {args.calls} calls, interleaved")
     if partial:
-        taken = min(len(v) for v in samples.values())
+        taken = min((len(v) for v in samples.values()), default=0)
         lines += [f"**Partial**: {taken} of {args.reps} samples a row so far (the run was "
                   "stopped, or is still running).", ""]
     lines += ["Microseconds per call: what the host of a GPU runs too, less Triton's launch "
