@@ -12,7 +12,10 @@ ordered after, as autograd orders a backward after the ops before it.
 
 A group whose ``lr`` is itself a tensor (``torch.optim``'s recipe for compiled steps:
 ``{"lr": torch.tensor(0.01)}``; schedulers then ``fill_`` it in place) is copied into the
-rate tensor at each read instead.
+rate tensor at each read instead: from another device by a copy queued on the stream, from
+the CPU by a fill with the value read on the host (a copy from pageable memory would make
+the host wait for the device). A CUDA graph cannot follow a CPU tensor (its replays would
+repeat the captured value), so a capture refuses one.
 
 Example::
 
@@ -81,6 +84,27 @@ class RateGroup(dict):
             raise KeyError("lr")
         if self._rate.device != torch.device(device):
             self._rate = torch.full((), self._value, dtype=torch.float64, device=device)
-        if self._source is not None:
-            self._rate.copy_(self._source.reshape(()))
+        source = self._source
+        if source is None:
+            return self._rate
+        capturing = self._rate.is_cuda and torch.cuda.is_current_stream_capturing()
+        if read_on_host(source.device, self._rate.device, capturing):
+            self._rate.fill_(float(source))
+        else:
+            self._rate.copy_(source.reshape(()))
         return self._rate
+
+
+def read_on_host(source: torch.device, rate: torch.device, capturing: bool) -> bool:
+    """Whether a tensor learning rate on ``source`` goes into the rate tensor on ``rate``
+    as a value read on the host (a fill) rather than a copy: from the CPU to another device,
+    where the copy would be from pageable memory and wait for the device. Refused inside a
+    CUDA graph capture, whose replays would repeat the value read."""
+    if source.type != "cpu" or rate.type == "cpu":
+        return False
+    if capturing:
+        raise RuntimeError(
+            "robe_torchrec: the learning rate is a CPU tensor, which a CUDA graph's replays "
+            "cannot follow (they would repeat the captured rate); give lr as a float or as a "
+            "tensor on the array's device")
+    return True

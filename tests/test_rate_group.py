@@ -125,3 +125,20 @@ def test_compiled_code_that_reads_the_param_groups_fails_inside_dynamo():
     torch.compiler.reset()
     with pytest.raises(Exception, match="UserDefinedDictVariable"):
         torch.compile(warmup.step, backend="eager")()
+
+
+def test_a_cpu_tensor_rate_reaches_another_device_without_a_pageable_copy():
+    """A copy from pageable memory to a GPU makes the host wait for it: a CPU tensor rate
+    is read on the host and filled in instead, and refused inside a capture, whose replays
+    would repeat it. A device tensor is copied (queued on the stream)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert rate_group.read_on_host(cpu, cuda, capturing=False)
+    assert not rate_group.read_on_host(cuda, cuda, capturing=True)
+    assert not rate_group.read_on_host(cpu, cpu, capturing=False)
+    with pytest.raises(RuntimeError, match="CPU tensor, which a CUDA graph's replays"):
+        rate_group.read_on_host(cpu, cuda, capturing=True)
+    # the fill carries the value: the meta device stands in for the GPU
+    source = torch.tensor(0.25)
+    group = RateGroup({"lr": source}, "cpu")
+    source.fill_(0.125)  # as a scheduler writes it
+    assert float(group.rate("cpu")) == 0.125 and group.rate("meta").device.type == "meta"
