@@ -210,7 +210,8 @@ class RobeFusedOptimizer(FusedOptimizer):
             state["exp_avg_sq"] = torch.zeros(param.shape, **acc)
         self._param, self._hyper, self._param_state = param, group, state
         if self.kind != Optimizer.SGD:
-            state["step"] = torch.tensor(0.0, device=self._step_device())
+            # (not torch.tensor(0.0, device=...): a copy from pageable memory, which waits)
+            state["step"] = torch.zeros((), device=self._step_device())
         super().__init__({param_key: param}, {param: state}, [group])
 
     def step(self, closure: Any = None) -> None:

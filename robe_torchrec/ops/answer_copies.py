@@ -47,7 +47,8 @@ class _BlockAnswers:
         # kept across calls: a normal tensor even when made under inference_mode, as later
         # calls copy into it
         with torch.inference_mode(False):
-            self.host = torch.empty(block.shape, dtype=block.dtype, pin_memory=block.is_cuda)
+            self.host = torch.empty(block.shape, dtype=block.dtype, device="cpu",
+                                    pin_memory=block.is_cuda)
         self.open: Optional[AnswerCopy] = None
 
 

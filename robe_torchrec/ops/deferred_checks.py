@@ -278,7 +278,8 @@ def _slot(key: tuple) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
         return spares.pop()
     _, shape, dtype = key
     with torch.inference_mode(False):  # reused by later calls, which copy into it
-        return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
+        return (torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True),
+                torch.cuda.Event())
 
 
 #: the answer of every check read at the call that passed
@@ -475,7 +476,7 @@ def prepare_tally(like: torch.Tensor) -> None:
         # kept for every later call to add to: made outside any CUDA graph pool
         _tallies[like.device] = long_lived(lambda: _ReplayTally(
             torch.zeros_like(like),
-            torch.zeros(like.shape, dtype=like.dtype, pin_memory=like.is_cuda),
+            torch.zeros(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda),
             torch.zeros(REPLAY_SLOTS, dtype=torch.int64, device=like.device)), like.device)
 
 

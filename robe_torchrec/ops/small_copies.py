@@ -28,4 +28,11 @@ def ints_on_device(values: List[int], dtype: torch.dtype, device: torch.device) 
     if device.type != "cuda" or torch.compiler.is_compiling() or \
             torch.cuda.is_current_stream_capturing():
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return host_ints(values, dtype, pinned=True).to(device, non_blocking=True)
+
+
+def host_ints(values: List[int], dtype: torch.dtype, pinned: bool) -> Tensor:
+    """``values`` in host memory (``pinned``: page-locked), whatever the default device
+    (``torch.set_default_device("cuda")`` would make a plain ``torch.tensor`` a CUDA tensor,
+    copied from pageable memory, and one that cannot be pinned)."""
+    return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=pinned)
