@@ -64,9 +64,13 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         self.weight = nn.Parameter(torch.empty(self._layout.memory_size, device=device,
                                                dtype=self._layout.weight_dtype))
         # both buffers are functions of the layout: reset_parameters() rebuilds them after
-        # to_empty(), as it re-draws the weight
-        self.register_buffer("table_meta", self._layout.table_meta(device=self.weight.device),
-                             persistent=False)
+        # to_empty(), as it re-draws the weight. table_meta is a normal tensor even in a
+        # module built under inference_mode: the ops check it once per tensor version, and an
+        # inference tensor, which has none, would be copied to the host and checked at every
+        # call (on a GPU, a wait for the device each time)
+        with torch.inference_mode(False):
+            meta = self._layout.table_meta(device=self.weight.device)
+        self.register_buffer("table_meta", meta, persistent=False)
         self.register_buffer("robe_layout", self._layout.to_tensor(), persistent=True)
         name_features(self.table_meta, self._layout.feature_names)
         self._fused: Optional[RobeFusedOptimizer] = None
@@ -226,12 +230,14 @@ class RobeArrayModule(NotScriptable, ArrayOwner):
         The layout buffers, functions of the layout, are rebuilt when they leave the meta
         device: ``to_empty`` alone then gives a module whose lookups run (on an array not
         drawn yet, as a stock module's tables would be) instead of one whose first forward
-        fails on uninitialised ``table_meta`` entries.
+        fails on uninitialised ``table_meta`` entries. A move under ``inference_mode`` (a
+        serving process loading its model) makes normal tensors, as in the constructor.
         """
         applied = self._recorded_in_backward()
         fused, frozen = self._fused, self._frozen()
         buffers_on_meta = self.table_meta.is_meta
-        module = super()._apply(fn, recurse)
+        with torch.inference_mode(False):
+            module = super()._apply(fn, recurse)
         if buffers_on_meta and not self.table_meta.is_meta:
             self._restore_layout_buffers()
         name_features(self.table_meta, self._layout.feature_names)  # a new tensor, perhaps

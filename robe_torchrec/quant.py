@@ -136,7 +136,11 @@ class QuantRobeEmbeddingBagCollection(NotScriptable, EmbeddingBagCollectionInter
         shell = RobeEmbeddingBagCollection(tables, robe, is_weighted, device="meta")
         self._shell = (shell,)
         layout = shell.layout
-        self.register_buffer("table_meta", layout.table_meta(device=device), persistent=False)
+        # a normal tensor even under inference_mode (a serving process): the ops check
+        # table_meta once per tensor version, which an inference tensor does not have
+        with torch.inference_mode(False):
+            meta = layout.table_meta(device=device)
+        self.register_buffer("table_meta", meta, persistent=False)
         self.register_buffer("robe_layout", layout.to_tensor().to(device))
         unknown = {name for name, _ in shell.named_buffers()} - {"table_meta", "robe_layout"}
         if unknown:  # a new float-module buffer this module does not build yet
@@ -151,6 +155,12 @@ class QuantRobeEmbeddingBagCollection(NotScriptable, EmbeddingBagCollectionInter
             self.register_buffer("bias", torch.zeros(blocks, dtype=scale_dtype, device=device))
         else:
             self.register_buffer("qweight", torch.zeros(size, dtype=torch.float16, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "QuantRobeEmbeddingBagCollection":
+        """``nn.Module._apply`` (``to``, ``cuda``...), making normal tensors under
+        ``inference_mode`` too, as the constructor does (see there)."""
+        with torch.inference_mode(False):
+            return super()._apply(fn, recurse)
 
     @classmethod
     def from_float(cls, module: RobeEmbeddingBagCollection, dtype: Optional[torch.dtype] = None,

@@ -78,6 +78,30 @@ def expected_output(ebc, kjt, weighted=False):
     return torch.cat(pooled, dim=1)
 
 
+def test_a_module_built_or_moved_under_inference_mode_checks_its_layout_once(monkeypatch):
+    """A serving process may build or move its model under ``inference_mode``: the layout
+    buffer stays a normal tensor, whose check the Triton ops remember by version (an
+    inference tensor has none: it would be copied to the host and checked at every call,
+    on a GPU a wait for the device each time)."""
+    from robe_torchrec.ops import cpu_backend, validation
+
+    checks = []
+    check = validation.check_table_meta
+    monkeypatch.setattr(validation, "check_table_meta",
+                        lambda *args: checks.append(1) or check(*args))
+    tables = make_tables()
+    kjt = random_kjt(tables)
+    with torch.inference_mode():
+        ebc = RobeEmbeddingBagCollection(tables, RobeConfig(memory_size=512, block_size=4))
+        assert not ebc.table_meta.is_inference()
+        ebc._apply(lambda t: t.clone())  # a move, as .to(device) makes new tensors
+        assert not ebc.table_meta.is_inference() and not ebc.weight.is_inference()
+        with cpu_backend("triton"):  # the GPU's path, in Triton's interpreter
+            for _ in range(3):
+                ebc(kjt)
+    assert len(checks) == 1
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("hash", ["reference", "mix"])
 @pytest.mark.parametrize("weighted", [False, True])

@@ -83,6 +83,17 @@ def test_inference_only_and_no_grad():
     assert not out.requires_grad
 
 
+def test_built_and_moved_under_inference_mode_its_layout_is_a_normal_tensor():
+    """A serving process builds and moves its model under ``inference_mode``: the layout
+    buffer stays a tensor with a version, by which the ops remember its check."""
+    with torch.inference_mode():
+        q = QuantRobeEmbeddingBagCollection(tables(), RobeConfig(compression=10, block_size=8))
+        assert not q.table_meta.is_inference()
+        q._apply(lambda t: t.clone())  # a move, as .to(device) makes new tensors
+        assert not q.table_meta.is_inference()
+        q(batch())
+
+
 def test_state_dict_round_trip_and_layout_check():
     ebc = trained_ebc()
     q = QuantRobeEmbeddingBagCollection.from_float(ebc)
