@@ -288,6 +288,14 @@ def checked_table_meta(table_meta: torch.Tensor, output_dim: int, block_size: in
         hit = _CHECKED_META.get(table_meta)
         if hit is not None and hit[0] == version and hit[1] == arguments:
             return hit[2]
+    if table_meta.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "robe: a table_meta first seen inside a CUDA graph capture, which cannot copy it "
+            "to the host to check it: make one call with this very tensor outside the "
+            "capture first (a warm-up, as CUDA graphs need anyway). Under torch.compile's "
+            "CUDA graphs, pass it as a module buffer (Dynamo marks those static; the ROBE "
+            "modules do) or torch._dynamo.mark_static_address it: other inputs are copied "
+            "into new tensors for the recording")
     meta_cpu = check_table_meta(table_meta, output_dim, block_size, weights_numel)
     if version is not None:
         # a CPU table_meta is its own CPU copy: keep a clone, so that the entry does not

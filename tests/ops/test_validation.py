@@ -156,3 +156,16 @@ def test_the_meta_device_mixed_with_data_is_refused():
     out = torch.ops.robe.forward(weights.to("meta"), ids.to("meta"), offsets.to("meta"), None,
                                  meta.to("meta"), *layout)
     assert out.is_meta and out.shape == (3, 4)
+
+
+def test_a_table_meta_first_seen_inside_a_capture_is_refused_by_name(monkeypatch):
+    """Checking a new table_meta copies it to the host, which a CUDA graph capture refuses
+    with CUDA's own error (and an invalidated capture): the op says what to do instead. A
+    CUDA tensor and a capture stand in."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    meta = types.SimpleNamespace(_version=0, is_cuda=True)
+    with pytest.raises(RuntimeError, match="first seen inside a CUDA graph capture.*module "
+                                           "buffer"):
+        validation.checked_table_meta(meta, 8, 4, 64)
