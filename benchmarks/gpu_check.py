@@ -91,12 +91,30 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
         except Exception as exc:  # noqa: BLE001  a failure is reported, the rest still run
             error = " ".join(traceback.format_exception_only(type(exc), exc))
             error = " ".join(error.split())[:400]
+            print(traceback.format_exc(), flush=True)  # where it failed, for the log
+            restore_after_failure(name)
         results.append({"name": name, "ok": not error, "seconds": time.perf_counter() - start,
                         "error": error})
         print(f"  check {name:40s} {'FAILED' if error else 'ok'} ({results[-1]['seconds']:.1f} s) "
               f"{error}", flush=True)
         on_check(results)
     return results
+
+
+def restore_after_failure(name: str) -> None:
+    """What a check that raised may have left behind for the checks after it: the sync
+    debug mode it set, a capture's stream still current (``torch.cuda.graph`` leaves it so
+    when its capture fails), and, after a compiled check, Dynamo's caches and Inductor's
+    CUDA graph trees."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.set_sync_debug_mode("default")
+    if torch.cuda.current_stream() != torch.cuda.default_stream():
+        print(f"  (check {name} left stream {torch.cuda.current_stream()} current: back to "
+              "the default stream)", flush=True)
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    if "compiled" in name:
+        torch._dynamo.reset()
 
 
 def speed(args: argparse.Namespace, device: torch.device,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
@@ -226,3 +227,30 @@ def test_the_default_arguments_parse_to_what_the_check_uses():
     args = gpu_check.parse_args([])
     assert [int(n) for n in args.single_table] == [4_000_000, 32_000_000, 256_000_000]
     assert all(isinstance(n, float) for n in args.single_table)
+
+
+def test_a_failed_check_leaves_its_traceback_and_no_state_behind(monkeypatch, capsys):
+    """A check that raised may have left the sync debug mode on, a failed capture's stream
+    current (``torch.cuda.graph`` leaves it so), or, compiled, Inductor's graph trees: all
+    are put back before the next check, and the log gets the traceback (the report keeps
+    one line). CUDA's calls stand in."""
+    from benchmarks import gpu_check
+    from robe_torchrec.testing import op_checks
+
+    calls: List[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: calls.append(mode))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "capture stream")
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda: "default stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(stream))
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("dynamo reset"))
+
+    def failing():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(op_checks, "triton_checks", lambda device, quick: [
+        ("compiled_thing", failing), ("next", lambda: calls.append("next ran"))])
+    results = gpu_check.run_checks("cpu", quick=True, only=None, matrix=0)
+    assert [r["ok"] for r in results] == [False, True]
+    assert calls == ["default", "default stream", "dynamo reset", "next ran"]
+    assert "in failing" in capsys.readouterr().out  # the traceback, with its frame
