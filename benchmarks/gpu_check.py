@@ -69,8 +69,8 @@ def run_checks(device: str, quick: bool, only: Optional[str], matrix: int,
     checks = triton_checks(device, quick=quick)
     if device == "cuda":
         from robe_torchrec.testing.gpu_checks import (compiled_checks, matrix_checks,
-                                                      sync_and_graph_checks,
-                                                      torchrec_gpu_checks)
+                                                      sync_and_graph_checks)
+        from robe_torchrec.testing.gpu_torchrec_checks import torchrec_gpu_checks
 
         # the sync and graph checks first: before anything compiles (see
         # sync_and_graph_checks), and first to report if the session's time runs out; then

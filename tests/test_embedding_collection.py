@@ -250,7 +250,7 @@ def test_vbe_padding_and_its_gpu_check_on_cpu():
     """The padding a VBE batch gets before the lookup: each feature's bags, then empty ones
     up to the largest stride (the GPU check also runs it under CUDA's sync debug mode);
     lengths that do not match the strides are refused."""
-    from robe_torchrec.testing.gpu_checks import check_vbe_padding_no_host_sync
+    from robe_torchrec.testing.gpu_torchrec_checks import check_vbe_padding_no_host_sync
     from robe_torchrec.variable_batch import pad_variable_strides
 
     check_vbe_padding_no_host_sync("cpu")

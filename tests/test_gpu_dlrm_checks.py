@@ -1,11 +1,11 @@
-"""The GPU checks of TorchRec's DLRM (``robe_torchrec/testing/gpu_checks.py``) run on the CPU
-too, where nothing is captured: their own plumbing (the model, the runs, what they compare)
-cannot rot between the rare GPU sessions that run them for real."""
+"""The GPU checks of TorchRec's DLRM (``robe_torchrec/testing/gpu_torchrec_checks.py``) run on
+the CPU too, where nothing is captured: their own plumbing (the model, the runs, what they
+compare) cannot rot between the rare GPU sessions that run them for real."""
 
 import pytest
 import torch
 
-from robe_torchrec.testing.gpu_checks import (check_compiled_dlrm,
+from robe_torchrec.testing.gpu_torchrec_checks import (check_compiled_dlrm,
                                               check_compiled_sequence_lookup,
                                               check_deterministic_dlrm, dlrm_run)
 
@@ -28,16 +28,16 @@ def test_the_graphed_run_and_only_it_requires_cuda_graphs(monkeypatch):
     so the setting is what can be checked here)."""
     import torch._inductor.config as inductor_config
 
-    from robe_torchrec.testing import gpu_checks
+    from robe_torchrec.testing import gpu_torchrec_checks
 
     runs = []
-    run = gpu_checks.dlrm_run
+    run = gpu_torchrec_checks.dlrm_run
 
     def recorded(steps, device, compile_kwargs=None):
         runs.append((compile_kwargs, inductor_config.triton.cudagraph_or_error))
         return run(steps, device, compile_kwargs)
 
-    monkeypatch.setattr(gpu_checks, "dlrm_run", recorded)
+    monkeypatch.setattr(gpu_torchrec_checks, "dlrm_run", recorded)
     check_compiled_dlrm(steps=1, device="cpu", require_graphs=True)
     assert runs == [(None, False), ({}, False), ({"mode": "reduce-overhead"}, True)]
 

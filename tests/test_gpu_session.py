@@ -110,7 +110,7 @@ def test_on_a_gpu_the_sync_and_graph_checks_run_before_anything_compiles(monkeyp
     trees where CUDA is present, which turns count rows off for the process: the checks of
     count rows and answer copies must run before it, and first, in case time runs out."""
     from benchmarks import gpu_check
-    from robe_torchrec.testing import gpu_checks, op_checks
+    from robe_torchrec.testing import gpu_checks, gpu_torchrec_checks, op_checks
 
     ran: List[str] = []
 
@@ -124,7 +124,7 @@ def test_on_a_gpu_the_sync_and_graph_checks_run_before_anything_compiles(monkeyp
     monkeypatch.setattr(gpu_checks, "matrix_checks", lambda n: recorded("matrix[0]"))
     monkeypatch.setattr(gpu_checks, "compiled_checks",
                         lambda: recorded("compiled_op_reduce_overhead"))
-    monkeypatch.setattr(gpu_checks, "torchrec_gpu_checks",
+    monkeypatch.setattr(gpu_torchrec_checks, "torchrec_gpu_checks",
                         lambda: recorded("compiled_dlrm_reduce_overhead"))
     gpu_check.run_checks("cuda", quick=False, only=None, matrix=1)
     assert ran == ["count_rows_on_streams", "answers_copied_together", "forward[case0]",

@@ -7,7 +7,8 @@ import torch
 
 from robe_torchrec.testing.op_checks import triton_checks
 from robe_torchrec.testing.gpu_checks import (compiled_checks, matrix_checks,
-                                              sync_and_graph_checks, torchrec_gpu_checks)
+                                              sync_and_graph_checks)
+from robe_torchrec.testing.gpu_torchrec_checks import torchrec_gpu_checks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
