@@ -6,7 +6,8 @@ Speed: one id a bag and ``--ids-per-bag``, against the one-call full table and o
 ``nn.EmbeddingBag`` call a table, then the paper's one-table setting.
 
 Checks: ``robe_torchrec.testing.op_checks.triton_checks`` and, on CUDA, ``gpu_checks`` (a
-random-configuration matrix, no host sync, CUDA graphs, a compiled TorchRec DLRM), each ok or
+random-configuration matrix, no host sync, CUDA graphs) and ``gpu_torchrec_checks`` (a
+compiled TorchRec DLRM, where torchrec imports), each ok or
 FAILED with its error; exit status 0, 1 when one failed, 2 without a device. ``--cpu`` runs
 it in Triton's interpreter at tiny sizes (what CI runs; timings mean nothing);
 ``--profile-launches`` only makes the launches Nsight Compute profiles::
