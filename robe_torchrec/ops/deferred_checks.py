@@ -490,11 +490,12 @@ def _read_replays(wait: bool) -> None:
     replay's problem already reached the host (a glance at the pinned sums, no wait for the
     device); with it, in any case. The last replay's problem is named from its inputs
     (:meth:`CapturedCheck.problem`), the newest graph's first, of the graphs replayed since
-    the last read; an earlier replay's by its counts. One thread at a time: a read takes
-    the tallies."""
+    the last read; an earlier replay's by its counts. One thread at a time takes the
+    tallies (the glance, at the start of every op once a graph was captured, takes no
+    lock: a thread that finds them taken meanwhile reads zeros and raises nothing)."""
+    if not wait and not any(any(t.host.tolist()) for t in list(_tallies.values())):
+        return
     with _resolving:
-        if not wait and not any(any(t.host.tolist()) for t in _tallies.values()):
-            return
         taken = {device: tally.take() for device, tally in list(_tallies.items())}
         totals = [sum(c) for c in zip(*(counts for counts, _ in taken.values()))]
         named = []
